@@ -1,0 +1,133 @@
+"""Bus micro-benchmark: trace-sized events through rlbus's runtime vs raw nats-py.
+
+Same server, same run, same payload size (~20 KB, a realistic Trace), measured side by
+side. Publish: rlbus ``publish_many`` (encode, headers, dedup id, pipelined acks) vs raw
+``publish_async`` of pre-encoded bytes with a bounded window. Consume: rlbus durable
+``Consumer`` (fetch, decode to the Trace type, handle, ack) vs raw ``fetch(64)`` + ack.
+
+    python -m benchmarks.bus_bench [--n 4000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+
+import msgspec
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+from benchmarks.common import save
+from bus.consumer import Consumer, Delivery, Subscription
+from bus.runtime import Bus
+from bus.server import EmbeddedServer
+from bus.subjects import Topic, subject
+from schemas import TraceCompleted
+from tests.samples import every_event, trace
+
+
+def trace_event(run: str, i: int) -> TraceCompleted:
+    """A ~24 KB TraceCompleted: 8 messages x 300 tokens (NATS_NOTES' trace size)."""
+    t = trace(run, rollout=f"r{i}", n_tokens=300)
+    msgs = [
+        msgspec.structs.replace(t.messages[1], id=k, parent=k - 1 if k else None) for k in range(8)
+    ]
+    t = msgspec.structs.replace(t, messages=msgs)
+    (template,) = [e for e in every_event(run) if isinstance(e, TraceCompleted)]
+    return msgspec.structs.replace(template, trace=t, event_id=f"ev-{run}-{i}")
+
+
+async def bench_raw(url: str, run: str, payloads: list[bytes]) -> dict[str, float]:
+    nc = await nats.connect(url)
+    js = nc.jetstream(publish_async_max_pending=256)
+    stream = f"RAW_{run}"
+    subj = f"raw.{run}.trace"
+    await js.add_stream(StreamConfig(name=stream, subjects=[subj]))
+    t0 = time.perf_counter()
+    futs = []
+    for i, p in enumerate(payloads):
+        futs.append(await js.publish_async(subj, p, headers={"Nats-Msg-Id": f"raw-{i}"}))
+        if len(futs) >= 256:
+            await asyncio.gather(*futs)
+            futs = []
+    await asyncio.gather(*futs)
+    t_pub = time.perf_counter() - t0
+    await js.add_consumer(stream, ConsumerConfig(durable_name="raw", ack_policy=AckPolicy.EXPLICIT))
+    psub = await js.pull_subscribe_bind("raw", stream)
+    t0 = time.perf_counter()
+    n = 0
+    while n < len(payloads):
+        for m in await psub.fetch(64, timeout=5):
+            await m.ack()
+            n += 1
+    t_con = time.perf_counter() - t0
+    await js.delete_stream(stream)
+    await nc.close()
+    return {
+        "publish_msgs_per_s": len(payloads) / t_pub,
+        "consume_msgs_per_s": len(payloads) / t_con,
+    }
+
+
+async def bench_rlbus(url: str, run: str, events: list[TraceCompleted]) -> dict[str, float]:
+    bus = await Bus.connect(url, run=run, producer="bench")
+    await bus.ensure_stream()
+    t0 = time.perf_counter()
+    await bus.publish_many(events)
+    t_pub = time.perf_counter() - t0
+    got = 0
+    done = asyncio.Event()
+
+    async def handle(ev: TraceCompleted, d: Delivery) -> list[TraceCompleted]:
+        nonlocal got
+        got += 1
+        if got == len(events):
+            done.set()
+        return []
+
+    stop = asyncio.Event()
+    consumer = Consumer(
+        bus, Subscription("bench", [(Topic.TRACE_COMPLETED, None)], handle, batch=64), role="bench"
+    )
+    t0 = time.perf_counter()
+    task = asyncio.create_task(consumer.run(stop))
+    await done.wait()
+    t_con = time.perf_counter() - t0
+    stop.set()
+    await task
+    await bus.js.delete_stream(bus.stream)
+    await bus.close()
+    return {"publish_msgs_per_s": len(events) / t_pub, "consume_msgs_per_s": len(events) / t_con}
+
+
+async def main(n: int, rounds: int) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as d, EmbeddedServer(d) as server:
+        events = [trace_event("bench", i) for i in range(n)]
+        payloads = [msgspec.msgpack.encode(e) for e in events]
+        size = sum(map(len, payloads)) / n
+        raw_runs, bus_runs = [], []
+        for r in range(rounds):  # alternate to spread machine noise over both
+            raw_runs.append(await bench_raw(server.url, f"raw{r}", payloads))
+            evs = [msgspec.structs.replace(e, run=f"bus{r}") for e in events]
+            bus_runs.append(await bench_rlbus(server.url, f"bus{r}", evs))
+        assert subject("bus0", Topic.TRACE_COMPLETED, "reverse-text")
+    best = lambda runs, k: max(x[k] for x in runs)  # noqa: E731 - best of rounds
+    out: dict[str, object] = {"messages": n, "rounds": rounds, "payload_bytes": round(size)}
+    for k in ("publish_msgs_per_s", "consume_msgs_per_s"):
+        out[f"raw_{k}"] = round(best(raw_runs, k))
+        out[f"rlbus_{k}"] = round(best(bus_runs, k))
+        out[f"ratio_{k}"] = round(best(bus_runs, k) / best(raw_runs, k), 3)
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=4000)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    results = asyncio.run(main(a.n, a.rounds))
+    for k, v in results.items():
+        print(f"{k:>32}: {v}")
+    print("saved", save("bus", results))

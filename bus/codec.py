@@ -1,0 +1,105 @@
+"""Encoding events to bytes + headers, and decoding them back to declared types.
+
+Headers on every stored message (see docs/architecture.md):
+``Nats-Msg-Id`` (event id, for server-side dedup), ``Rl-Schema`` (tag ``name/version``),
+``Rl-Run``, ``Rl-Producer``, ``Rl-Causation``, and ``Rl-Policy-Version`` when the event
+has one. ``Rl-Body: ref`` marks a payload that is a ``BodyRef`` to an offloaded body.
+
+Decoders are built once per set of types; an unknown or newer schema is an
+``UnknownSchema`` error that names it, anything else undecodable a ``DecodeError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import Any, Union
+
+import msgspec
+
+from bus.errors import DecodeError, UnknownSchema
+from schemas import EVENT_TYPES, BodyRef, Event
+
+H_MSG_ID = "Nats-Msg-Id"
+H_SCHEMA = "Rl-Schema"
+H_RUN = "Rl-Run"
+H_PRODUCER = "Rl-Producer"
+H_CAUSATION = "Rl-Causation"
+H_POLICY = "Rl-Policy-Version"
+H_BODY = "Rl-Body"
+
+_encoder = msgspec.msgpack.Encoder()
+_ref_decoder = msgspec.msgpack.Decoder(BodyRef)
+KNOWN_TAGS = {t.__struct_config__.tag for t in EVENT_TYPES}
+
+
+def tag_of(cls: type[msgspec.Struct]) -> str:
+    return str(cls.__struct_config__.tag)
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def encode_any(value: Any) -> bytes:
+    return _encoder.encode(value)
+
+
+def headers_for(event: Event) -> dict[str, str]:
+    h = {
+        H_MSG_ID: event.event_id,
+        H_SCHEMA: tag_of(type(event)),
+        H_RUN: event.run,
+    }
+    if event.producer:
+        h[H_PRODUCER] = event.producer
+    if event.causation_id:
+        h[H_CAUSATION] = event.causation_id
+    version = getattr(event, "policy_version", None)
+    if isinstance(version, int):
+        h[H_POLICY] = str(version)
+    return h
+
+
+@lru_cache(maxsize=64)
+def _decoder(types: tuple[type, ...]) -> msgspec.msgpack.Decoder[Any]:
+    return msgspec.msgpack.Decoder(types[0] if len(types) == 1 else Union[types])  # noqa: UP007
+
+
+@lru_cache(maxsize=64)
+def _tags(types: tuple[type, ...]) -> frozenset[str]:
+    return frozenset(tag_of(t) for t in types)
+
+
+def decoder_for(types: Iterable[type]) -> msgspec.msgpack.Decoder[Any]:
+    return _decoder(tuple(types))
+
+
+def decode(payload: bytes | memoryview, types: Iterable[type], schema: str | None = None) -> Any:
+    """Decode ``payload`` as one of ``types``; ``schema`` is the Rl-Schema header if known."""
+    types = types if isinstance(types, tuple) else tuple(types)
+    if schema is not None and schema not in _tags(types):
+        raise UnknownSchema(schema)
+    try:
+        return _decoder(types).decode(payload)
+    except msgspec.ValidationError as e:
+        if "Invalid value" in str(e) and "$.type" in str(e):
+            raise UnknownSchema(schema or _peek_tag(payload)) from e
+        raise DecodeError(f"{e}") from e
+    except msgspec.DecodeError as e:
+        raise DecodeError(f"{e}") from e
+
+
+def decode_ref(payload: bytes | memoryview) -> BodyRef:
+    try:
+        return _ref_decoder.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise DecodeError(f"bad body reference: {e}") from e
+
+
+def _peek_tag(payload: bytes | memoryview) -> str:
+    try:
+        raw = msgspec.msgpack.decode(payload)
+        return str(raw.get("type", "?")) if isinstance(raw, dict) else "?"
+    except msgspec.DecodeError:
+        return "?"

@@ -1,0 +1,238 @@
+"""The durable pull-consumer loop: fetch, decode, handle, publish outputs, then ack.
+
+At-least-once with effectively-once effects: the input is acked only after every output
+is acknowledged by JetStream, and outputs carry ids derived from the input, so a
+redelivered input republishes the same ids and the server dedups them.
+
+Failure rules (the one catch-all boundary of rlbus):
+- undecodable bytes or an unknown schema: dead-lettered at once with the decode error, then
+  ``term()``; the role keeps consuming;
+- a handler exception: ``nak(delay)`` and redelivery, up to ``max_deliver`` deliveries, then
+  dead-lettered with the last error;
+- a message delivered more than ``max_deliver`` times because earlier handlers never
+  answered (the process crashed on it): dead-lettered when seen again.
+Long handlers send ``in_progress()`` so the server does not redeliver them meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bus import codec
+from bus.errors import BodyError, DecodeError
+from bus.runtime import Bus
+from bus.subjects import TOPICS, Topic, TopicSpec, filter_subject
+from schemas import DeadLettered, Event, derive_id
+
+Handler = Callable[[Any, "Delivery"], Awaitable[Sequence[Event] | None]]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a handler may want to know about the message besides the event."""
+
+    subject: str
+    stream_seq: int
+    deliveries: int
+
+
+@dataclass
+class Subscription:
+    """A durable consumer declared next to its handler."""
+
+    durable: str
+    topics: Sequence[tuple[Topic, str | None]]  # (topic, key or None for every key)
+    handler: Handler
+    concurrency: int = 1  # >1: handle messages concurrently (order not kept)
+    batch: int = 64
+    fetch_timeout_s: float = 1.0
+    deliver_new: bool = False  # start at new messages instead of the start of the log
+    max_ack_pending: int = 1000
+    types: tuple[type, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        specs: list[TopicSpec] = [TOPICS[t] for t, _ in self.topics]
+        self.types = tuple(dict.fromkeys(s.schema for s in specs))
+
+
+class Consumer:
+    def __init__(self, bus: Bus, sub: Subscription, role: str):
+        self.bus = bus
+        self.sub = sub
+        self.role = role
+        self.log = bus.log.bind(consumer=sub.durable)
+        self.handled = 0
+        self.dead_lettered = 0
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(max(1, sub.concurrency))
+
+    def config(self) -> ConsumerConfig:
+        s = self.bus.settings
+        return ConsumerConfig(
+            durable_name=self.sub.durable,
+            filter_subjects=[filter_subject(self.bus.run, t, k) for t, k in self.sub.topics],
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.NEW if self.sub.deliver_new else DeliverPolicy.ALL,
+            ack_wait=s.ack_wait_s,
+            max_deliver=-1,  # we count deliveries ourselves so the last one is dead-lettered
+            max_ack_pending=self.sub.max_ack_pending,
+        )
+
+    async def ensure(self) -> None:
+        """Create the durable consumer, or reuse it as it is (a restart resumes its position)."""
+        try:
+            await self.bus.js.consumer_info(self.bus.stream, self.sub.durable)
+        except nats.js.errors.NotFoundError:
+            await self.bus.js.add_consumer(self.bus.stream, self.config())
+
+    async def pending(self) -> int:
+        info = await self.bus.js.consumer_info(self.bus.stream, self.sub.durable)
+        return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+    async def run(self, stop: asyncio.Event, drain_timeout_s: float = 30.0) -> None:
+        """Consume until ``stop`` is set, then finish in-flight work (or nak it) and return."""
+        await self.ensure()
+        psub = await self.bus.js.pull_subscribe_bind(self.sub.durable, self.bus.stream)
+        sequential = self.sub.concurrency <= 1
+        try:
+            while not stop.is_set():
+                want = self.sub.batch if sequential else self._free_slots()
+                if want == 0:
+                    await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    msgs = await psub.fetch(want, timeout=self.sub.fetch_timeout_s)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                for i, msg in enumerate(msgs):
+                    if sequential:
+                        if stop.is_set():  # hand back what we fetched but did not start
+                            for rest in msgs[i:]:
+                                await rest.nak()
+                            break
+                        await self._process(msg)
+                    else:
+                        await self._slots.acquire()
+                        task = asyncio.create_task(self._process_release(msg))
+                        self._inflight.add(task)
+                        task.add_done_callback(self._inflight.discard)
+        finally:
+            await self._drain(drain_timeout_s)
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+
+    def _free_slots(self) -> int:
+        return max(0, min(self.sub.batch, self.sub.concurrency - len(self._inflight)))
+
+    async def _drain(self, timeout_s: float) -> None:
+        if not self._inflight:
+            return
+        self.log.info("consumer.draining", inflight=len(self._inflight))
+        _, pending = await asyncio.wait(set(self._inflight), timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _process_release(self, msg: Msg) -> None:
+        try:
+            await self._process(msg)
+        finally:
+            self._slots.release()
+
+    async def _process(self, msg: Msg) -> None:
+        meta = msg.metadata
+        delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered)
+        max_deliver = self.bus.settings.max_deliver
+        if delivery.deliveries > max_deliver:
+            await self._dead_letter(
+                msg,
+                delivery,
+                "MaxDeliveriesExceeded",
+                f"delivered {delivery.deliveries} times without an answer (did the role crash on it?)",
+            )
+            return
+        try:
+            event = await self.bus.decode_msg(msg, self.sub.types)
+        except (DecodeError, BodyError) as e:
+            await self._dead_letter(msg, delivery, type(e).__name__, str(e))
+            return
+        keepalive = _KeepAlive(msg, max(0.5, self.bus.settings.ack_wait_s / 3))
+        try:
+            outputs = await self.sub.handler(event, delivery)
+            if outputs:
+                await self.bus.publish_many(list(outputs))
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            raise
+        except Exception as e:  # noqa: BLE001 - the bus boundary is the one catch-all
+            if delivery.deliveries >= max_deliver:
+                await self._dead_letter(msg, delivery, type(e).__name__, str(e))
+            else:
+                self.log.warning(
+                    "handler.failed", seq=delivery.stream_seq, deliveries=delivery.deliveries,
+                    error=repr(e), exc_info=True,
+                )  # fmt: skip
+                await msg.nak(delay=self.bus.settings.nak_delay_s)
+            return
+        finally:
+            keepalive.cancel()
+        await msg.ack()
+        self.handled += 1
+
+    async def _dead_letter(self, msg: Msg, d: Delivery, error_type: str, error: str) -> None:
+        headers = {k: v for k, v in (msg.headers or {}).items() if k != codec.H_MSG_ID}
+        dead = DeadLettered(
+            run=self.bus.run,
+            event_id=derive_id("dead", self.sub.durable, d.stream_seq),
+            causation_id=(msg.headers or {}).get(codec.H_MSG_ID),
+            role=self.role,
+            consumer=self.sub.durable,
+            subject=d.subject,
+            stream_seq=d.stream_seq,
+            deliveries=d.deliveries,
+            error_type=error_type,
+            error=error[:4000],
+            payload=bytes(msg.data),
+            headers=headers,
+        )
+        await self.bus.publish(dead)
+        await msg.term()
+        self.dead_lettered += 1
+        self.log.error(
+            "message.dead_lettered", seq=d.stream_seq, error_type=error_type, error=error[:500]
+        )
+
+
+class _KeepAlive:
+    """Sends ``in_progress()`` every ``interval`` s while a handler runs, so a long handler
+    is not redelivered. A timer, not a task: cheap enough to arm for every message."""
+
+    def __init__(self, msg: Msg, interval: float):
+        self.msg = msg
+        self.interval = interval
+        self.loop = asyncio.get_running_loop()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.timer = self.loop.call_later(interval, self._fire)
+
+    def _fire(self) -> None:
+        task = self.loop.create_task(self._send())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        self.timer = self.loop.call_later(self.interval, self._fire)
+
+    async def _send(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.msg.in_progress()
+
+    def cancel(self) -> None:
+        self.timer.cancel()

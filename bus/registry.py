@@ -1,0 +1,112 @@
+"""The live role registry: a KV bucket of heartbeats, one key per role instance.
+
+Keys are ``<run>.<role>.<instance>``; values are ``RoleHeartbeat``s. Entries expire
+(bucket TTL), and a role whose last heartbeat is older than three intervals is shown
+as stale by ``rlbus status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import nats.js.errors
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
+
+from bus.subjects import ROLES_BUCKET, role_key
+from schemas import RoleHeartbeat
+
+_decoder = msgspec.msgpack.Decoder(RoleHeartbeat)
+TTL_S = 120.0
+
+
+async def roles_bucket(js: JetStreamContext) -> KeyValue:
+    try:
+        return await js.key_value(ROLES_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        try:
+            return await js.create_key_value(
+                KeyValueConfig(bucket=ROLES_BUCKET, ttl=TTL_S, storage=StorageType.FILE)
+            )
+        except nats.js.errors.BadRequestError:
+            return await js.key_value(ROLES_BUCKET)
+
+
+async def list_roles(js: JetStreamContext, run: str) -> list[RoleHeartbeat]:
+    """Every role instance of ``run`` in the registry (alive, stale or stopped)."""
+    kv = await roles_bucket(js)
+    # kv.keys(filters=...) matches substrings client-side; a subject-filtered watch is exact.
+    watcher = await kv.watch(f"{run}.>", ignore_deletes=True)
+    out = []
+    try:
+        async for entry in watcher:
+            if entry is None:  # end of the initial values
+                break
+            if entry.value:
+                out.append(_decoder.decode(entry.value))
+    finally:
+        await watcher.stop()
+    return sorted(out, key=lambda h: (h.role, h.instance))
+
+
+def is_alive(hb: RoleHeartbeat, interval_s: float, now_ns: int | None = None) -> bool:
+    now_ns = now_ns or time.time_ns()
+    return hb.status != "stopped" and (now_ns - hb.last_seen_ns) < 3 * interval_s * 1e9
+
+
+class Heartbeat:
+    """Publishes this role instance's heartbeat every ``interval_s`` until stopped."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        run: str,
+        role: str,
+        instance: str,
+        interval_s: float = 2.0,
+        consumer: str | None = None,
+        probe: Callable[[], Awaitable[dict[str, object]]] | None = None,
+    ):
+        self.js, self.run, self.role, self.instance = js, run, role, instance
+        self.interval_s = interval_s
+        self.consumer = consumer
+        self.probe = probe  # returns fields to update: policy_version, pending, info
+        self.started_ns = time.time_ns()
+        self.key = role_key(run, role, instance)
+        self._task: asyncio.Task[None] | None = None
+
+    async def beat(self, status: str = "running") -> None:
+        extra: dict[str, object] = await self.probe() if self.probe else {}
+        hb = RoleHeartbeat(
+            run=self.run, role=self.role, instance=self.instance, host=socket.gethostname(),
+            pid=os.getpid(), started_ns=self.started_ns, last_seen_ns=time.time_ns(),
+            consumer=self.consumer, status=status, **extra,  # type: ignore[arg-type]
+        )  # fmt: skip
+        kv = await roles_bucket(self.js)
+        await kv.put(self.key, msgspec.msgpack.encode(hb))
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except Exception:  # noqa: BLE001 - a missed heartbeat must not kill the role
+                pass
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self.beat(status="stopped")
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass

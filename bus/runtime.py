@@ -1,0 +1,238 @@
+"""The bus runtime: a connection to one run, publishing events with dedup ids and acks.
+
+``Bus`` is the one object a role holds. It connects (with reconnect), ensures the run's
+stream, encodes events with their headers, offloads large bodies, and publishes with
+bounded retries: every publish carries ``Nats-Msg-Id`` = the event id, so a retry (or a
+redelivered input republishing derived ids) is stored once. ``publish_many`` pipelines
+(``publish_async`` with a bounded window, each wait bounded: nats-py's future can hang
+when the server rejects a message, NATS_NOTES #1).
+
+    bus = await Bus.connect("nats://127.0.0.1:4222", run="demo", producer="trainer-0")
+    await bus.ensure_stream()
+    await bus.publish(RunStopped(run="demo", reason="user"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import DiscardPolicy, PubAck, StorageType, StreamConfig
+
+from bus import codec
+from bus.errors import PublishError
+from bus.log import get_logger
+from bus.offload import BodyStore
+from bus.subjects import objects_bucket, stream_name, stream_subjects, subject_for
+from schemas import BodyRef, Event
+
+
+@dataclass(frozen=True)
+class BusSettings:
+    offload_threshold_bytes: int = 512 * 1024
+    publish_timeout_s: float = 10.0
+    publish_attempts: int = 5
+    publish_window: int = 256  # max un-acked async publishes
+    publish_window_bytes: int = (
+        32 * 1024 * 1024
+    )  # cap in-flight bytes (stream ingest queue, NATS_NOTES #3)
+    duplicate_window_s: float = 3600.0
+    max_deliver: int = 5
+    ack_wait_s: float = 30.0
+    nak_delay_s: float = 1.0
+
+
+_RETRYABLE = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.APIError,
+)
+
+
+class Bus:
+    def __init__(self, nc: Client, run: str, producer: str, settings: BusSettings):
+        self.nc = nc
+        self.js = nc.jetstream(publish_async_max_pending=settings.publish_window)
+        self.run = run
+        self.producer = producer
+        self.settings = settings
+        self.stream = stream_name(run)
+        self.objects = BodyStore(self.js, objects_bucket(run))
+        self.log = get_logger(run=run, role=producer)
+        self._closing = {"now": False}
+
+    @classmethod
+    async def connect(
+        cls, url: str, run: str, producer: str = "", settings: BusSettings | None = None, **kw: Any
+    ) -> Bus:
+        log = get_logger(run=run, role=producer)
+        closing = {"now": False}  # set by close(): a disconnect then is expected, not news
+
+        async def on_error(e: Exception) -> None:
+            log.warning("nats.error", error=repr(e))
+
+        async def on_disconnect() -> None:
+            if not closing["now"]:
+                log.warning("nats.disconnected")
+
+        async def on_reconnect() -> None:
+            log.info("nats.reconnected")
+
+        nc = await nats.connect(
+            url,
+            name=f"rlbus-{run}-{producer}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            pending_size=64 * 1024 * 1024,  # large publishes survive a reconnect (NATS_NOTES #14)
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            **kw,
+        )
+        bus = cls(nc, run, producer, settings or BusSettings())
+        bus._closing = closing
+        return bus
+
+    async def ensure_stream(self) -> None:
+        """Create the run's stream if missing (idempotent; never changes an existing one)."""
+        try:
+            await self.js.stream_info(self.stream)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        cfg = StreamConfig(
+            name=self.stream,
+            subjects=stream_subjects(self.run),
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            duplicate_window=self.settings.duplicate_window_s,
+        )
+        try:
+            await self.js.add_stream(cfg)
+        except nats.js.errors.BadRequestError:
+            await self.js.stream_info(self.stream)  # created concurrently by another role
+        self.log.info("stream.ready", stream=self.stream)
+
+    # -- publishing -------------------------------------------------------------------
+
+    async def prepare(self, event: Event) -> tuple[str, bytes, dict[str, str]]:
+        """(subject, payload, headers) for ``event``, offloading a large body."""
+        if event.producer == "" and self.producer:
+            event = _with_producer(event, self.producer)
+        payload = codec.encode(event)
+        headers = codec.headers_for(event)
+        if len(payload) > self.settings.offload_threshold_bytes:
+            name = f"body.{event.event_id}"
+            digest = await self.objects.put(name, payload)
+            ref = BodyRef(
+                bucket=self.objects.bucket,
+                name=name,
+                size=len(payload),
+                digest=digest,
+                schema=headers[codec.H_SCHEMA],
+            )
+            payload = codec.encode_any(ref)
+            headers[codec.H_BODY] = "ref"
+        return subject_for(event), payload, headers
+
+    async def publish(self, event: Event) -> PubAck:
+        return (await self.publish_many([event]))[0]
+
+    async def publish_many(self, events: Sequence[Event]) -> list[PubAck]:
+        """Publish in order, pipelined; returns acks in order or raises ``PublishError``."""
+        prepared = [await self.prepare(e) for e in events]
+        return await self.publish_raw(prepared)
+
+    async def publish_raw(
+        self, prepared: Sequence[tuple[str, bytes, dict[str, str]]]
+    ) -> list[PubAck]:
+        acks: list[PubAck | None] = [None] * len(prepared)
+        todo = list(range(len(prepared)))
+        last_error: BaseException | None = None
+        for attempt in range(self.settings.publish_attempts):
+            if attempt:
+                await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
+            failed: list[int] = []
+            for chunk in _chunks(todo, prepared, self.settings.publish_window_bytes):
+                futs = []
+                for i in chunk:
+                    subj, payload, headers = prepared[i]
+                    try:
+                        # No Nats-Expected-Stream header: a run's subjects belong to its
+                        # stream by construction, and the header costs every message.
+                        futs.append(await self.js.publish_async(subj, payload, headers=headers))
+                    except _RETRYABLE as e:
+                        last_error = e
+                        futs.append(None)
+                for i, fut in zip(chunk, futs, strict=True):
+                    if fut is None:
+                        failed.append(i)
+                        continue
+                    try:
+                        acks[i] = await asyncio.wait_for(fut, self.settings.publish_timeout_s)
+                    except _RETRYABLE as e:
+                        last_error = e
+                        failed.append(i)
+            if not failed:
+                return [a for a in acks if a is not None]
+            self.log.warning(
+                "publish.retry", attempt=attempt + 1, failed=len(failed), error=repr(last_error)
+            )
+            todo = failed
+        raise PublishError(
+            f"{len(todo)} message(s) not acknowledged after {self.settings.publish_attempts} attempts: {last_error!r}"
+        )
+
+    # -- reading one message back -----------------------------------------------------
+
+    async def decode_msg(self, msg: Msg, types: Iterable[type]) -> Any:
+        """Decode a stream message (resolving an offloaded body) as one of ``types``."""
+        headers = msg.headers or {}
+        payload: bytes = msg.data
+        if headers.get(codec.H_BODY) == "ref":
+            ref = codec.decode_ref(payload)
+            payload = await BodyStore(self.js, ref.bucket).get(ref.name, ref.digest)
+        return codec.decode(payload, types, headers.get(codec.H_SCHEMA))
+
+    async def close(self) -> None:
+        if self.nc.is_closed:
+            return
+        self._closing["now"] = True
+        try:
+            await asyncio.wait_for(self.nc.drain(), 10)
+        except (TimeoutError, nats.errors.ConnectionClosedError):
+            await self.nc.close()
+
+
+def _with_producer(event: Event, producer: str) -> Event:
+    return msgspec.structs.replace(event, producer=producer)
+
+
+def _chunks(
+    todo: list[int], prepared: Sequence[tuple[str, bytes, dict[str, str]]], max_bytes: int
+) -> Iterable[list[int]]:
+    """Split the publish list so no window holds more than ``max_bytes`` in flight."""
+    chunk: list[int] = []
+    size = 0
+    for i in todo:
+        n = len(prepared[i][1])
+        if chunk and size + n > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(i)
+        size += n
+    if chunk:
+        yield chunk

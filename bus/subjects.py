@@ -1,0 +1,204 @@
+"""The one registry of topics, subjects, streams, buckets and consumers.
+
+Nothing else in rlbus spells a subject string. A topic names a fact in the past tense;
+its subject is ``rl.<run>.<topic>`` plus ``.<key>`` for keyed topics (the env, the
+algorithm, the role). One JetStream stream per run (``RL_<run>``) stores every topic in
+one total order; inference request/reply (``rl.<run>.infer.<model>``) is core NATS and
+deliberately not captured by the stream.
+
+    python -m bus.subjects        # prints the topology table
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+from schemas import (
+    EVENT_TYPES,
+    BatchAssembled,
+    DeadLettered,
+    EvalCompleted,
+    Event,
+    MetricsReported,
+    RunStarted,
+    RunStopped,
+    SamplesScored,
+    TaskRequested,
+    TraceCompleted,
+    WeightsPublished,
+)
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class Topic(StrEnum):
+    RUN_STARTED = "run.started"
+    RUN_STOPPED = "run.stopped"
+    TASK_REQUESTED = "task.requested"
+    TRACE_COMPLETED = "trace.completed"
+    EVAL_COMPLETED = "eval.completed"
+    SAMPLES_SCORED = "samples.scored"
+    BATCH_ASSEMBLED = "batch.assembled"
+    WEIGHTS_PUBLISHED = "weights.published"
+    METRICS_REPORTED = "metrics.reported"
+    DEAD_LETTERED = "dead.lettered"
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    topic: Topic
+    schema: type[Event]
+    key_field: str | None  # event attribute that becomes the subject's last token
+    producer: str
+    consumers: str
+
+
+TOPICS: dict[Topic, TopicSpec] = {
+    s.topic: s
+    for s in (
+        TopicSpec(Topic.RUN_STARTED, RunStarted, None, "orchestrator", "all roles, replay"),
+        TopicSpec(Topic.RUN_STOPPED, RunStopped, None, "orchestrator", "all roles, replay"),
+        TopicSpec(
+            Topic.TASK_REQUESTED,
+            TaskRequested,
+            "env",
+            "orchestrator",
+            "env servers (shared durable per env)",
+        ),
+        TopicSpec(
+            Topic.TRACE_COMPLETED, TraceCompleted, "env", "env server", "algorithm workers, lake"
+        ),
+        TopicSpec(Topic.EVAL_COMPLETED, EvalCompleted, "env", "env server", "orchestrator, lake"),
+        TopicSpec(
+            Topic.SAMPLES_SCORED,
+            SamplesScored,
+            "algorithm",
+            "algorithm worker",
+            "orchestrator, lake",
+        ),
+        TopicSpec(Topic.BATCH_ASSEMBLED, BatchAssembled, None, "orchestrator", "trainer"),
+        TopicSpec(
+            Topic.WEIGHTS_PUBLISHED, WeightsPublished, None, "trainer", "inference, orchestrator"
+        ),
+        TopicSpec(Topic.METRICS_REPORTED, MetricsReported, "role", "every role", "lake, status"),
+        TopicSpec(Topic.DEAD_LETTERED, DeadLettered, "role", "bus runtime", "operators, lake"),
+    )
+}
+
+TOPIC_OF: dict[type[Event], Topic] = {spec.schema: t for t, spec in TOPICS.items()}
+
+# Core NATS (not stored): inference request/reply per model, in a queue group.
+INFER = "infer"
+# Object store and KV bucket names. JetStream names allow [A-Za-z0-9_-].
+ROLES_BUCKET = "rl_roles"  # live role registry, keys "<run>.<role>.<instance>"
+RUNS_BUCKET = "rl_runs"  # run index, key "<run>"
+
+
+def check_token(value: str, what: str = "name") -> str:
+    """Subject tokens must be plain: a dot or wildcard would change the subject's meaning."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"invalid {what} {value!r}: use letters, digits, '-' and '_' only")
+    return value
+
+
+def stream_name(run: str) -> str:
+    return f"RL_{check_token(run, 'run id')}"
+
+
+def objects_bucket(run: str) -> str:
+    """The run's object store: offloaded bodies and weights."""
+    return f"RLOBJ_{check_token(run, 'run id')}"
+
+
+def stream_subjects(run: str) -> list[str]:
+    """What the run's stream captures: every topic, and nothing else (not inference)."""
+    check_token(run, "run id")
+    return [f"rl.{run}.{t.value}" + (".*" if TOPICS[t].key_field else "") for t in Topic]
+
+
+def subject(run: str, topic: Topic, key: str | None = None) -> str:
+    spec = TOPICS[topic]
+    base = f"rl.{check_token(run, 'run id')}.{topic.value}"
+    if spec.key_field is None:
+        if key is not None:
+            raise ValueError(f"topic {topic.value} takes no key")
+        return base
+    if key is None:
+        raise ValueError(f"topic {topic.value} needs a {spec.key_field}")
+    return f"{base}.{check_token(key, spec.key_field)}"
+
+
+def filter_subject(run: str, topic: Topic, key: str | None = None) -> str:
+    """A consumer filter: one key, or every key (``*``) of a keyed topic."""
+    if TOPICS[topic].key_field is not None and key is None:
+        return f"rl.{check_token(run, 'run id')}.{topic.value}.*"
+    return subject(run, topic, key)
+
+
+def subject_for(event: Event) -> str:
+    """The subject an event is published on, from its type and key field."""
+    topic = TOPIC_OF[type(event)]
+    field = TOPICS[topic].key_field
+    return subject(event.run, topic, getattr(event, field) if field else None)
+
+
+def topic_of_subject(run: str, subj: str) -> Topic:
+    prefix = f"rl.{run}."
+    if not subj.startswith(prefix):
+        raise ValueError(f"subject {subj!r} is not in run {run!r}")
+    rest = subj[len(prefix) :]
+    for t in Topic:
+        if rest == t.value or rest.startswith(t.value + "."):
+            return t
+    raise ValueError(f"subject {subj!r} names no known topic")
+
+
+def infer_subject(run: str, model: str) -> str:
+    return f"rl.{check_token(run, 'run id')}.{INFER}.{check_token(model, 'model')}"
+
+
+def infer_queue(model: str) -> str:
+    return f"infer-{check_token(model, 'model')}"
+
+
+def durable_name(role: str, *parts: str) -> str:
+    """Durable consumer name: role plus what distinguishes it (env, algorithm...)."""
+    return "-".join(check_token(p, "consumer part") for p in (role, *parts))
+
+
+def role_key(run: str, role: str, instance: str) -> str:
+    return f"{check_token(run, 'run id')}.{check_token(role, 'role')}.{check_token(instance, 'instance')}"
+
+
+def topology() -> list[tuple[str, str, str, str]]:
+    """(subject pattern, schema, producer, consumers) for every topic plus inference."""
+    rows = []
+    for t, spec in TOPICS.items():
+        key = f".<{spec.key_field}>" if spec.key_field else ""
+        tag = spec.schema.__struct_config__.tag
+        rows.append(
+            (
+                f"rl.<run>.{t.value}{key}",
+                f"{spec.schema.__name__} ({tag})",
+                spec.producer,
+                spec.consumers,
+            )
+        )
+    rows.append(
+        (
+            "rl.<run>.infer.<model>",
+            "GenerateRequest or ScoreRequest, with a reply",
+            "env servers, algorithms",
+            "inference (queue group; core NATS, not stored)",
+        )
+    )
+    return rows
+
+
+assert set(TOPIC_OF) == set(EVENT_TYPES), "every event type needs exactly one topic"
+
+if __name__ == "__main__":
+    for row in topology():
+        print(" | ".join(row))

@@ -1,0 +1,82 @@
+"""rlbus configuration: pydantic models for a whole run, TOML presets, and loading.
+
+    from configs import load_config, dump_toml
+    cfg = load_config("smoke", ["trainer.lr=1e-4"])   # preset name or TOML path
+    print(dump_toml(cfg))                             # fully resolved, re-loadable
+
+Imports nothing heavy (pydantic and the stdlib only): the CLI and every role import
+this before deciding whether they need torch.
+"""
+
+from configs.deprecations import translate_deprecated
+from configs.errors import ConfigDeprecationWarning, ConfigError
+from configs.loading import (
+    DEFAULT_PRESET,
+    apply_overrides,
+    list_presets,
+    load_config,
+    parse_override,
+    parse_value,
+    read_raw,
+    resolve,
+)
+from configs.models import (
+    RUN_ID_PATTERN,
+    BusConfig,
+    InferenceConfig,
+    LossConfig,
+    ModelConfig,
+    RunConfig,
+    TinyModelConfig,
+    TrainerConfig,
+)
+from configs.orchestrator import (
+    POLICY,
+    AlgorithmConfig,
+    EnvConfig,
+    EnvSftConfig,
+    EvalConfig,
+    EvalSamplingConfig,
+    ModelEndpointConfig,
+    OrchestratorConfig,
+    SamplingConfig,
+    TrainConfig,
+    WarmupConfig,
+    orchestrator_problems,
+)
+from configs.toml_emit import dump_toml
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "POLICY",
+    "RUN_ID_PATTERN",
+    "AlgorithmConfig",
+    "BusConfig",
+    "ConfigDeprecationWarning",
+    "ConfigError",
+    "EnvConfig",
+    "EnvSftConfig",
+    "EvalConfig",
+    "EvalSamplingConfig",
+    "InferenceConfig",
+    "LossConfig",
+    "ModelConfig",
+    "ModelEndpointConfig",
+    "OrchestratorConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "TinyModelConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "WarmupConfig",
+    "apply_overrides",
+    "dump_toml",
+    "list_presets",
+    "load_config",
+    "orchestrator_problems",
+    "parse_override",
+    "parse_value",
+    "read_raw",
+    "resolve",
+    "translate_deprecated",
+]

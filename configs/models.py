@@ -1,0 +1,128 @@
+"""The run config: one pydantic model per TOML section, `RunConfig` at the top.
+
+Every model forbids unknown keys, so a typo fails at start naming the key instead of
+silently running with a default. Defaults here are the library defaults; the presets
+under `configs/presets/` spell out what `just up` actually runs. Load configs with
+`configs.load_config` (files, presets, overrides, deprecated spellings); this module
+only declares shapes and rules. It imports nothing heavy: the CLI and every role
+import it before deciding whether torch is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from configs.orchestrator import OrchestratorConfig, orchestrator_problems
+
+# Run ids become NATS subject tokens and stream names (`RL_<run>`), where dots,
+# spaces and wildcards are not allowed.
+RUN_ID_PATTERN = r"^[A-Za-z0-9_-]+$"
+RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BusConfig(_Section):
+    """Connection to NATS JetStream and the delivery guarantees of every consumer."""
+
+    url: str | None = None  # None = start an embedded nats-server under the run directory
+    data_dir: str = "runs"  # root of run directories (JetStream store, weights, logs)
+    # Bodies larger than this go to the object store; NATS max_payload defaults to 1 MB.
+    offload_threshold_bytes: int = Field(default=512 * 1024, gt=0)
+    max_deliver: int = Field(default=5, ge=1)  # deliveries before a message is dead-lettered
+    ack_wait_s: float = Field(default=30.0, gt=0)
+    nak_delay_s: float = Field(default=1.0, ge=0)
+    # How long the stream remembers Nats-Msg-Id values to drop duplicate publishes.
+    duplicate_window_s: float = Field(default=3600.0, gt=0)
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+
+
+class TinyModelConfig(_Section):
+    """Shape of the tiny model built locally when `model.path = "tiny"`."""
+
+    hidden_size: int = Field(default=128, ge=1)
+    num_layers: int = Field(default=2, ge=1)
+    num_heads: int = Field(default=4, ge=1)
+    intermediate_size: int = Field(default=256, ge=1)
+    max_position_embeddings: int = Field(default=256, ge=1)
+    init_seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"`model.tiny.hidden_size` ({self.hidden_size}) must be divisible by "
+                f"`model.tiny.num_heads` ({self.num_heads})"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    """The policy model: where its initial weights come from and in which dtype."""
+
+    path: str = "tiny"  # "tiny" = the locally built tiny model; else a local HF dir or hub id
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    local_files_only: bool = True  # never reach the network for weights or tokenizer
+
+
+class InferenceConfig(_Section):
+    """Inference servers: one queue group per model, `replicas` processes each."""
+
+    backend: Literal["torch", "vllm"] = "torch"
+    replicas: int = Field(default=1, ge=1)
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    max_batch_size: int = Field(default=64, ge=1)
+    batch_window_ms: float = Field(default=5.0, ge=0)  # how long to wait to fill a batch
+    request_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class LossConfig(_Section):
+    """Policy-gradient loss with an asymmetric trust region on the importance ratio."""
+
+    # A token is masked when its ratio < 1 - trust_region_low or > 1 + trust_region_high.
+    trust_region_low: float = Field(default=0.2, gt=0)
+    trust_region_high: float = Field(default=0.28, gt=0)
+    kl_coef: float = Field(default=0.0, ge=0)  # weight of KL to the reference model; 0 = off
+    normalize: Literal["tokens", "sequences"] = "tokens"
+
+
+class TrainerConfig(_Section):
+    """Optimizer, schedule, packing and checkpoints of the trainer role."""
+
+    lr: float = Field(default=3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)  # max global grad norm
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)  # linear lr warmup steps
+    seq_len: int = Field(default=2048, ge=1)  # tokens per packed micro-batch
+    micro_batch_size: int | None = Field(default=None, ge=1)  # None = pack by seq_len only
+    device: str = "auto"
+    checkpoint_interval: int = Field(default=10, ge=0)  # steps between checkpoints; 0 = off
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class RunConfig(_Section):
+    """A whole run: the one object every role is started with."""
+
+    run: RunId | None = None  # None = the CLI generates an id
+    seed: int = 0  # root seed; every random choice derives from it and its cause
+    max_steps: int = Field(default=40, ge=0)  # trainer steps before the run stops
+    bus: BusConfig = Field(default_factory=BusConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RunConfig:
+        # One error listing every problem: fixing a config one run at a time is slow.
+        problems = orchestrator_problems(self.orchestrator)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self

@@ -1,0 +1,206 @@
+"""The `[orchestrator]` section: what to roll out, with which algorithms, how async.
+
+Sampling, environments, algorithms, auxiliary model endpoints (teacher, reference),
+eval and the SFT warm start. `orchestrator_problems` holds the cross-field rules
+(actor and env algorithm references, unique ids); `RunConfig` calls it so its
+messages can name full dotted paths.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# The built-in name of the model being trained; always a valid actor.
+POLICY = "policy"
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos until proven otherwise: fail loudly, naming the key.
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingConfig(_Section):
+    """How completions are sampled during training rollouts."""
+
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)  # 0 = off
+    max_completion_tokens: int = Field(default=32, gt=0)
+    stop: list[str] = []
+    seed: int | None = None  # None = derived from the run seed and the request id
+
+
+class EvalSamplingConfig(SamplingConfig):
+    """Eval sampling: like training, but greedy (temperature 0) is allowed and default."""
+
+    temperature: float = Field(default=0.0, ge=0)
+
+
+class EnvSftConfig(_Section):
+    """Auxiliary SFT loss on tool outputs inside RL traces (for tool-using envs)."""
+
+    on_tool_outputs: bool = False
+    alpha: float = Field(default=0.1, ge=0)  # weight of the SFT term next to the RL loss
+    tool_names: list[str] | None = None  # None = every tool
+
+
+class EnvConfig(_Section):
+    """One training environment (`[[orchestrator.train.env]]`)."""
+
+    id: str = Field(min_length=1)
+    args: dict[str, Any] = {}
+    group_size: int = Field(default=8, ge=1)  # rollouts per task; advantages are per group
+    ratio: float = Field(default=1.0, gt=0)  # relative share of tasks drawn from this env
+    # Per-env override; keys left out inherit `orchestrator.train.sampling` (see TrainConfig).
+    sampling: SamplingConfig | None = None
+    algorithms: list[str] = []  # ids from `orchestrator.algorithms`; empty = all
+    max_turns: int | None = Field(default=None, ge=1)
+    sft: EnvSftConfig = Field(default_factory=EnvSftConfig)
+
+
+def _default_envs() -> list[EnvConfig]:
+    return [EnvConfig(id="reverse-text")]
+
+
+class TrainConfig(_Section):
+    """Training rollouts: default sampling and the env mix."""
+
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    env: list[EnvConfig] = Field(default_factory=_default_envs)
+
+    @model_validator(mode="after")
+    def _inherit_sampling(self) -> TrainConfig:
+        # An env's sampling table overrides only the keys it sets; resolving the merge
+        # here means every consumer (and the run.started event) sees final values, and
+        # dump -> load is a fixed point because the merged table sets every key.
+        self.env = [_with_merged_sampling(env, self.sampling) for env in self.env]
+        return self
+
+
+def _with_merged_sampling(env: EnvConfig, base: SamplingConfig) -> EnvConfig:
+    if env.sampling is None:
+        return env
+    explicit = {name: getattr(env.sampling, name) for name in env.sampling.model_fields_set}
+    return env.model_copy(update={"sampling": base.model_copy(update=explicit)})
+
+
+class AlgorithmConfig(_Section):
+    """One algorithm worker (`[[orchestrator.algorithms]]`)."""
+
+    id: str = Field(min_length=1)  # unique within the run; envs refer to it
+    name: str | None = None  # registered algorithm name; defaults to `id`
+    options: dict[str, Any] = {}
+    shadow: bool = False  # scores samples (for metrics/comparison) that are never trained on
+
+    @model_validator(mode="after")
+    def _default_name(self) -> AlgorithmConfig:
+        if self.name is None:
+            self.name = self.id
+        return self
+
+
+class ModelEndpointConfig(_Section):
+    """An auxiliary model served next to the policy (`[orchestrator.models.<key>]`)."""
+
+    kind: Literal["policy", "teacher", "reference"] = "reference"
+    path: str | None = None  # None = the frozen base weights at `model.path`
+    tokens: bool = True  # answers with token ids + logprobs (not text only)
+    subject_model: str | None = None  # inference model name it answers on; defaults to the key
+
+
+class EvalConfig(_Section):
+    """Periodic evaluation on held-out tasks."""
+
+    interval: int = Field(default=10, ge=0)  # every N trainer steps; 0 = off
+    num_tasks: int = Field(default=32, ge=1)
+    k: int = Field(default=1, ge=1)  # samples per task
+    sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
+    envs: list[str] = []  # train env ids to evaluate; empty = all
+    at_start: bool = True  # also evaluate policy version 0
+
+
+class WarmupConfig(_Section):
+    """SFT warm start: steps trained on another model's rollouts before RL begins."""
+
+    steps: int = Field(default=0, ge=0)  # 0 = no warm start
+    actor: str = "teacher"  # key of `orchestrator.models` that rolls out during warmup
+    algorithms: list[str] = ["sft"]  # registered algorithm names used during warmup
+    lr: float | None = Field(default=None, gt=0)  # None = `trainer.lr`
+
+
+def _default_algorithms() -> list[AlgorithmConfig]:
+    return [AlgorithmConfig(id="grpo")]
+
+
+class OrchestratorConfig(_Section):
+    """Batching, the two asynchrony bounds, and everything rolled out."""
+
+    batch_size: int = Field(default=32, ge=1)  # samples per trainer step
+    # Policy versions rollout generation may run ahead of the trainer (0 = on-policy).
+    max_async_level: int = Field(default=1, ge=0)
+    # Samples from a policy older than this many versions are dropped and counted.
+    max_off_policy_steps: int = Field(default=2, ge=0)
+    max_groups_in_flight: int = Field(default=16, ge=1)
+    skip_zero_advantage_groups: bool = True
+    max_no_signal_batches: int = Field(default=5, ge=1)  # stop after this many signal-free batches
+    actor: str = POLICY
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    algorithms: list[AlgorithmConfig] = Field(default_factory=_default_algorithms)
+    models: dict[str, ModelEndpointConfig] = {}
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+
+    @model_validator(mode="after")
+    def _default_subject_models(self) -> OrchestratorConfig:
+        self.models = {
+            key: m if m.subject_model else m.model_copy(update={"subject_model": key})
+            for key, m in self.models.items()
+        }
+        return self
+
+
+def _duplicates(items: list[str]) -> list[str]:
+    return sorted(x for x, n in Counter(items).items() if n > 1)
+
+
+def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
+    """Cross-field problems of an orchestrator section, each naming its full dotted path."""
+    problems: list[str] = []
+    keys = sorted(o.models)
+    if o.actor != POLICY and o.actor not in o.models:
+        problems.append(
+            f"`orchestrator.actor` = {o.actor!r} must be {POLICY!r} or a key of "
+            f"`orchestrator.models` (declared: {keys or 'none'})"
+        )
+    algo_ids = [a.id for a in o.algorithms]
+    if not algo_ids:
+        problems.append("`orchestrator.algorithms` must declare at least one algorithm")
+    for dup in _duplicates(algo_ids):
+        problems.append(f"`orchestrator.algorithms`: id {dup!r} is declared more than once")
+    env_ids = [e.id for e in o.train.env]
+    if not env_ids:
+        problems.append("`orchestrator.train.env` must declare at least one env")
+    for dup in _duplicates(env_ids):
+        problems.append(f"`orchestrator.train.env`: id {dup!r} is declared more than once")
+    for i, env in enumerate(o.train.env):
+        for algo in env.algorithms:
+            if algo not in algo_ids:
+                problems.append(
+                    f"`orchestrator.train.env.{i}.algorithms` names {algo!r}, which is not an "
+                    f"id in `orchestrator.algorithms` (declared: {algo_ids})"
+                )
+    for name in o.eval.envs:
+        if name not in env_ids:
+            problems.append(
+                f"`orchestrator.eval.envs` names {name!r}, which is not an id in "
+                f"`orchestrator.train.env` (declared: {env_ids})"
+            )
+    if o.warmup.steps > 0 and o.warmup.actor not in o.models:
+        problems.append(
+            f"`orchestrator.warmup.actor` = {o.warmup.actor!r} must be a key of "
+            f"`orchestrator.models` when `orchestrator.warmup.steps` > 0 (declared: {keys or 'none'})"
+        )
+    return problems

@@ -1,0 +1,54 @@
+# rlbus tasks. `just --list` shows them by group.
+
+set shell := ["bash", "-cu"]
+
+python := env_var_or_default("PYTHON", "python3")
+
+# Install (torch CPU wheel first, then rlbus with dev tools) and start the default run.
+[group('run')]
+up *ARGS: install
+    {{python}} -m roles.cli up {{ARGS}}
+
+# Install torch (CPU) and rlbus with its dev extras into the current Python.
+[group('run')]
+install:
+    @{{python}} -c "import torch" 2>/dev/null || {{python}} -m pip install -q torch==2.13.0
+    @{{python}} -c "import roles, nats, msgspec, pytest" 2>/dev/null || {{python}} -m pip install -q -e ".[dev]"
+
+# Run the embedded nats-server (JetStream, loopback) in the foreground.
+[group('run')]
+nats *ARGS:
+    {{python}} -m roles.cli nats {{ARGS}}
+
+# The whole test suite (unit, integration against a real nats-server, e2e with real processes).
+[group('test')]
+test *ARGS:
+    {{python}} -m pytest -q {{ARGS}}
+
+# Only the fast unit tests.
+[group('test')]
+test-unit *ARGS:
+    {{python}} -m pytest -q tests/unit {{ARGS}}
+
+# Benchmarks; results land in benchmarks/results/.
+[group('bench')]
+bench:
+    {{python}} -m benchmarks.bus_bench
+
+# Lint and type-check.
+[group('check')]
+lint:
+    ruff check .
+    ruff format --check .
+    mypy
+
+# Format the code.
+[group('check')]
+fmt:
+    ruff check --fix .
+    ruff format .
+
+# Remove run directories and caches.
+[group('run')]
+clean:
+    rm -rf runs .pytest_cache .ruff_cache .mypy_cache .hypothesis

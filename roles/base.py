@@ -1,0 +1,109 @@
+"""The shared role lifecycle: connect, declare consumers, heartbeat, drain on SIGTERM.
+
+A role declares what it consumes next to the handler that consumes it, and its
+handlers return events; the runtime publishes them, then acks the input. Tests of a
+role's logic need no broker, and replay can re-run a handler and diff.
+
+    class Echo(Role):
+        role = "echo"
+        def subscriptions(self):
+            return [Subscription("echo", [(Topic.RUN_STARTED, None)], self.on_started)]
+        async def on_started(self, event, delivery):
+            return [RunStopped(run=self.run, reason="echo", causation_id=event.event_id,
+                               event_id=derive_id(event.event_id, "echo"))]
+
+    asyncio.run(serve_role(Echo(bus, instance="echo-0")))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Awaitable
+from typing import Any
+
+from bus.consumer import Consumer, Subscription
+from bus.registry import Heartbeat
+from bus.runtime import Bus
+
+
+class Role:
+    role: str = "role"
+
+    def __init__(self, bus: Bus, instance: str, heartbeat_interval_s: float = 2.0):
+        self.bus = bus
+        self.run = bus.run
+        self.instance = instance
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.log = bus.log.bind(role=self.role, instance=instance)
+        self.stop_event = asyncio.Event()
+        self.consumers: list[Consumer] = []
+
+    # -- what a role overrides ----------------------------------------------------------
+
+    def subscriptions(self) -> list[Subscription]:
+        return []
+
+    async def setup(self) -> None:
+        """Load models, open stores... before consuming."""
+
+    def background(self) -> list[Awaitable[Any]]:
+        """Long-running tasks beside the consumers (e.g. serving inference requests)."""
+        return []
+
+    async def teardown(self) -> None:
+        """Release what ``setup`` took; runs after consumers drained."""
+
+    async def status(self) -> dict[str, object]:
+        """Fields for the heartbeat: policy_version, pending, info."""
+        pending = 0
+        for c in self.consumers:
+            with contextlib.suppress(Exception):
+                pending += await c.pending()
+        return {"pending": pending} if self.consumers else {}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self.stop_event.set()
+
+
+async def serve_role(role: Role, *, install_signals: bool = True) -> None:
+    """Run ``role`` until SIGTERM/SIGINT (or ``role.request_stop()``), then drain and exit."""
+    loop = asyncio.get_running_loop()
+    if install_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, role.request_stop)
+    await role.bus.ensure_stream()
+    await role.setup()
+    role.consumers = [Consumer(role.bus, s, role.role) for s in role.subscriptions()]
+    heartbeat = Heartbeat(
+        role.bus.js, role.run, role.role, role.instance, role.heartbeat_interval_s,
+        consumer=",".join(c.sub.durable for c in role.consumers) or None, probe=role.status,
+    )  # fmt: skip
+    heartbeat.start()
+    role.log.info("role.started")
+    tasks = [asyncio.create_task(c.run(role.stop_event)) for c in role.consumers]
+    tasks += [asyncio.ensure_future(a) for a in role.background()]
+    stopper = asyncio.create_task(role.stop_event.wait())
+    try:
+        waiting: set[asyncio.Future[Any]] = {*tasks, stopper}
+        while not stopper.done():
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopper and (exc := t.exception()) is not None:
+                    role.log.error("role.task_failed", error=repr(exc))
+                    raise exc
+    finally:
+        role.log.info("role.draining")
+        role.stop_event.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        stopper.cancel()
+        await role.teardown()
+        await heartbeat.stop()
+        await role.bus.close()
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        role.log.info("role.stopped")

@@ -1,0 +1,37 @@
+"""The ``rlbus`` command line: one typer app; heavy imports live inside command bodies.
+
+rlbus --help
+rlbus up --dry-run -c smoke
+rlbus topology
+"""
+
+from __future__ import annotations
+
+import typer
+
+from roles.cli import core, model, role
+
+app = typer.Typer(
+    name="rlbus",
+    help="Asynchronous RL post-training on a NATS JetStream bus.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+core.register(app)
+
+
+@app.callback()
+def _setup() -> None:
+    """Logs go to stderr (stdout is for command output); roles re-configure with their ids."""
+    from bus.log import configure
+
+    configure(level="WARNING")
+
+
+app.add_typer(role.app, name="role")
+app.add_typer(model.app, name="model")
+
+
+def main() -> None:
+    app()

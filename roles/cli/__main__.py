@@ -1,0 +1,5 @@
+"""``python -m roles.cli`` is ``rlbus``."""
+
+from roles.cli import main
+
+main()

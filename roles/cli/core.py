@@ -1,0 +1,170 @@
+"""Core commands: up, nats, status, events, topology."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from roles.cli.common import DATA_DIR, run_async, server_for
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up")(up)
+    app.command("nats")(nats)
+    app.command("status")(status)
+    app.command("events")(events)
+    app.command("topology")(topology)
+
+
+def up(
+    overrides: list[str] = typer.Argument(None, help="Config overrides, dotted: trainer.lr=1e-4"),
+    config: str = typer.Option("default", "--config", "-c", help="Preset name or TOML file."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the fully resolved config and exit."
+    ),
+    nats_url: str | None = typer.Option(
+        None, "--nats-url", help="Use this NATS server instead of an embedded one."
+    ),
+    run: str | None = typer.Option(None, "--run", help="Run id (default: generated)."),
+    no_view: bool = typer.Option(
+        False, "--no-view", help="Plain log lines instead of the live view."
+    ),
+) -> None:
+    """Start a run: embedded NATS, every role as a process, a live view; Ctrl-C drains."""
+    from configs import ConfigError, dump_toml, load_config
+
+    try:
+        cfg = load_config(config, overrides or [])
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if run:
+        cfg.run = run
+    if dry_run:
+        typer.echo(dump_toml(cfg), nl=False)
+        return
+    from roles.launcher import launch
+
+    raise typer.Exit(launch(cfg, nats_url=nats_url, live_view=not no_view))
+
+
+def nats(
+    data_dir: Path = typer.Option(
+        Path(DATA_DIR) / "nats", "--data-dir", help="JetStream store directory."
+    ),
+    port: int = typer.Option(4222, "--port", "-p", help="Client port (-1: any free port)."),
+) -> None:
+    """Run the embedded nats-server (JetStream, loopback) in the foreground until Ctrl-C."""
+    import signal
+    import time
+
+    from bus.errors import BusError
+    from bus.server import EmbeddedServer
+
+    try:
+        server = EmbeddedServer(data_dir, port=port).start()
+    except BusError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"nats-server ready at {server.url} (store: {data_dir}, log: {server.log_path})")
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not stop and server.proc is not None and server.proc.poll() is None:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    typer.echo("nats-server stopped")
+
+
+def status(
+    run: str | None = typer.Option(None, "--run", "-r", help="Run id; without it, list runs."),
+    nats_url: str | None = typer.Option(None, "--nats-url"),
+) -> None:
+    """List live roles of a run (heartbeats, lag), or the runs on the server."""
+    from rich.console import Console
+    from rich.table import Table
+
+    async def main(url: str) -> None:
+        import time
+
+        from bus.registry import is_alive, list_roles
+        from bus.runtime import Bus
+
+        bus = await Bus.connect(url, run=run or "status", producer="cli")
+        try:
+            if run is None:
+                table = Table("stream", "messages", "bytes")
+                async for info in _streams(bus):
+                    table.add_row(info.config.name, str(info.state.messages), str(info.state.bytes))
+                Console().print(table)
+                return
+            table = Table(
+                "role", "instance", "state", "last seen", "policy", "lag", "consumer", "host:pid"
+            )
+            now = time.time_ns()
+            for hb in await list_roles(bus.js, run):
+                state = (
+                    "alive"
+                    if is_alive(hb, 2.0, now)
+                    else ("stopped" if hb.status == "stopped" else "stale")
+                )
+                table.add_row(
+                    hb.role, hb.instance, state, f"{(now - hb.last_seen_ns) / 1e9:.1f}s ago",
+                    "" if hb.policy_version is None else str(hb.policy_version),
+                    "" if hb.pending is None else str(hb.pending), hb.consumer or "", f"{hb.host}:{hb.pid}",
+                )  # fmt: skip
+            Console().print(table)
+        finally:
+            await bus.close()
+
+    with server_for(run, nats_url) as url:
+        run_async(main(url))
+
+
+async def _streams(bus):  # type: ignore[no-untyped-def]
+    names = await bus.js.streams_info()
+    for info in names:
+        if info.config.name.startswith("RL_"):
+            yield info
+
+
+def events(
+    run: str = typer.Argument(..., help="Run id."),
+    topic: list[str] = typer.Option(
+        None, "--topic", "-t", help="Only these topics (e.g. trace.completed)."
+    ),
+    from_seq: int = typer.Option(1, "--from-seq", help="Start at this stream sequence."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events."),
+    limit: int = typer.Option(
+        0, "--limit", "-n", help="Stop after this many events (0: no limit)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    nats_url: str | None = typer.Option(None, "--nats-url"),
+) -> None:
+    """Pretty-print (or follow) a run's log: sequence, time, subject, event summary."""
+    from roles.cli.events import print_events
+
+    with server_for(run, nats_url) as url:
+        run_async(print_events(url, run, topic or [], from_seq, follow, limit, as_json))
+
+
+def topology() -> None:
+    """The topic table: subject, schema, producer, consumers."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from bus.subjects import topology as rows
+
+    table = Table("subject", "schema", "producer", "consumers", title="rlbus topology")
+    for row in rows():
+        table.add_row(*row)
+    Console(width=160).print(table)

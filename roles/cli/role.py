@@ -1,0 +1,97 @@
+"""``rlbus role <name>``: run one role process attached to a run.
+
+Every role takes ``--run``, ``--nats-url`` and optionally ``--config`` (default: the
+config recorded in the run's ``run.started`` event). ``rlbus up`` starts these same
+commands as subprocesses; on another machine the same command attaches one more
+replica to a live run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import typer
+
+from roles.cli.common import run_async, server_for
+
+app = typer.Typer(help="Run one role process (attach it to a live run).", no_args_is_help=True)
+
+RUN = typer.Option(..., "--run", "-r", help="Run id.")
+URL = typer.Option(None, "--nats-url", help="NATS URL (default: the run's embedded server).")
+CONFIG = typer.Option(
+    None, "--config", "-c", help="Config (default: the run's run.started config)."
+)
+
+
+def _start(
+    target: str,
+    role: str,
+    run: str,
+    nats_url: str | None,
+    config: str | None,
+    suffix: str | None = None,
+    **options: Any,
+) -> None:
+    """Import ``module:function`` lazily (torch only loads when needed) and run it."""
+    from bus.log import configure
+    from roles.context import role_context
+
+    module, func = target.split(":")
+    main = getattr(importlib.import_module(module), func)
+    with server_for(run, nats_url) as url:
+        ctx = run_async(role_context(run, url, role, config, suffix))
+        configure(run=run, role=role, instance=ctx.instance)
+        run_async(main(ctx, **options))
+
+
+@app.command("inference")
+def inference(
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    model: str = typer.Option("policy", "--model", "-m", help="Model key to serve (policy, or a key of orchestrator.models)."),
+) -> None:  # fmt: skip
+    """Answer generate/score requests for one model (queue group; replicas share load)."""
+    _start("roles.inference.role:main", "inference", run, nats_url, config, model, model=model)
+
+
+@app.command("env")
+def env(
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    env: str = typer.Option(..., "--env", "-e", help="Environment id (built-in name or module:function)."),
+) -> None:  # fmt: skip
+    """Run rollouts of one environment (replicas share one durable consumer)."""
+    _start("roles.env.server:main", "env", run, nats_url, config, _slug(env), env=env)
+
+
+@app.command("teacher")
+def teacher(
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    model: str = typer.Option("teacher", "--model", "-m", help="Model key it answers as."),
+) -> None:  # fmt: skip
+    """A scripted frozen teacher that answers the built-in tasks correctly (warm start)."""
+    _start("roles.teacher.role:main", "teacher", run, nats_url, config, model, model=model)
+
+
+@app.command("algorithm")
+def algorithm(
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    name: str = typer.Option("grpo", "--name", "-n", help="Algorithm id from orchestrator.algorithms."),
+) -> None:  # fmt: skip
+    """Turn complete groups of traces into scored samples (one worker per algorithm)."""
+    _start("roles.algorithm.worker:main", "algorithm", run, nats_url, config, name, name=name)
+
+
+@app.command("orchestrator")
+def orchestrator(run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG) -> None:
+    """Dispatch tasks, assemble batches, run evals, stop the run (one per run)."""
+    _start("roles.orchestrator.role:main", "orchestrator", run, nats_url, config)
+
+
+@app.command("trainer")
+def trainer(run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG) -> None:
+    """Train on assembled batches in order and publish new weights."""
+    _start("roles.trainer.role:main", "trainer", run, nats_url, config)
+
+
+def _slug(value: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in value)[:40]

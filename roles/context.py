@@ -1,0 +1,93 @@
+"""What every role process starts from: its run, its bus, its config, its run directory.
+
+A role gets its config from ``--config`` (what ``rlbus up`` passes) or, when attached
+to a live run, from the run's own ``run.started`` event: the log is the run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from bus.runtime import Bus, BusSettings
+from bus.subjects import Topic, subject
+from configs import RunConfig, load_config, resolve
+from schemas import RunStarted
+
+
+def bus_settings(cfg: RunConfig) -> BusSettings:
+    b = cfg.bus
+    return BusSettings(
+        offload_threshold_bytes=b.offload_threshold_bytes,
+        duplicate_window_s=b.duplicate_window_s,
+        max_deliver=b.max_deliver,
+        ack_wait_s=b.ack_wait_s,
+        nak_delay_s=b.nak_delay_s,
+    )
+
+
+def run_dir(cfg: RunConfig, run: str) -> Path:
+    return Path(cfg.bus.data_dir) / run
+
+
+def instance_name(role: str, suffix: str | None = None) -> str:
+    """A unique, readable role instance id: role[-suffix]-host-pid."""
+    host = socket.gethostname().split(".")[0].replace("_", "-")[:16]
+    parts = [role, suffix, host, str(os.getpid())]
+    return "-".join(p for p in parts if p)
+
+
+async def read_run_started(bus: Bus) -> RunStarted | None:
+    """The run's ``run.started`` event, or None if the run has not started yet."""
+    import nats.js.errors
+
+    try:
+        msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.RUN_STARTED))
+    except nats.js.errors.NotFoundError:
+        return None
+    event: RunStarted = await bus.decode_msg(msg, [RunStarted])
+    return event
+
+
+@dataclass
+class RoleContext:
+    run: str
+    url: str
+    cfg: RunConfig
+    instance: str
+
+    @property
+    def run_dir(self) -> Path:
+        return run_dir(self.cfg, self.run)
+
+    async def connect(self, producer: str | None = None) -> Bus:
+        bus = await Bus.connect(
+            self.url,
+            run=self.run,
+            producer=producer or self.instance,
+            settings=bus_settings(self.cfg),
+        )
+        await bus.ensure_stream()
+        return bus
+
+
+async def role_context(
+    run: str, url: str, role: str, config: str | None, suffix: str | None = None
+) -> RoleContext:
+    """Build a role's context: config from ``--config`` if given, else from ``run.started``."""
+    instance = instance_name(role, suffix)
+    if config is not None:
+        cfg = load_config(config)
+    else:
+        bus = await Bus.connect(url, run=run, producer=instance)
+        try:
+            started = await read_run_started(bus)
+        finally:
+            await bus.close()
+        if started is None:
+            raise SystemExit(f"run {run!r} has no run.started event yet; pass --config")
+        cfg = resolve(started.config)
+    cfg.run = run
+    return RoleContext(run=run, url=url, cfg=cfg, instance=instance)

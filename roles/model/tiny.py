@@ -1,0 +1,122 @@
+"""A tiny Llama-style model for CPU runs and tests, built from a seed.
+
+The model is sized to the character tokenizer (`roles.model.tokenizer`) and saved as an
+ordinary Hugging Face model directory (safetensors weights, config, generation config,
+tokenizer), so every role loads it with `AutoModelForCausalLM.from_pretrained` exactly as
+it would load a real model. Same seed and sizes => byte-identical files.
+
+    python -c "from roles.model.tiny import init_model; print(init_model('/tmp/tiny', 0))"
+
+(`rlbus model init` wraps `init_model`.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from roles.model.tokenizer import END, build_tokenizer
+from roles.model.weights import digest, state_dict_to_bytes
+
+
+def tiny_config(
+    vocab_size: int,
+    *,
+    pad_token_id: int,
+    bos_token_id: int,
+    eos_token_id: int,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+) -> LlamaConfig:
+    """The LlamaConfig of the tiny model (tied embeddings, plain multi-head attention)."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+
+
+def init_weights(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+    """A freshly initialised model; the seed alone fixes every weight.
+
+    fork_rng restores the global RNG afterwards, so building a model never perturbs the
+    caller's random stream (devices=[] because the model is built on the CPU).
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+) -> Path:
+    """Build the tiny model from `seed` and save model + tokenizer under `out_dir`."""
+    out = Path(out_dir)
+    tokenizer = build_tokenizer()
+    config = tiny_config(
+        len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    model = init_weights(config, seed)
+    # Both <|end|> (end of an assistant turn) and eos stop generation.
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.convert_tokens_to_ids(END), tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Distinct parameters (the tied lm_head is counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def init_model(out_dir: str | Path, seed: int = 0, **sizes: Any) -> dict[str, Any]:
+    """Build the tiny model and summarise it (the body of `rlbus model init`).
+
+    The digest is of `state_dict_to_bytes`, i.e. the same digest the trainer would
+    publish for these weights, so version 0 of a run can be checked against it.
+    """
+    from roles.model.loading import load_model
+
+    path = build_tiny_model(out_dir, seed=seed, **sizes)
+    model = load_model(path)
+    return {
+        "path": str(path),
+        "seed": seed,
+        "params": count_params(model),
+        "vocab_size": model.config.vocab_size,
+        "weights_digest": digest(state_dict_to_bytes(model)),
+    }

@@ -1,0 +1,93 @@
+"""Every message rlbus exchanges, as msgspec Structs (msgpack on the wire).
+
+``EVENT_TYPES`` lists every stored event; ``bus.subjects`` maps each one to its topic.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.base import Event, Record, derive_id, new_id, stable_seed
+from schemas.inference import (
+    GenerateRequest,
+    GenerateResult,
+    InferenceFailed,
+    InferenceReply,
+    InferenceRequest,
+    ScoreRequest,
+    ScoreResult,
+)
+from schemas.ops import BodyRef, DeadLettered, MetricsReported, RoleHeartbeat
+from schemas.rollout import (
+    Branch,
+    EvalCompleted,
+    Message,
+    SamplingParams,
+    TaskRef,
+    TaskRequested,
+    Trace,
+    TraceCompleted,
+    TraceError,
+)
+from schemas.run import ObjectRef, RunStarted, RunStopped
+from schemas.training import BatchAssembled, Sample, SamplesScored, WeightsPublished
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    RunStarted,
+    RunStopped,
+    TaskRequested,
+    TraceCompleted,
+    EvalCompleted,
+    SamplesScored,
+    BatchAssembled,
+    WeightsPublished,
+    MetricsReported,
+    DeadLettered,
+)
+
+
+def schema_of(cls: type[msgspec.Struct]) -> tuple[str, int]:
+    """(name, version) of a tagged Struct, read from its tag ``name/version``."""
+    tag = cls.__struct_config__.tag
+    if not isinstance(tag, str) or "/" not in tag:
+        raise TypeError(f"{cls.__name__} has no versioned tag")
+    name, version = tag.rsplit("/", 1)
+    return name, int(version)
+
+
+__all__ = [
+    "EVENT_TYPES",
+    "BatchAssembled",
+    "BodyRef",
+    "Branch",
+    "DeadLettered",
+    "EvalCompleted",
+    "Event",
+    "GenerateRequest",
+    "GenerateResult",
+    "InferenceFailed",
+    "InferenceReply",
+    "InferenceRequest",
+    "Message",
+    "MetricsReported",
+    "ObjectRef",
+    "Record",
+    "RoleHeartbeat",
+    "RunStarted",
+    "RunStopped",
+    "Sample",
+    "SamplesScored",
+    "SamplingParams",
+    "ScoreRequest",
+    "ScoreResult",
+    "TaskRef",
+    "TaskRequested",
+    "Trace",
+    "TraceCompleted",
+    "TraceError",
+    "WeightsPublished",
+    "derive_id",
+    "new_id",
+    "schema_of",
+    "stable_seed",
+]

@@ -1,0 +1,156 @@
+"""Rollout messages: the request an env server runs, and the ``Trace`` it records.
+
+A ``Trace`` is the message graph of one rollout. Each message carries exactly the
+tokens the model saw for it (chat-template scaffolding included), a per-token
+``sampled`` mask (1 where the actor sampled the token), per-token logprobs of the
+sampled tokens, and the temperature they were sampled at. Concatenating the messages
+of a ``Branch`` gives the full token sequence of that path, so a trainable sample is a
+concatenation, never a re-tokenisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from schemas import arrays
+from schemas.base import Event, Record
+
+
+class SamplingParams(Record, frozen=True):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_completion_tokens: int = 32
+    stop: list[str] = msgspec.field(default_factory=list)
+
+
+class TaskRef(Record, frozen=True):
+    """Which task of an env's taskset; ``data`` is the task itself, for readers of the log."""
+
+    index: int
+    split: str = "train"  # "train" | "eval"
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class TaskRequested(Event, frozen=True, tag="task_requested/1"):
+    """Ask an env server for ``group_size`` rollouts of one task (one group)."""
+
+    env: str
+    task: TaskRef
+    group_id: str
+    group_size: int
+    sampling: SamplingParams = SamplingParams()
+    model: str = "policy"  # inference model key that acts (the policy, or a frozen teacher)
+    step: int = 0  # orchestrator step at dispatch
+    policy_version: int = 0  # newest weights version the orchestrator knew at dispatch
+    seed: int = 0  # base seed of the group; rollout i uses derive(seed, i)
+    max_turns: int | None = None
+    args: dict[str, Any] = msgspec.field(default_factory=dict)  # env args from the config
+
+
+class Message(Record, frozen=True):
+    """One node of the message graph."""
+
+    id: int
+    role: str  # "system" | "user" | "assistant" | "tool"
+    content: str
+    parent: int | None = None  # previous message on its path
+    name: str | None = None  # tool name (tool messages) or speaker name
+    member: str | None = None  # multi-agent: which member produced it
+    token_ids: bytes = b""  # int32, scaffolding included
+    sampled: bytes = b""  # uint8 mask, same length
+    logprobs: bytes = b""  # float32, same length; 0 where not sampled
+    temperature: float = 1.0
+    policy_version: int | None = None  # weights version that sampled it
+    model: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" for sampled messages
+
+    def ids(self) -> np.ndarray:
+        return arrays.i32(self.token_ids)
+
+
+class Branch(Record, frozen=True):
+    """A path through the graph, root first: one trainable sequence."""
+
+    messages: list[int]
+    member: str | None = None
+    reward: float | None = None  # per-branch reward when it differs from the trace's
+
+
+class TraceError(Record, frozen=True):
+    kind: str  # "inference_timeout" | "env_exception" | "context_too_long" | ...
+    message: str
+    message_id: int | None = None
+
+
+class Trace(Record, frozen=True):
+    rollout_id: str
+    env: str
+    task: TaskRef
+    group_id: str
+    sample_index: int
+    messages: list[Message]
+    branches: list[Branch]
+    reward: float = 0.0
+    rewards: dict[str, float] = msgspec.field(default_factory=dict)  # each named reward fn
+    member_rewards: dict[str, float] = msgspec.field(default_factory=dict)
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    timings: dict[str, float] = msgspec.field(default_factory=dict)  # seconds
+    errors: list[TraceError] = msgspec.field(default_factory=list)
+    policy_min: int = 0  # oldest weights version that sampled a token
+    policy_max: int = 0  # newest
+    truncated: bool = False
+    num_turns: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def branch_tokens(self, branch: Branch) -> tuple[np.ndarray, ...]:
+        """(token_ids, sampled, logprobs, temperatures) of a branch, concatenated."""
+        by_id = {m.id: m for m in self.messages}
+        msgs = [by_id[i] for i in branch.messages]
+        ids = (
+            np.concatenate([arrays.i32(m.token_ids) for m in msgs])
+            if msgs
+            else np.zeros(0, arrays.I32)
+        )
+        sampled = (
+            np.concatenate([arrays.mask(m.sampled) for m in msgs]) if msgs else np.zeros(0, bool)
+        )
+        lps = (
+            np.concatenate([arrays.f32(m.logprobs) for m in msgs])
+            if msgs
+            else np.zeros(0, arrays.F32)
+        )
+        temps = (
+            np.concatenate(
+                [np.full(len(m.token_ids) // 4, m.temperature, arrays.F32) for m in msgs]
+            )
+            if msgs
+            else np.zeros(0, arrays.F32)
+        )
+        return ids, sampled, lps, temps
+
+
+class TraceCompleted(Event, frozen=True, tag="trace_completed/1"):
+    env: str  # == trace.env; the subject key
+    request_id: str  # the TaskRequested event id
+    group_size: int
+    step: int
+    trace: Trace
+
+
+class EvalCompleted(Event, frozen=True, tag="eval_completed/1"):
+    """All rollouts of one eval task (k samples), with their rewards."""
+
+    request_id: str
+    env: str
+    step: int
+    task_index: int
+    rewards: list[float]
+    traces: list[Trace] = msgspec.field(default_factory=list)
+    errors: int = 0

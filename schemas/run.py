@@ -1,0 +1,31 @@
+"""Run lifecycle events: the first and last events of every run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.base import Event, Record
+
+
+class ObjectRef(Record, frozen=True):
+    """Where a body lives outside the stream: an object-store object or a shared path."""
+
+    kind: str  # "object" (JetStream Object Store) | "path" (shared filesystem)
+    location: str  # object name, or filesystem path
+    bucket: str | None = None  # object-store bucket for kind == "object"
+    size: int = 0
+    digest: str = ""  # "sha256:<hex>" of the bytes
+
+
+class RunStarted(Event, frozen=True, tag="run_started/1"):
+    config: dict[str, Any]  # the fully resolved config (configs.RunConfig, JSON mode)
+    seed: int
+    model_path: str
+    initial_weights: ObjectRef | None = None  # weights of policy version 0
+    resumed: bool = False
+
+
+class RunStopped(Event, frozen=True, tag="run_stopped/1"):
+    reason: str  # "max_steps" | "no_learning_signal" | "user" | "error"
+    step: int = 0
+    detail: str = ""

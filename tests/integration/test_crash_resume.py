@@ -1,0 +1,84 @@
+"""A role process killed before acking: its restarted instance gets the message, the effect happens once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from bus.runtime import Bus
+from bus.server import EmbeddedServer
+from bus.subjects import Topic, filter_subject
+from schemas import TaskRef, TaskRequested
+
+pytestmark = pytest.mark.nats
+
+
+def start_worker(server: EmbeddedServer, run: str, *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.integration.worker_proc",
+        "--url",
+        server.url,
+        "--run",
+        run,
+        *extra,
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def count_metrics(bus: Bus) -> dict[str, int]:
+    """How many MetricsReported events the stream holds per causing request."""
+    sub = await bus.js.subscribe(
+        filter_subject(bus.run, Topic.METRICS_REPORTED), ordered_consumer=True
+    )
+    counts: dict[str, int] = {}
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=0.5)
+            cause = msg.headers["Rl-Causation"]
+            counts[cause] = counts.get(cause, 0) + 1
+    except Exception:  # noqa: BLE001 - next_msg timeout: we have read everything
+        pass
+    await sub.unsubscribe()
+    return counts
+
+
+async def test_crash_before_ack_redelivers_to_restarted_instance_once(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """The crashed message is redelivered after restart; dedup keeps exactly one effect per request."""
+    requests = [
+        TaskRequested(
+            run=bus.run,
+            env="e",
+            task=TaskRef(index=i),
+            group_id=f"g{i}",
+            group_size=1,
+            event_id=f"req{i}",
+        )
+        for i in range(5)
+    ]
+    await bus.publish_many(requests)
+    first = start_worker(nats_server, bus.run, "--crash-on", "3")
+    assert (
+        await asyncio.to_thread(first.wait, 30) == 17
+    )  # died on its 3rd message, after publishing
+    second = start_worker(nats_server, bus.run)
+    try:
+        async with asyncio.timeout(30):
+            while True:
+                info = await bus.js.consumer_info(bus.stream, "worker")
+                if info.num_pending == 0 and info.num_ack_pending == 0:
+                    break
+                await asyncio.sleep(0.2)
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(second.wait, 30) == 0  # graceful drain exits cleanly
+    counts = await count_metrics(bus)
+    assert counts == {f"req{i}": 1 for i in range(5)}
+    assert info.delivered.stream_seq >= 5

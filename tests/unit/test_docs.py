@@ -1,0 +1,25 @@
+"""The README's topology table stays true to the subjects registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bus.subjects import topology
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_readme_topology_table_matches_the_registry() -> None:
+    """Every topic row printed by `rlbus topology` appears verbatim in the README."""
+    readme = ROOT.joinpath("README.md").read_text()
+    for subject, schema, producer, consumers in topology():
+        assert f"| `{subject}` | {schema} | {producer} | {consumers} |" in readme, subject
+
+
+def test_quickstart_is_two_commands() -> None:
+    """The README quickstart is exactly two commands: install+up, and the tests."""
+    readme = ROOT.joinpath("README.md").read_text()
+    block = readme.split("## Quickstart", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.strip().splitlines() if line.strip()]
+    assert len(commands) == 2
+    assert "just up" in commands[0] and commands[1].startswith("just test")

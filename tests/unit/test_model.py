@@ -1,0 +1,179 @@
+"""Unit tests for roles.model: tokenizer, tiny model build/load, weights as bytes."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from roles.model.loading import ModelNotFound, ensure_tiny_model, load_model, load_tokenizer
+from roles.model.tiny import build_tiny_model, count_params, init_model
+from roles.model.tokenizer import ALPHABET, build_tokenizer
+from roles.model.weights import (
+    WeightsDigestMismatch,
+    bytes_to_state_dict,
+    digest,
+    load_state_bytes,
+    state_dict_to_bytes,
+)
+
+TOKENIZER = build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
+
+
+def _sha256_tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=ALPHABET))
+def test_tokenizer_round_trip_one_token_per_char(s: str) -> None:
+    """decode(encode(s)) == s for any alphabet string, with one token per plain char."""
+    ids = TOKENIZER.encode(s, add_special_tokens=False)
+    assert TOKENIZER.decode(ids) == s
+    assert TOKENIZER.unk_token_id not in ids
+    # A special-token string such as "<|bos|>" inside the text is one token (HF behaviour).
+    if "<|" not in s:
+        assert len(ids) == len(s)
+
+
+def test_tokenizer_special_ids_and_unknown_chars() -> None:
+    """pad is id 0 and a character outside the alphabet maps to <|unk|>."""
+    assert TOKENIZER.pad_token_id == 0
+    assert TOKENIZER.convert_ids_to_tokens([0, 1, 2, 3]) == [
+        "<|pad|>",
+        "<|bos|>",
+        "<|eos|>",
+        "<|unk|>",
+    ]
+    assert TOKENIZER.encode("a\u00e9", add_special_tokens=False)[1] == TOKENIZER.unk_token_id
+
+
+def test_chat_template_renders_expected_string_and_ids() -> None:
+    """The chat template writes <|role|>content<|end|> per message (tool: name prefix)."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "tool", "name": "calc", "content": "4"},
+    ]
+    text = TOKENIZER.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|system|>Be brief.<|end|><|user|>2+2?<|end|><|assistant|>4<|end|>"
+        "<|tool|>calc:4<|end|><|assistant|>"
+    )
+    no_gp = TOKENIZER.apply_chat_template(messages[:2], tokenize=False)
+    assert no_gp == "<|system|>Be brief.<|end|><|user|>2+2?<|end|>"
+
+    tid = TOKENIZER.convert_tokens_to_ids
+    ids = TOKENIZER.encode(text, add_special_tokens=False)
+    assert ids[:2] == [tid("<|system|>"), tid("B")]
+    assert ids[-2:] == [tid("<|end|>"), tid("<|assistant|>")]
+    assert ids.count(tid("<|end|>")) == 4
+    assert len(ids) == len("Be brief.2+2?4calc:4") + 4 + 4 + 1
+
+
+def test_tiny_model_build_is_byte_identical(tmp_path: Path) -> None:
+    """Two builds from the same seed write byte-identical files; another seed differs."""
+    a = _sha256_tree(build_tiny_model(tmp_path / "a", seed=7))
+    b = _sha256_tree(build_tiny_model(tmp_path / "b", seed=7))
+    c = _sha256_tree(build_tiny_model(tmp_path / "c", seed=8))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(a)
+    assert a == b
+    assert a["model.safetensors"] != c["model.safetensors"]
+
+
+def test_tiny_model_build_leaves_global_rng_alone(tmp_path: Path) -> None:
+    """Building the model does not consume or reseed the global torch RNG."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_tiny_model(tmp_path / "m", seed=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_tiny_model_loads_through_auto_classes(tiny_dir: Path) -> None:
+    """The saved directory loads with AutoModelForCausalLM/AutoTokenizer, offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+    assert model.config.vocab_size == len(tokenizer) == len(TOKENIZER)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert tokenizer.chat_template == TOKENIZER.chat_template
+    s = "Hi there,\n  (x) = `y`!"
+    assert tokenizer.decode(tokenizer.encode(s, add_special_tokens=False)) == s
+    assert model.generation_config.eos_token_id == [
+        tokenizer.convert_tokens_to_ids("<|end|>"),
+        tokenizer.eos_token_id,
+    ]
+
+
+def test_param_count_in_range(tmp_path: Path) -> None:
+    """Default sizes give a CPU-friendly model (0.2-5 M params) sized to the vocab."""
+    summary = init_model(tmp_path / "m", seed=0)
+    assert 200_000 <= summary["params"] <= 5_000_000
+    assert summary["vocab_size"] == len(TOKENIZER)
+    assert summary["weights_digest"].startswith("sha256:")
+    assert count_params(load_model(tmp_path / "m")) == summary["params"]
+
+
+def test_load_missing_path_raises_model_not_found(tmp_path: Path) -> None:
+    """A path that does not exist is a ModelNotFound naming the path, not a download."""
+    missing = tmp_path / "nope"
+    with pytest.raises(ModelNotFound, match="nope"):
+        load_model(missing)
+    with pytest.raises(ModelNotFound, match="nope"):
+        load_tokenizer(missing)
+
+
+def test_ensure_tiny_model_builds_once(tmp_path: Path) -> None:
+    """ensure_tiny_model builds under <run>/model/initial and reuses it afterwards."""
+    path = ensure_tiny_model(tmp_path, {"num_layers": 1}, seed=3)
+    assert path == tmp_path / "model" / "initial"
+    before = _sha256_tree(path)
+    assert ensure_tiny_model(tmp_path, {"num_layers": 1}, seed=3) == path
+    assert _sha256_tree(path) == before
+    assert load_model(path).config.num_hidden_layers == 1
+
+
+def test_weights_bytes_round_trip_identical_logits(tiny_dir: Path, tmp_path: Path) -> None:
+    """Weights sent as bytes reproduce the sender's logits exactly and keep tying."""
+    sender = load_model(tiny_dir)
+    receiver = load_model(build_tiny_model(tmp_path / "other", seed=1))
+    ids = torch.tensor([TOKENIZER.encode("Hello, world!", add_special_tokens=False)])
+
+    b = state_dict_to_bytes(sender)
+    assert "lm_head.weight" not in bytes_to_state_dict(b)  # tied copy is not sent
+    assert state_dict_to_bytes(sender) == b  # deterministic
+    load_state_bytes(receiver, b, digest(b))
+
+    assert receiver.lm_head.weight is receiver.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(receiver(ids).logits, sender(ids).logits)
+    assert state_dict_to_bytes(receiver) == b
+
+
+def test_tampered_weights_raise_digest_mismatch(tiny_dir: Path) -> None:
+    """One flipped byte is caught by the digest before the model is touched."""
+    model = load_model(tiny_dir)
+    b = state_dict_to_bytes(model)
+    tampered = b[:-1] + bytes([b[-1] ^ 0xFF])
+    before = state_dict_to_bytes(model)
+    with pytest.raises(WeightsDigestMismatch) as info:
+        load_state_bytes(model, tampered, digest(b))
+    assert info.value.expected == digest(b)
+    assert info.value.actual == digest(tampered)
+    assert state_dict_to_bytes(model) == before
