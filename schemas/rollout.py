@@ -49,6 +49,7 @@ class TaskRequested(Event, frozen=True, tag="task_requested/1"):
     seed: int = 0  # base seed of the group; rollout i uses derive(seed, i)
     max_turns: int | None = None
     args: dict[str, Any] = msgspec.field(default_factory=dict)  # env args from the config
+    phase: str = "rl"  # "sft" (warm start on a teacher) | "rl"; which batches its samples feed
 
 
 class Message(Record, frozen=True):

@@ -1,0 +1,231 @@
+"""The algorithm worker role: complete groups of traces in, ``samples.scored.<id>`` out.
+
+    rlbus role algorithm --run demo --name grpo
+
+One worker per algorithm id (``orchestrator.algorithms[].id``; an id absent from the
+config is taken as a registered algorithm name with no options). It reads
+``trace.completed.*`` with its own durable consumer ``algorithm-<id>`` (a worker
+attached mid-run starts from the beginning of the log), buffers traces per group until
+``group_size`` distinct rollouts arrived, and publishes one ``SamplesScored`` per group
+with the id ``derive_id("scored", id, group_id)``: a re-publish is deduplicated.
+
+The worker keeps no state the log cannot rebuild. At start it folds over the log with
+ordered consumers (NATS_NOTES #11): first its own ``samples.scored.<id>`` (which groups
+are done, and the state of a stateful algorithm), then ``trace.completed.*`` (the traces
+of groups not scored yet, scoring any group the log already completes). Only then does
+the durable consumer start; a trace is acked as soon as it is buffered, because a
+restarted worker gets it back from the log, not from the consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+
+from bus.consumer import Delivery, Subscription
+from bus.errors import BodyError, DecodeError, PublishError
+from bus.runtime import Bus
+from bus.subjects import Topic, check_token, durable_name, filter_subject
+from configs import RunConfig
+from roles.algorithm.base import Algorithm
+from roles.algorithm.registry import create
+from roles.algorithm.samples import GroupBuffer, score_group
+from roles.base import Role, serve_role
+from roles.context import RoleContext
+from schemas import Event, MetricsReported, SamplesScored, TraceCompleted
+
+
+def algorithm_spec(cfg: RunConfig, algorithm_id: str) -> tuple[str, dict[str, Any]]:
+    """(registered name, options) of ``algorithm_id`` in ``orchestrator.algorithms``."""
+    for spec in cfg.orchestrator.algorithms:
+        if spec.id == algorithm_id:
+            return spec.name or spec.id, dict(spec.options)
+    return algorithm_id, {}
+
+
+async def read_log(
+    bus: Bus, topic: Topic, key: str | None, types: tuple[type, ...], timeout_s: float = 10.0
+) -> AsyncIterator[Any]:
+    """Every event on ``topic`` (one key, or all) stored so far, in stream order."""
+    filt = filter_subject(bus.run, topic, key)
+    info = await bus.js.stream_info(bus.stream, subjects_filter=filt)
+    if not sum((info.state.subjects or {}).values()):
+        return  # nothing to read: do not wait for a message that will never come
+    sub = await bus.js.subscribe(filt, ordered_consumer=True, stream=bus.stream)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=timeout_s)
+            except (TimeoutError, nats.errors.TimeoutError) as e:
+                raise RuntimeError(f"reading {filt} from the log stalled for {timeout_s}s") from e
+            try:
+                yield await bus.decode_msg(msg, types)
+            except (DecodeError, BodyError) as e:
+                # The durable consumer dead-letters it; the fold just steps over it.
+                bus.log.warning("log.undecodable", subject=msg.subject, error=str(e))
+            if msg.metadata.num_pending == 0:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+@dataclass
+class _Window:
+    """What was scored since the last metrics report."""
+
+    groups: int = 0
+    zero_advantage: int = 0
+    excluded: int = 0
+    rewards: list[float] = field(default_factory=list)
+
+
+class AlgorithmWorker(Role):
+    """Scores complete groups of traces with one algorithm; one instance per algorithm id."""
+
+    role = "algorithm"
+
+    def __init__(
+        self,
+        bus: Bus,
+        instance: str,
+        name: str,
+        algorithm: Algorithm,
+        metrics_interval_s: float = 10.0,
+        heartbeat_interval_s: float = 2.0,
+    ):
+        super().__init__(bus, instance, heartbeat_interval_s)
+        self.name = check_token(name, "algorithm id")
+        self.algorithm = algorithm
+        self.metrics_interval_s = metrics_interval_s
+        self.buffer = GroupBuffer()
+        self.state: Any = algorithm.initial_state()
+        self.scored_total = 0  # groups this instance published (catch-up included)
+        self.last_step = 0
+        self.window = _Window()
+        self.log = self.log.bind(algorithm=name)
+
+    def subscriptions(self) -> list[Subscription]:
+        # batch 32: traces are up to the offload threshold (512 KiB) each, and a fetch of
+        # batch x size above 64 MiB gets the consumer cut off (NATS_NOTES #5).
+        return [
+            Subscription(
+                durable_name("algorithm", self.name),
+                [(Topic.TRACE_COMPLETED, None)],
+                self.on_trace,
+                batch=32,
+            )
+        ]
+
+    async def setup(self) -> None:
+        await self.catch_up()
+
+    def background(self) -> list[Awaitable[Any]]:
+        return [self._report_metrics()]
+
+    async def status(self) -> dict[str, object]:
+        out = await super().status()
+        out["info"] = {
+            "algorithm": type(self.algorithm).__name__,
+            "pending_groups": str(len(self.buffer)),
+            "scored": str(self.scored_total),
+        }
+        return out
+
+    # -- the fold -----------------------------------------------------------------------
+
+    async def catch_up(self) -> None:
+        """Rebuild the scored set, the algorithm state and the pending groups from the log."""
+        folded = 0
+        async for scored in read_log(self.bus, Topic.SAMPLES_SCORED, self.name, (SamplesScored,)):
+            self._fold(scored)
+            folded += 1
+        traces = 0
+        async for event in read_log(self.bus, Topic.TRACE_COMPLETED, None, (TraceCompleted,)):
+            traces += 1
+            await self._add(event)
+        self.log.info(
+            "algorithm.caught_up",
+            scored_before=folded,
+            traces_read=traces,
+            scored_now=self.scored_total,
+            pending_groups=len(self.buffer),
+        )
+
+    async def on_trace(self, event: TraceCompleted, delivery: Delivery) -> list[Event]:
+        # We publish ourselves (not by returning the event) so the scored set and the
+        # state only move once the publish is acknowledged; if it fails, the handler
+        # raises, the trace is redelivered, and the still-complete group is retried.
+        await self._add(event)
+        return []
+
+    async def _add(self, event: TraceCompleted) -> None:
+        self.last_step = max(self.last_step, event.step)
+        group = self.buffer.add(event)
+        if group is None:
+            return
+        scored = score_group(self.name, self.algorithm, group, self.state)
+        await self.bus.publish(scored)
+        self._fold(scored)
+        self.scored_total += 1
+        w = self.window
+        w.groups += 1
+        w.zero_advantage += scored.zero_advantage
+        w.excluded += scored.excluded
+        w.rewards.extend(scored.rewards)
+        self.log.info(
+            "group.scored",
+            group_id=scored.group_id,
+            samples=len(scored.samples),
+            excluded=scored.excluded,
+            zero_advantage=scored.zero_advantage,
+        )
+
+    def _fold(self, scored: SamplesScored) -> None:
+        self.buffer.mark_scored(scored.group_id)
+        if self.algorithm.stateful:
+            self.state = self.algorithm.fold(self.state, scored)
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def metrics(self) -> MetricsReported:
+        """The metrics of the last window; starts a new window."""
+        w, self.window = self.window, _Window()
+        values = {
+            "groups_scored": float(self.scored_total),
+            "window_groups": float(w.groups),
+            "pending_groups": float(len(self.buffer)),
+            "excluded_traces": float(w.excluded),
+        }
+        if w.groups:
+            values["zero_advantage_frac"] = w.zero_advantage / w.groups
+        if w.rewards:
+            values["mean_reward"] = sum(w.rewards) / len(w.rewards)
+        return MetricsReported(
+            run=self.run, role=f"algorithm-{self.name}", step=self.last_step, values=values
+        )
+
+    async def _report_metrics(self) -> None:
+        while not self.stop_event.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), self.metrics_interval_s)
+            if self.stop_event.is_set() and not self.window.groups:
+                return
+            try:
+                await self.bus.publish(self.metrics())
+            except PublishError as e:  # metrics are best effort; scoring goes on
+                self.log.warning("metrics.publish_failed", error=str(e))
+
+
+async def main(ctx: RoleContext, name: str) -> None:
+    """Entry point of ``rlbus role algorithm --name <id>``."""
+    check_token(name, "algorithm id")
+    registered, options = algorithm_spec(ctx.cfg, name)
+    algorithm = create(registered, options)  # bad name or options: fail before connecting
+    bus = await ctx.connect()
+    await serve_role(AlgorithmWorker(bus, ctx.instance, name, algorithm))

@@ -1,0 +1,303 @@
+"""The orchestrator's decisions: a pure function of its state and the config.
+
+``decide(state, cfg)`` returns the events to publish now (dispatches, batches, evals,
+metrics, the stop) and applies each to the state as it emits it. It never reads the
+clock or a global RNG: task and env choices derive from the run seed and the group
+counter, ids from the run and a counter, so replaying the log makes the same decisions
+with the same ids (the server dedups the republished ones).
+
+Asynchrony, the two documented bounds:
+- ``max_async_level``: data for step s is only requested and assembled while the
+  trainer has published version >= s - 1 - max_async_level (0 = on-policy, synchronous);
+- ``max_off_policy_steps``: a sample whose oldest token came from a policy more than this
+  many versions older than the one the batch trains (s - 1) is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from configs import RunConfig
+from roles.orchestrator.state import OrchestratorState
+from schemas import (
+    BatchAssembled,
+    Event,
+    MetricsReported,
+    RunStopped,
+    SamplingParams,
+    TaskRef,
+    TaskRequested,
+    derive_id,
+    stable_seed,
+)
+
+
+def phase_of(step: int, cfg: RunConfig) -> str:
+    return "sft" if step <= cfg.orchestrator.warmup.steps else "rl"
+
+
+def trains_on(cfg: RunConfig) -> dict[str, dict[str, set[str]]]:
+    """Which algorithms' samples train each env's groups, per phase (shadows never train)."""
+    o = cfg.orchestrator
+    ids = [a.id for a in o.algorithms if not a.shadow]  # SamplesScored.algorithm is the config id
+    rl = {e.id: {a for a in (e.algorithms or ids) if a in ids} for e in o.train.env}
+    sft = {e.id: set(o.warmup.algorithms) for e in o.train.env}
+    return {"rl": rl, "sft": sft}
+
+
+def sampling_params(s: Any) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        max_completion_tokens=s.max_completion_tokens, stop=list(s.stop),
+    )  # fmt: skip
+
+
+def choose_env(cfg: RunConfig, n: int) -> Any:
+    """The env of group ``n``: drawn by ratio from a seed derived from the run and n."""
+    envs = cfg.orchestrator.train.env
+    total = sum(e.ratio for e in envs)
+    x = (stable_seed(cfg.seed, "env", n) % 1_000_003) / 1_000_003 * total
+    for env in envs:
+        x -= env.ratio
+        if x < 0:
+            return env
+    return envs[-1]
+
+
+class Decider:
+    """Emits events and applies them to the state as it goes."""
+
+    def __init__(self, state: OrchestratorState, cfg: RunConfig, cause: str | None = None):
+        self.state, self.cfg = state, cfg
+        self.run = cfg.run or ""
+        self.cause = cause  # the event whose arrival led to these decisions
+        self.out: list[Event] = []
+
+    def emit(self, event: Event) -> None:
+        if event.causation_id is None and self.cause is not None:
+            event = msgspec.structs.replace(event, causation_id=self.cause)
+        self.state.apply(event, skip_zero=self.cfg.orchestrator.skip_zero_advantage_groups)
+        self.out.append(event)
+
+    def decide(self) -> list[Event]:
+        s = self.state
+        if s.started is None or s.stopped is not None:
+            return []
+        if self.stop():
+            return self.out
+        self.assemble()
+        self.dispatch()
+        self.evaluate()
+        self.stop()
+        return self.out
+
+    # -- batches ------------------------------------------------------------------------
+
+    def assemble(self) -> None:
+        s, o = self.state, self.cfg.orchestrator
+        while (
+            step := s.assembled + 1
+        ) <= self.cfg.max_steps and s.trainer_version >= step - 1 - o.max_async_level:
+            phase = phase_of(step, self.cfg)
+            queue = s.queues[phase]
+            if phase == "rl":  # teacher samples (sft) carry the teacher's version, not ours
+                oldest_ok = (step - 1) - o.max_off_policy_steps
+                fresh = [q for q in queue if q.sample.policy_min >= oldest_ok]
+                s.dropped_stale += len(queue) - len(fresh)
+                s.total_dropped_stale += len(queue) - len(fresh)
+                queue.clear()
+                queue.extend(fresh)
+            if len(queue) < o.batch_size:
+                return
+            taken = [queue[i] for i in range(o.batch_size)]
+            samples = [q.sample for q in taken]
+            staleness = [(step - 1) - x.policy_min for x in samples]
+            group_rewards = {q.group_id: q.group_reward for q in taken}
+            metrics = MetricsReported(
+                run=self.run, event_id=derive_id(self.run, "orchestrator-metrics", step), role="orchestrator", step=step,
+                policy_version=s.trainer_version,
+                values={
+                    "reward_mean": sum(x.reward for x in samples) / len(samples),
+                    "group_reward_mean": sum(group_rewards.values()) / len(group_rewards),
+                    "staleness_mean": sum(staleness) / len(staleness) if phase == "rl" else 0.0,
+                    "staleness_max": float(max(staleness)) if phase == "rl" else 0.0,
+                    "dropped_stale": float(s.dropped_stale), "skipped_zero_advantage": float(s.skipped_zero),
+                    "dropped_stale_total": float(s.total_dropped_stale),
+                    "skipped_zero_advantage_total": float(s.total_skipped_zero),
+                    "groups_in_flight": float(len(s.groups)), "errored_rollouts_total": float(s.errored_rollouts),
+                    "async_lag": float(step - 1 - s.trainer_version), "sft": float(phase == "sft"),
+                },
+            )  # fmt: skip
+            self.emit(
+                BatchAssembled(
+                    run=self.run,
+                    event_id=derive_id(self.run, "batch", step),
+                    step=step,
+                    samples=samples,
+                    policy_version=s.trainer_version,
+                    sources=sorted({q.source for q in taken}),
+                    num_tokens=sum(len(x) for x in samples),
+                    dropped_stale=s.dropped_stale,
+                    skipped_zero_advantage=s.skipped_zero,
+                    phase=phase,
+                )  # fmt: skip
+            )
+            self.emit(metrics)
+
+    # -- dispatch -----------------------------------------------------------------------
+
+    def dispatch(self) -> None:
+        s, o = self.state, self.cfg.orchestrator
+        horizon = min(self.cfg.max_steps, s.trainer_version + 1 + o.max_async_level)
+        for phase in ("sft", "rl"):
+            steps = sum(
+                1 for k in range(s.assembled + 1, horizon + 1) if phase_of(k, self.cfg) == phase
+            )
+            pending = len(s.queues[phase]) + sum(
+                g.request.group_size for g in s.groups.values() if g.request.phase == phase
+            )
+            need = steps * o.batch_size - pending
+            while need > 0 and len(s.groups) < o.max_groups_in_flight:
+                need -= self.dispatch_group(phase)
+
+    def dispatch_group(self, phase: str) -> int:
+        s, o = self.state, self.cfg.orchestrator
+        n = s.dispatched
+        env = choose_env(self.cfg, n)
+        self.emit(
+            TaskRequested(
+                run=self.run,
+                event_id=derive_id(self.run, "task", n),
+                env=env.id,
+                task=TaskRef(
+                    index=stable_seed(self.cfg.seed, "task", env.id, n) % 2**31, split="train"
+                ),
+                group_id=derive_id(self.run, "group", n),
+                group_size=env.group_size,
+                sampling=sampling_params(env.sampling or o.train.sampling),
+                model=o.warmup.actor if phase == "sft" else o.actor,
+                step=s.assembled,
+                policy_version=s.trainer_version,
+                seed=stable_seed(self.cfg.seed, "rollout", n),
+                max_turns=env.max_turns,
+                args=dict(env.args),
+                phase=phase,
+            )  # fmt: skip
+        )
+        return env.group_size
+
+    # -- eval ---------------------------------------------------------------------------
+
+    def is_eval_version(self, v: int) -> bool:
+        e = self.cfg.orchestrator.eval
+        if e.interval == 0:
+            return False
+        warm = self.cfg.orchestrator.warmup.steps
+        return (
+            (v == 0 and e.at_start)
+            or (v > 0 and v % e.interval == 0)
+            or v == self.cfg.max_steps
+            or (warm > 0 and v == warm)  # the score right after the warm start
+        )
+
+    def evaluate(self) -> None:
+        s, e = self.state, self.cfg.orchestrator.eval
+        v = s.trainer_version
+        if self.is_eval_version(v) and v not in s.eval_rounds:
+            envs = [
+                env for env in self.cfg.orchestrator.train.env if not e.envs or env.id in e.envs
+            ]
+            for env in envs:
+                for i in range(e.num_tasks):
+                    self.emit(
+                        TaskRequested(
+                            run=self.run,
+                            event_id=derive_id(self.run, "eval", v, env.id, i),
+                            env=env.id,
+                            task=TaskRef(index=i, split="eval"),
+                            group_id=derive_id(self.run, "eval-group", v, env.id, i),
+                            group_size=e.k,
+                            sampling=sampling_params(e.sampling),
+                            model=self.cfg.orchestrator.actor,
+                            step=s.assembled,
+                            policy_version=v,
+                            seed=stable_seed(self.cfg.seed, "eval", env.id, i),
+                            max_turns=env.max_turns,
+                            args=dict(env.args),
+                            phase="eval",
+                        )  # fmt: skip
+                    )
+        for version, round_ in sorted(s.eval_rounds.items()):
+            if not round_.reported and round_.expected and len(round_.results) >= round_.expected:
+                self.emit(
+                    MetricsReported(
+                        run=self.run,
+                        event_id=derive_id(self.run, "eval-metrics", version),
+                        role="eval",
+                        step=version,
+                        policy_version=version,
+                        values=eval_metrics(round_.results, e.k),
+                    )  # fmt: skip
+                )
+
+    # -- stopping -----------------------------------------------------------------------
+
+    def stop(self) -> bool:
+        s, o = self.state, self.cfg.orchestrator
+        if s.stopped is not None:
+            return True
+        groups_per_batch = max(
+            1, math.ceil(o.batch_size / max(1, min(e.group_size for e in o.train.env)))
+        )
+        reason = detail = None
+        if s.no_signal_streak >= o.max_no_signal_batches * groups_per_batch:
+            reason = "no_learning_signal"
+            detail = (
+                f"{s.no_signal_streak} groups in a row had all-equal rewards (zero advantage); "
+                "the policy gets no learning signal: check the reward function, raise the temperature "
+                "or the group size, or warm-start the policy"
+            )
+        elif s.trainer_version >= self.cfg.max_steps:
+            final = s.eval_rounds.get(self.cfg.max_steps)
+            if not self.is_eval_version(self.cfg.max_steps) or (
+                final is not None and final.reported
+            ):
+                reason, detail = "max_steps", f"trained {self.cfg.max_steps} steps"
+        if reason is None:
+            return False
+        self.emit(
+            RunStopped(
+                run=self.run,
+                event_id=derive_id(self.run, "stopped"),
+                reason=reason,
+                step=s.trainer_version,
+                detail=detail or "",
+            )
+        )
+        return True
+
+
+def eval_metrics(results: list[Any], k: int) -> dict[str, float]:
+    """avg@k per env; pass@k too when every reward is 0 or 1."""
+    by_env: dict[str, list[list[float]]] = {}
+    for r in results:
+        by_env.setdefault(r.env, []).append(list(r.rewards))
+    out: dict[str, float] = {}
+    for env, tasks in by_env.items():
+        per_task = [sum(rs) / len(rs) if rs else 0.0 for rs in tasks]
+        out[f"{env}/avg@{k}"] = sum(per_task) / len(per_task)
+        flat = [x for rs in tasks for x in rs]
+        if flat and all(x in (0.0, 1.0) for x in flat):
+            out[f"{env}/pass@{k}"] = sum(1.0 for rs in tasks if any(x == 1.0 for x in rs)) / len(
+                tasks
+            )
+        out[f"{env}/errors"] = float(sum(r.errors for r in results if r.env == env))
+    return out
+
+
+def decide(state: OrchestratorState, cfg: RunConfig, cause: str | None = None) -> list[Event]:
+    """The events to publish now, already applied to ``state``; ``cause`` becomes their causation id."""
+    return Decider(state, cfg, cause).decide()

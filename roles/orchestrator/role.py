@@ -1,0 +1,174 @@
+"""The orchestrator role: replays the run's log through its fold and acts on it.
+
+    rlbus role orchestrator --run R --nats-url U [--config C]
+
+It has no durable consumer and no state of its own: at start it publishes
+``run.started`` (if the run has none), then reads the run's stream from sequence 1 with
+an ordered consumer, folds every event into ``OrchestratorState`` and, after each one,
+publishes what ``decide`` returns. A restarted orchestrator therefore rebuilds its state
+and re-makes its past decisions with the same ids, which the server drops as duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from pathlib import Path
+
+import nats.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from bus.subjects import Topic, filter_subject
+from configs import RunConfig
+from roles.base import Role, serve_role
+from roles.context import RoleContext, read_run_started
+from roles.orchestrator.policy import decide, trains_on
+from roles.orchestrator.state import OrchestratorState
+from schemas import (
+    BatchAssembled,
+    EvalCompleted,
+    MetricsReported,
+    ObjectRef,
+    RunStarted,
+    RunStopped,
+    SamplesScored,
+    TaskRequested,
+    WeightsPublished,
+    derive_id,
+)
+
+READS = (
+    Topic.RUN_STARTED, Topic.RUN_STOPPED, Topic.TASK_REQUESTED, Topic.SAMPLES_SCORED,
+    Topic.BATCH_ASSEMBLED, Topic.WEIGHTS_PUBLISHED, Topic.EVAL_COMPLETED,
+)  # fmt: skip
+TYPES = (
+    RunStarted,
+    RunStopped,
+    TaskRequested,
+    SamplesScored,
+    BatchAssembled,
+    WeightsPublished,
+    EvalCompleted,
+    MetricsReported,
+)
+
+
+def model_dir(ctx: RoleContext) -> Path:
+    """The initial policy weights' directory (building the tiny model if that is the choice)."""
+    cfg = ctx.cfg
+    if cfg.model.path != "tiny":
+        return Path(cfg.model.path)
+    from roles.model.loading import ensure_tiny_model  # builds only if missing
+
+    sizes = cfg.model.tiny.model_dump()
+    seed = sizes.pop("init_seed")
+    return Path(ensure_tiny_model(ctx.run_dir, sizes, seed))
+
+
+class Orchestrator(Role):
+    role = "orchestrator"
+
+    def __init__(self, ctx: RoleContext, bus):  # type: ignore[no-untyped-def]
+        super().__init__(bus, ctx.instance, ctx.cfg.bus.heartbeat_interval_s)
+        self.ctx = ctx
+        self.cfg: RunConfig = ctx.cfg
+        self.state = OrchestratorState(trains_on=trains_on(ctx.cfg))
+        self.applied = 0
+
+    def background(self) -> list:  # type: ignore[type-arg]
+        return [self.loop()]
+
+    async def status(self) -> dict[str, object]:
+        return {
+            "policy_version": self.state.trainer_version,
+            "info": {"assembled": str(self.state.assembled)},
+        }
+
+    async def start_run(self) -> None:
+        if await read_run_started(self.bus) is not None:
+            self.log.info("orchestrator.resuming")
+            return
+        weights_dir = model_dir(self.ctx)
+        initial = None
+        files = sorted(weights_dir.glob("*.safetensors"))
+        if len(files) == 1 and files[0].stat().st_size < 512 * 1024 * 1024:
+            data = files[0].read_bytes()
+            name = "weights.v0"
+            digest = await self.bus.objects.put(name, data)
+            initial = ObjectRef(
+                kind="object",
+                location=name,
+                bucket=self.bus.objects.bucket,
+                size=len(data),
+                digest=digest,
+            )
+        elif files:
+            h = hashlib.sha256()
+            for f in files:
+                h.update(f.read_bytes())
+            initial = ObjectRef(
+                kind="path", location=str(weights_dir), digest="sha256:" + h.hexdigest()
+            )
+        await self.bus.publish(
+            RunStarted(
+                run=self.run,
+                event_id=derive_id(self.run, "started"),
+                config=self.cfg.model_dump(mode="json"),
+                seed=self.cfg.seed,
+                model_path=str(weights_dir),
+                initial_weights=initial,
+            )  # fmt: skip
+        )
+        self.log.info("run.started", model=str(weights_dir))
+
+    async def loop(self) -> None:
+        await self.start_run()
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.ALL,
+            filter_subjects=[filter_subject(self.run, t) for t in READS]
+            + [filter_subject(self.run, Topic.METRICS_REPORTED, "eval")],
+        )
+        sub = await self.bus.js.subscribe(
+            "", ordered_consumer=True, config=config, stream=self.bus.stream
+        )
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    msg = await sub.next_msg(timeout=1.0)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    continue
+                event = await self.bus.decode_msg(msg, TYPES)
+                self.state.apply(event, skip_zero=self.cfg.orchestrator.skip_zero_advantage_groups)
+                self.applied += 1
+                out = decide(self.state, self.cfg, cause=event.event_id)
+                if out:
+                    await self.bus.publish_many(out)
+                    for e in out:
+                        if isinstance(e, BatchAssembled):
+                            self.log.info(
+                                "batch.assembled",
+                                step=e.step,
+                                phase=e.phase,
+                                samples=len(e.samples),
+                                trainer_version=self.state.trainer_version,
+                            )
+                        elif isinstance(e, RunStopped):
+                            self.log.info("run.stopped", reason=e.reason, detail=e.detail)
+                        elif isinstance(e, MetricsReported) and e.role == "eval":
+                            self.log.info(
+                                "eval.reported",
+                                version=e.step,
+                                **{
+                                    k.replace("/", "_").replace("@", "_at_"): v
+                                    for k, v in e.values.items()
+                                },
+                            )
+        finally:
+            await sub.unsubscribe()
+
+
+async def main(ctx: RoleContext) -> None:
+    bus = await ctx.connect()
+    await serve_role(Orchestrator(ctx, bus))
+
+

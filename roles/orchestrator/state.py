@@ -1,0 +1,136 @@
+"""The orchestrator's state: a fold over the run's events, nothing else.
+
+``OrchestratorState.apply(event)`` is the only way state changes. The orchestrator
+applies its own decisions the moment it makes them and recognises them by id when they
+come back on the stream, so replaying the log from sequence 1 rebuilds exactly the
+state, and the decisions, of the original run (see ``roles/orchestrator/role.py``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from schemas import (
+    BatchAssembled,
+    EvalCompleted,
+    Event,
+    MetricsReported,
+    RunStarted,
+    RunStopped,
+    Sample,
+    SamplesScored,
+    TaskRequested,
+    WeightsPublished,
+)
+
+
+@dataclass
+class Group:
+    """A train group dispatched and not yet fully scored."""
+
+    request: TaskRequested
+    waiting_for: set[str]  # algorithm names whose samples this group still needs
+
+
+@dataclass
+class Queued:
+    sample: Sample
+    group_id: str
+    source: str  # SamplesScored event id
+    group_reward: float  # mean reward of its group (for metrics)
+
+
+@dataclass
+class EvalRound:
+    version: int
+    expected: int  # eval requests dispatched
+    results: list[EvalCompleted] = field(default_factory=list)
+    reported: bool = False
+
+
+@dataclass
+class OrchestratorState:
+    # which algorithms' samples train an env's groups: {"rl": {env: {...}}, "sft": {env: {...}}}
+    trains_on: dict[str, dict[str, set[str]]]
+    started: RunStarted | None = None
+    stopped: RunStopped | None = None
+    trainer_version: int = 0  # newest WeightsPublished version
+    assembled: int = 0  # step of the newest batch
+    dispatched: int = 0  # train groups dispatched so far (the group counter)
+    groups: dict[str, Group] = field(default_factory=dict)  # in flight, by group id
+    queues: dict[str, deque[Queued]] = field(
+        default_factory=lambda: {"sft": deque(), "rl": deque()}
+    )
+    eval_rounds: dict[int, EvalRound] = field(default_factory=dict)
+    eval_requests: dict[str, int] = field(default_factory=dict)  # request id -> policy version
+    seen: set[str] = field(default_factory=set)
+    # counters since the last batch (reported in it), and over the run
+    dropped_stale: int = 0
+    skipped_zero: int = 0
+    total_dropped_stale: int = 0
+    total_skipped_zero: int = 0
+    no_signal_streak: int = 0  # consecutive RL groups without learning signal
+    errored_rollouts: int = 0
+
+    def inflight(self, phase: str) -> int:
+        return sum(1 for g in self.groups.values() if g.request.phase == phase)
+
+    def apply(self, event: Event, *, skip_zero: bool = True) -> None:
+        """Fold one event into the state (idempotent by event id)."""
+        if event.event_id in self.seen:
+            return
+        self.seen.add(event.event_id)
+        match event:
+            case RunStarted():
+                self.started = event
+            case RunStopped():
+                self.stopped = event
+            case TaskRequested(task=task) if task.split == "train":
+                self.dispatched += 1
+                algorithms = set(self.trains_on[event.phase].get(event.env, ()))
+                self.groups[event.group_id] = Group(event, waiting_for=algorithms)
+            case TaskRequested():
+                round_ = self.eval_rounds.setdefault(
+                    event.policy_version, EvalRound(event.policy_version, 0)
+                )
+                round_.expected += 1
+                self.eval_requests[event.event_id] = event.policy_version
+            case SamplesScored():
+                self._on_scored(event, skip_zero)
+            case BatchAssembled():
+                self.assembled = max(self.assembled, event.step)
+                self.dropped_stale = self.skipped_zero = 0  # counters are "since the last batch"
+                used = {(s.rollout_id, s.branch) for s in event.samples}
+                q = self.queues[event.phase]
+                self.queues[event.phase] = deque(
+                    x for x in q if (x.sample.rollout_id, x.sample.branch) not in used
+                )
+            case WeightsPublished():
+                self.trainer_version = max(self.trainer_version, event.version)
+            case MetricsReported(role="eval", step=version) if version in self.eval_rounds:
+                self.eval_rounds[version].reported = True
+            case EvalCompleted():
+                version = self.eval_requests.pop(event.request_id, None)
+                if version is not None:  # None: a duplicate answer to a request already counted
+                    self.eval_rounds[version].results.append(event)
+
+    def _on_scored(self, event: SamplesScored, skip_zero: bool) -> None:
+        group = self.groups.get(event.group_id)
+        if group is None or event.algorithm not in group.waiting_for:
+            return  # a shadow algorithm, or a group that is not ours to train
+        group.waiting_for.discard(event.algorithm)
+        if not group.waiting_for:
+            del self.groups[event.group_id]
+        self.errored_rollouts += event.excluded
+        phase = group.request.phase
+        if phase == "rl" and event.zero_advantage and skip_zero:
+            self.skipped_zero += 1
+            self.total_skipped_zero += 1
+            self.no_signal_streak += 1
+            return
+        if phase == "rl":
+            self.no_signal_streak = 0
+        mean = sum(event.rewards) / len(event.rewards) if event.rewards else 0.0
+        for s in event.samples:
+            self.queues[phase].append(Queued(s, event.group_id, event.event_id, mean))

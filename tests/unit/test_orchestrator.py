@@ -1,0 +1,190 @@
+"""The orchestrator's fold and decisions, without a broker."""
+
+from __future__ import annotations
+
+import msgspec
+
+from configs import load_config
+from roles.orchestrator.policy import decide, eval_metrics, trains_on
+from roles.orchestrator.state import OrchestratorState
+from schemas import (
+    BatchAssembled,
+    EvalCompleted,
+    Event,
+    MetricsReported,
+    RunStarted,
+    RunStopped,
+    SamplesScored,
+    TaskRequested,
+    WeightsPublished,
+)
+from schemas.run import ObjectRef
+from tests.samples import sample
+
+
+def make(*overrides: str):  # noqa: ANN201
+    cfg = load_config(
+        "smoke",
+        [
+            "orchestrator.batch_size=8", "orchestrator.train.env.0.group_size=4", "orchestrator.max_groups_in_flight=4",
+            "orchestrator.warmup.steps=0", "orchestrator.eval.interval=0", "max_steps=5", *overrides,
+        ],
+    )  # fmt: skip
+    cfg.run = "r"
+    return cfg, OrchestratorState(trains_on=trains_on(cfg))
+
+
+def step(state: OrchestratorState, cfg, event: Event) -> list[Event]:  # noqa: ANN001
+    state.apply(event)
+    return decide(state, cfg, cause=event.event_id)
+
+
+def no_time(events: list[Event]) -> list[Event]:
+    """Events without their (informational) timestamps."""
+    return [msgspec.structs.replace(e, ts_ns=0) for e in events]
+
+
+def started(cfg) -> RunStarted:  # noqa: ANN001
+    return RunStarted(run="r", event_id="start", config=cfg.model_dump(mode="json"), seed=cfg.seed, model_path="m")
+
+
+def scored(req: TaskRequested, rewards: list[float], policy: int = 0, zero: bool = False) -> SamplesScored:
+    samples = [msgspec.structs.replace(sample(f"{req.group_id}-{i}"), group_id=req.group_id, policy_min=policy, policy_max=policy, reward=r) for i, r in enumerate(rewards)]
+    return SamplesScored(
+        run="r", event_id=f"scored-{req.group_id}", algorithm="grpo", env=req.env, group_id=req.group_id,
+        request_id=req.event_id, task_index=req.task.index, step=req.step, samples=samples, rewards=rewards, zero_advantage=zero,
+    )  # fmt: skip
+
+
+def weights(v: int) -> WeightsPublished:
+    return WeightsPublished(run="r", event_id=f"w{v}", version=v, step=v, weights=ObjectRef(kind="object", location=f"weights.v{v}"))
+
+
+def tasks(events: list[Event]) -> list[TaskRequested]:
+    return [e for e in events if isinstance(e, TaskRequested)]
+
+
+def test_dispatch_fills_the_async_window_and_respects_in_flight_bound() -> None:
+    """With async level 1 it asks for two batches of data, but never more groups than allowed in flight."""
+    cfg, state = make("orchestrator.max_async_level=1")
+    out = step(state, cfg, started(cfg))
+    reqs = tasks(out)
+    assert len(reqs) == 4  # two batches need 4 groups of 4; the in-flight bound is also 4
+    assert len({r.group_id for r in reqs}) == 4 and all(r.phase == "rl" and r.model == "policy" for r in reqs)
+
+
+def test_decisions_are_deterministic() -> None:
+    """The same log gives the same decisions and ids (task choice derives from the seed)."""
+    cfg, s1 = make()
+    _, s2 = make()
+    a, b = step(s1, cfg, started(cfg)), step(s2, cfg, started(cfg))
+    assert no_time(a) == no_time(b)
+    assert all(e.causation_id == "start" for e in a)
+
+
+def test_synchronous_mode_waits_for_new_weights() -> None:
+    """max_async_level=0: data for step 2 is requested only after weights v1 exist."""
+    cfg, state = make("orchestrator.max_async_level=0")
+    reqs = tasks(step(state, cfg, started(cfg)))
+    assert len(reqs) == 2
+    out: list[Event] = []
+    for r in reqs:
+        out += step(state, cfg, scored(r, [1.0, 0.0, 1.0, 0.0]))
+    batches = [e for e in out if isinstance(e, BatchAssembled)]
+    assert [b.step for b in batches] == [1] and len(batches[0].samples) == 8
+    assert tasks(out) == []  # nothing more until the trainer catches up
+    more = tasks(step(state, cfg, weights(1)))
+    assert len(more) == 2
+
+
+def test_stale_samples_are_dropped_and_counted() -> None:
+    """Samples older than max_off_policy_steps versions behind the batch's policy never train."""
+    cfg, state = make("orchestrator.max_async_level=3", "orchestrator.max_off_policy_steps=1")
+    reqs = tasks(step(state, cfg, started(cfg)))
+    for v in (1, 2, 3):  # pretend the trainer advanced (e.g. on other data)
+        step(state, cfg, weights(v))
+    state.assembled = 3  # the next batch is step 4, trained from version 3
+    out: list[Event] = []
+    out += step(state, cfg, scored(reqs[0], [1, 0, 1, 0], policy=0))  # staleness 3 > 1: dropped
+    out += step(state, cfg, scored(reqs[1], [1, 0, 1, 0], policy=2))  # staleness 1: kept
+    out += step(state, cfg, scored(reqs[2], [1, 0, 1, 0], policy=3))
+    (batch,) = [e for e in out if isinstance(e, BatchAssembled)]
+    assert batch.step == 4 and batch.dropped_stale == 4
+    assert all((batch.step - 1) - s.policy_min <= 1 for s in batch.samples)
+
+
+def test_zero_advantage_groups_are_skipped_and_stop_the_run_when_persistent() -> None:
+    """Groups without signal are counted, never batched; a long streak stops the run with a reason."""
+    cfg, state = make("orchestrator.max_no_signal_batches=2")
+    reqs = tasks(step(state, cfg, started(cfg)))
+    out: list[Event] = []
+    while not any(isinstance(e, RunStopped) for e in out):
+        r = reqs.pop(0)
+        new = step(state, cfg, scored(r, [1, 1, 1, 1], zero=True))
+        reqs += tasks(new)
+        out += new
+        assert len(out) < 200
+    assert not any(isinstance(e, BatchAssembled) for e in out)
+    (stop,) = [e for e in out if isinstance(e, RunStopped)]
+    assert stop.reason == "no_learning_signal" and "zero advantage" in stop.detail
+    assert state.total_skipped_zero == 4  # 2 batches x 2 groups per batch
+
+
+def test_warm_start_batches_are_sft_from_the_teacher() -> None:
+    """The first warmup.steps batches come from the warmup actor and are phase sft."""
+    cfg, state = make("orchestrator.warmup.steps=1", "orchestrator.models.teacher.kind=teacher", "orchestrator.max_async_level=1")
+    reqs = tasks(step(state, cfg, started(cfg)))
+    assert [r.phase for r in reqs] == ["sft", "sft", "rl", "rl"]
+    assert [r.model for r in reqs] == ["teacher", "teacher", "policy", "policy"]
+    sft = SamplesScored(**{**msgspec.structs.asdict(scored(reqs[0], [1, 1, 1, 1])), "algorithm": "sft", "event_id": "s0"})
+    sft2 = SamplesScored(**{**msgspec.structs.asdict(scored(reqs[1], [1, 1, 1, 1])), "algorithm": "sft", "event_id": "s1"})
+    step(state, cfg, scored(reqs[0], [1, 1, 1, 1], zero=True))  # grpo's view of a teacher group: ignored
+    out = step(state, cfg, sft) + step(state, cfg, sft2)
+    (batch,) = [e for e in out if isinstance(e, BatchAssembled)]
+    assert batch.phase == "sft" and batch.step == 1
+
+
+def test_replaying_the_log_rebuilds_state_and_decides_nothing_new() -> None:
+    """A restarted orchestrator folding the log reproduces every decision (same ids) and no more."""
+    cfg, state = make("orchestrator.max_async_level=1")
+    log: list[Event] = [started(cfg)]
+    log += step(state, cfg, log[0])
+    for r in tasks(log):
+        ev = scored(r, [1, 0, 0, 1])
+        log.append(ev)
+        log += step(state, cfg, ev)
+    fresh_cfg, fresh = make("orchestrator.max_async_level=1")
+    redone: list[Event] = []
+    for e in log:
+        redone += step(fresh, fresh_cfg, e)
+    assert {e.event_id for e in redone} <= {e.event_id for e in log}
+    assert fresh.assembled == state.assembled and fresh.dispatched == state.dispatched
+    assert decide(fresh, fresh_cfg) == []
+    assert no_time(redone) == no_time([e for e in log if e.event_id in {r.event_id for r in redone}])
+
+
+def test_eval_rounds_report_avg_and_pass_at_k_then_the_run_stops() -> None:
+    """Eval at v0 and at max_steps; the stop waits for the final eval's metrics."""
+    cfg, state = make("orchestrator.eval.interval=5", "orchestrator.eval.num_tasks=2", "orchestrator.eval.k=2", "max_steps=1")
+    out = step(state, cfg, started(cfg))
+    evals = [r for r in tasks(out) if r.task.split == "eval"]
+    assert [r.task.index for r in evals] == [0, 1] and all(r.group_size == 2 for r in evals)
+    results = [EvalCompleted(run="r", event_id=f"ec{i}", request_id=r.event_id, env=r.env, step=0, task_index=i, rewards=[1.0, 0.0] if i else [0.0, 0.0]) for i, r in enumerate(evals)]
+    out = step(state, cfg, results[0]) + step(state, cfg, results[1])
+    (metrics,) = [e for e in out if isinstance(e, MetricsReported)]
+    assert metrics.role == "eval" and metrics.values["reverse-text/avg@2"] == 0.25
+    assert metrics.values["reverse-text/pass@2"] == 0.5
+    out = step(state, cfg, weights(1))
+    assert not any(isinstance(e, RunStopped) for e in out)  # final eval still pending
+    final = [r for r in tasks(out) if r.task.split == "eval"]
+    out = []
+    for i, r in enumerate(final):
+        out += step(state, cfg, EvalCompleted(run="r", event_id=f"f{i}", request_id=r.event_id, env=r.env, step=1, task_index=i, rewards=[1.0, 1.0]))
+    (stop,) = [e for e in out if isinstance(e, RunStopped)]
+    assert stop.reason == "max_steps"
+
+
+def test_eval_metrics_skip_pass_at_k_for_non_binary_rewards() -> None:
+    results = [EvalCompleted(run="r", request_id="q", env="e", step=0, task_index=0, rewards=[0.5, 1.0])]
+    m = eval_metrics(results, 2)
+    assert m["e/avg@2"] == 0.75 and "e/pass@2" not in m
