@@ -32,6 +32,17 @@ def run_dir(cfg: RunConfig, run: str) -> Path:
     return Path(cfg.bus.data_dir) / run
 
 
+def policy_model_dir(cfg: RunConfig, run: str) -> Path:
+    """The initial policy weights: ``model.path``, or the tiny model built (once) under the run dir."""
+    if cfg.model.path != "tiny":
+        return Path(cfg.model.path)
+    from roles.model.loading import ensure_tiny_model  # torch-free until a model is built
+
+    sizes = cfg.model.tiny.model_dump()
+    seed = sizes.pop("init_seed")
+    return Path(ensure_tiny_model(run_dir(cfg, run), sizes, seed))
+
+
 def instance_name(role: str, suffix: str | None = None) -> str:
     """A unique, readable role instance id: role[-suffix]-host-pid."""
     host = socket.gethostname().split(".")[0].replace("_", "-")[:16]
@@ -61,6 +72,9 @@ class RoleContext:
     @property
     def run_dir(self) -> Path:
         return run_dir(self.cfg, self.run)
+
+    def model_dir(self) -> Path:
+        return policy_model_dir(self.cfg, self.run)
 
     async def connect(self, producer: str | None = None) -> Bus:
         bus = await Bus.connect(

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats.errors
-
 from bus.consumer import Delivery, Subscription
-from bus.errors import BodyError, DecodeError, PublishError
+from bus.errors import PublishError
+from bus.reader import read_log
 from bus.runtime import Bus
-from bus.subjects import Topic, check_token, durable_name, filter_subject
+from bus.subjects import Topic, check_token, durable_name
 from configs import RunConfig
 from roles.algorithm.base import Algorithm
 from roles.algorithm.registry import create
@@ -46,33 +45,6 @@ def algorithm_spec(cfg: RunConfig, algorithm_id: str) -> tuple[str, dict[str, An
         if spec.id == algorithm_id:
             return spec.name or spec.id, dict(spec.options)
     return algorithm_id, {}
-
-
-async def read_log(
-    bus: Bus, topic: Topic, key: str | None, types: tuple[type, ...], timeout_s: float = 10.0
-) -> AsyncIterator[Any]:
-    """Every event on ``topic`` (one key, or all) stored so far, in stream order."""
-    filt = filter_subject(bus.run, topic, key)
-    info = await bus.js.stream_info(bus.stream, subjects_filter=filt)
-    if not sum((info.state.subjects or {}).values()):
-        return  # nothing to read: do not wait for a message that will never come
-    sub = await bus.js.subscribe(filt, ordered_consumer=True, stream=bus.stream)
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=timeout_s)
-            except (TimeoutError, nats.errors.TimeoutError) as e:
-                raise RuntimeError(f"reading {filt} from the log stalled for {timeout_s}s") from e
-            try:
-                yield await bus.decode_msg(msg, types)
-            except (DecodeError, BodyError) as e:
-                # The durable consumer dead-letters it; the fold just steps over it.
-                bus.log.warning("log.undecodable", subject=msg.subject, error=str(e))
-            if msg.metadata.num_pending == 0:
-                return
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
 
 
 @dataclass
@@ -142,11 +114,13 @@ class AlgorithmWorker(Role):
     async def catch_up(self) -> None:
         """Rebuild the scored set, the algorithm state and the pending groups from the log."""
         folded = 0
-        async for scored in read_log(self.bus, Topic.SAMPLES_SCORED, self.name, (SamplesScored,)):
+        async for scored in read_log(
+            self.bus, [(Topic.SAMPLES_SCORED, self.name)], (SamplesScored,)
+        ):
             self._fold(scored)
             folded += 1
         traces = 0
-        async for event in read_log(self.bus, Topic.TRACE_COMPLETED, None, (TraceCompleted,)):
+        async for event in read_log(self.bus, [(Topic.TRACE_COMPLETED, None)], (TraceCompleted,)):
             traces += 1
             await self._add(event)
         self.log.info(

@@ -121,6 +121,8 @@ def ensure_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=".initial-", dir=target.parent))
     try:
         build_tiny_model(tmp, seed=seed, **(tiny_cfg_kwargs or {}))
+        if all((target / name).exists() for name in _DONE_MARKERS):
+            return target  # another process finished first (same seed, same bytes): keep theirs
         if target.exists():  # a stale partial directory from an older crash
             shutil.rmtree(target)
         tmp.rename(target)

@@ -1,0 +1,148 @@
+"""The contract every inference backend fits: generate, score, load weights, report version.
+
+The inference role (``roles.inference.role``) only ever talks to a ``Backend``. Two
+implementations exist:
+
+- ``roles.inference.torch_backend.TorchBackend`` (default, CPU or one GPU): a
+  ``Batcher`` gathers concurrent requests for ``batch_window_ms`` (up to
+  ``max_batch_size``) and runs one static batch at a time in a worker thread with
+  Hugging Face transformers (left padding, KV cache). A weights swap takes the same
+  lock as a batch, so it lands strictly between two batches.
+- ``roles.inference.vllm_backend.VllmBackend`` (``inference.backend = "vllm"``, needs
+  the ``vllm`` extra and a GPU): vLLM does its own continuous batching, so ``generate``
+  simply submits each request to the async engine. New weights are loaded through
+  vLLM's worker RPC (``collective_rpc``) into the engine's model runner
+  (``model_runner.model.load_weights(...)``) from a safetensors file written next to the
+  run; admission is paused and in-flight requests drained first, so no request ever
+  sees two weight versions ("between batches" for an engine that has no batches).
+
+Rules every backend keeps:
+
+- ``generate``/``score`` take a list and answer a list of the same length and order;
+  a request that cannot be served gets an ``InferenceFailed`` in its slot (never an
+  exception for one bad request): ``context_too_long`` when the prompt leaves no room
+  for one completion token in ``max_model_len``, ``bad_request`` for invalid ids or
+  sampling parameters;
+- every result carries the ``policy_version`` of the weights that produced all of it;
+- ``load_weights`` verifies ``digest`` before touching the model (a mismatch raises
+  ``roles.model.weights.WeightsDigestMismatch`` and the old weights keep serving) and
+  sets ``policy_version = version`` atomically with the swap;
+- logprobs are of the sampled token under the distribution actually sampled from
+  (see ``roles.inference.sampling``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from roles.inference.sampling import validate
+from schemas import (
+    GenerateRequest,
+    GenerateResult,
+    InferenceFailed,
+    ScoreRequest,
+    ScoreResult,
+    arrays,
+)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the inference role needs from an engine."""
+
+    name: str
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights now serving (0 = the initial weights)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + completion the model accepts, in tokens."""
+        ...
+
+    async def generate(self, reqs: list[GenerateRequest]) -> list[GenerateResult | InferenceFailed]:
+        """Complete each prompt; answers in request order."""
+        ...
+
+    async def score(self, reqs: list[ScoreRequest]) -> list[ScoreResult | InferenceFailed]:
+        """Logprobs of ``token_ids[start:]`` under the model (prefill only)."""
+        ...
+
+    async def load_weights(self, data: bytes, digest: str, version: int) -> None:
+        """Verify ``data`` against ``digest``, then swap it in between batches."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters (requests, tokens, batches...) for metrics."""
+        ...
+
+    async def close(self) -> None:
+        """Finish queued work and release the engine."""
+        ...
+
+
+# -- request checks shared by every backend (pure) ----------------------------------------
+
+
+def _failed(req: GenerateRequest | ScoreRequest, kind: str, message: str) -> InferenceFailed:
+    return InferenceFailed(request_id=req.request_id, kind=kind, message=message)
+
+
+def _token_ids(buf: bytes, what: str, vocab_size: int) -> list[int] | str:
+    if len(buf) % 4:
+        return f"{what} is not int32 ({len(buf)} bytes)"
+    ids = arrays.i32(buf).tolist()
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        return f"{what} has a token id outside [0, {vocab_size})"
+    return ids
+
+
+def admit_generate(
+    req: GenerateRequest, *, vocab_size: int, max_model_len: int
+) -> tuple[list[int], int] | InferenceFailed:
+    """(prompt ids, completion budget) for a servable request, else why it is not.
+
+    The budget is ``max_completion_tokens`` clamped so prompt + completion fits
+    ``max_model_len``; a prompt that leaves no room for one token is ``context_too_long``.
+    """
+    prompt = _token_ids(req.prompt_ids, "prompt_ids", vocab_size)
+    if isinstance(prompt, str):
+        return _failed(req, "bad_request", prompt)
+    if not prompt:
+        return _failed(req, "bad_request", "empty prompt")
+    s = req.sampling
+    bad = validate(s.temperature, s.top_k, s.top_p)
+    if bad is not None:
+        return _failed(req, "bad_request", bad)
+    if len(prompt) > max_model_len - 1:
+        return _failed(
+            req,
+            "context_too_long",
+            f"prompt has {len(prompt)} tokens; the model takes {max_model_len} in all, "
+            "including at least one completion token",
+        )
+    return prompt, min(max(0, s.max_completion_tokens), max_model_len - len(prompt))
+
+
+def admit_score(
+    req: ScoreRequest, *, vocab_size: int, max_model_len: int
+) -> list[int] | InferenceFailed:
+    """The token ids of a servable score request, else why it is not."""
+    ids = _token_ids(req.token_ids, "token_ids", vocab_size)
+    if isinstance(ids, str):
+        return _failed(req, "bad_request", ids)
+    if not 1 <= req.start <= len(ids):
+        return _failed(
+            req,
+            "bad_request",
+            f"start must be in [1, {len(ids)}] for {len(ids)} tokens, got {req.start}",
+        )
+    if not req.temperature >= 0:
+        return _failed(req, "bad_request", f"temperature must be >= 0, got {req.temperature}")
+    if len(ids) > max_model_len:
+        return _failed(
+            req, "context_too_long", f"{len(ids)} tokens; the model takes at most {max_model_len}"
+        )
+    return ids

@@ -1,0 +1,173 @@
+"""Gather concurrent requests into batches and run each batch in a worker thread.
+
+Requests arrive one per RPC task. The first request to arrive opens a window of
+``batch_window_ms``; everything that arrives before it closes (up to ``max_batch_size``)
+runs as ONE batch via ``asyncio.to_thread``, so the event loop keeps receiving requests
+(and heartbeats) while the model computes. Requests that queued up while a batch ran
+start the next batch at once: their window has long expired.
+
+Batches run one at a time under ``lock``. Anything else that must not overlap a batch
+(a weights swap) takes the same lock, and therefore happens between two batches, never
+in the middle of one. asyncio.Lock is fair (FIFO), so a swap waits for at most the
+running batch.
+
+    batcher = Batcher(run_batch, max_batch_size=64, batch_window_ms=5)
+    result = await batcher.submit(request)    # from many tasks at once
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# run_batch(items, queue_s) -> one result per item, in order; queue_s[i] is how long
+# item i waited between submit and the start of its batch.
+RunBatch = Callable[[list[T], list[float]], Sequence[R]]
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher was closed before this request ran."""
+
+
+@dataclass
+class BatchStats:
+    """Cumulative counters (read by metrics; written only by the batch loop)."""
+
+    batches: int = 0
+    items: int = 0
+    largest_batch: int = 0
+    busy_s: float = 0.0  # time spent running batches
+    queue_s: float = 0.0  # summed waiting time of all items
+    sizes: list[int] = field(default_factory=list)  # last few batch sizes, for debugging
+
+    def record(self, size: int, busy_s: float, queue_s: float) -> None:
+        self.batches += 1
+        self.items += size
+        self.largest_batch = max(self.largest_batch, size)
+        self.busy_s += busy_s
+        self.queue_s += queue_s
+        self.sizes = [*self.sizes[-31:], size]
+
+
+@dataclass
+class _Pending(Generic[T, R]):
+    item: T
+    enqueued: float
+    future: asyncio.Future[R]
+
+
+class Batcher(Generic[T, R]):
+    def __init__(
+        self,
+        run_batch: RunBatch[T, R],
+        *,
+        max_batch_size: int = 64,
+        batch_window_ms: float = 5.0,
+        lock: asyncio.Lock | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self._run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.window_s = max(0.0, batch_window_ms) / 1000.0
+        self.lock = lock or asyncio.Lock()
+        self.stats = BatchStats()
+        self._pending: deque[_Pending[T, R]] = deque()
+        self._arrived = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- submitting ---------------------------------------------------------------------
+
+    async def submit(self, item: T) -> R:
+        return (await self.submit_many([item]))[0]
+
+    async def submit_many(self, items: Sequence[T]) -> list[R]:
+        """Queue ``items`` (they may land in different batches) and await their results."""
+        if self._closed:
+            raise BatcherClosed("batcher is closed")
+        self._ensure_running()
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()
+        pending = [_Pending(item, now, loop.create_future()) for item in items]
+        self._pending.extend(pending)
+        self._idle.clear()
+        self._arrived.set()
+        return list(await asyncio.gather(*(p.future for p in pending)))
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop(), name="batcher")
+
+    # -- the loop -----------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            while not self._pending:
+                self._idle.set()
+                self._arrived.clear()
+                await self._arrived.wait()
+            await self._fill_window()
+            n = min(len(self._pending), self.max_batch_size)
+            batch = [self._pending.popleft() for _ in range(n)]
+            await self._run(batch)
+
+    async def _fill_window(self) -> None:
+        """Wait until the oldest request's window closes or the batch is full."""
+        deadline = self._pending[0].enqueued + self.window_s
+        while len(self._pending) < self.max_batch_size:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._arrived.wait()
+
+    async def _run(self, batch: list[_Pending[T, R]]) -> None:
+        live = [p for p in batch if not p.future.done()]  # a cancelled caller needs no answer
+        if not live:
+            return
+        async with self.lock:
+            start = time.perf_counter()
+            waited = [start - p.enqueued for p in live]
+            try:
+                results = await asyncio.to_thread(self._run_batch, [p.item for p in live], waited)
+                if len(results) != len(live):
+                    raise RuntimeError(f"batch returned {len(results)} results for {len(live)}")
+            except Exception as e:  # noqa: BLE001 - every caller of the batch gets the error
+                for p in live:
+                    if not p.future.done():
+                        p.future.set_exception(e)
+                return
+            finally:
+                self.stats.record(len(live), time.perf_counter() - start, sum(waited))
+        for p, r in zip(live, results, strict=True):
+            if not p.future.done():
+                p.future.set_result(r)
+
+    # -- shutting down ------------------------------------------------------------------
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Refuse new requests, finish the queued ones (up to ``timeout_s``), then stop."""
+        self._closed = True
+        if self._task is not None and not self._task.done():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._idle.wait()
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        while self._pending:
+            p = self._pending.popleft()
+            if not p.future.done():
+                p.future.set_exception(BatcherClosed("batcher closed before the request ran"))

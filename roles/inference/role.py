@@ -1,0 +1,411 @@
+"""The inference role: serve one model's generate/score requests, follow published weights.
+
+    rlbus role inference --run demo                 # the policy (follows weights.published)
+    rlbus role inference --run demo --model teacher # a key of orchestrator.models (frozen)
+
+Requests are core NATS request/reply on ``infer_subject(run, model)`` in the queue group
+``infer_queue(model)``: every replica of a model joins the group and NATS spreads the
+requests. Each request is handled in its own task and handed to the backend, whose
+batcher turns concurrent requests into batches. Nothing here is stored on the stream:
+each trace records what inference answered (tokens, logprobs, policy version).
+
+Which weights: the policy loads ``model.path`` ("tiny" = the locally built tiny model
+under the run directory); a key of ``orchestrator.models`` loads its ``path`` (or the
+base ``model.path`` when unset) and never changes. The policy replica follows
+``weights.published``: at start it loads the newest announcement on the stream, then
+an ordered consumer (DeliverPolicy.LAST, NATS_NOTES #11) delivers new ones; the bytes
+come from the object store (``kind == "object"``) or a shared path (``kind == "path"``),
+the digest is verified, and the swap happens between batches. Announcements that pile
+up while a load runs collapse to the newest. A bad announcement (wrong digest, missing
+object, other shape) is logged as ``weights.rejected`` and the old weights keep serving.
+
+Every ``metrics_interval_s`` (10 s) with traffic it logs ``inference.throughput`` and
+publishes ``MetricsReported(role="inference")``: tokens/s, requests/s, mean batch size,
+mean queue time. The heartbeat carries ``policy_version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as NatsSubscription
+from nats.js.api import DeliverPolicy
+
+from bus import rpc
+from bus.log import get_logger
+from bus.offload import BodyStore
+from bus.runtime import Bus
+from bus.subjects import Topic, infer_queue, infer_subject, subject
+from configs import POLICY, ConfigError, RunConfig
+from roles.base import Role, serve_role
+from roles.context import RoleContext
+from roles.inference.backend import Backend
+from schemas import (
+    GenerateRequest,
+    InferenceFailed,
+    MetricsReported,
+    ObjectRef,
+    ScoreRequest,
+    WeightsPublished,
+)
+
+TINY = "tiny"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What one inference process serves, resolved from the config."""
+
+    key: str  # "policy" or a key of orchestrator.models
+    subject_model: str  # the model token of the subject it answers on
+    path: str  # "tiny", a local directory, or a cached hub id
+    follows_weights: bool  # only the policy picks up weights.published
+
+
+def resolve_served_model(cfg: RunConfig, model: str) -> ServedModel:
+    """Map ``--model`` to weights and subject; an unknown key fails naming the config key."""
+    if model == POLICY:
+        return ServedModel(POLICY, POLICY, cfg.model.path, follows_weights=True)
+    endpoint = cfg.orchestrator.models.get(model)
+    if endpoint is None:
+        raise ConfigError(
+            f"inference --model {model!r}: not {POLICY!r} and not a key of "
+            f"`orchestrator.models` (declared: {sorted(cfg.orchestrator.models) or 'none'})"
+        )
+    # No path = the frozen base weights of the policy (`model.path`), never updated.
+    return ServedModel(
+        model, endpoint.subject_model or model, endpoint.path or cfg.model.path, False
+    )
+
+
+def materialize(cfg: RunConfig, path: str, run_dir: Path) -> str:
+    """A loadable model location: "tiny" builds (once) the run's tiny model."""
+    if path != TINY:
+        return path
+    from roles.model.loading import ensure_tiny_model
+
+    tiny = cfg.model.tiny
+    sizes = tiny.model_dump(exclude={"init_seed"})
+    return str(ensure_tiny_model(run_dir, sizes, seed=tiny.init_seed))
+
+
+async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
+    """The backend ``inference.backend`` names, with the model loaded."""
+    inf = cfg.inference
+    if inf.backend == "vllm":
+        from roles.inference.vllm_backend import VllmBackend
+
+        return VllmBackend(path, dtype=cfg.model.dtype, weights_dir=weights_dir, seed=cfg.seed)
+    from roles.inference.torch_backend import TorchBackend
+
+    return await asyncio.to_thread(
+        TorchBackend.from_path,
+        path,
+        device=inf.device,
+        dtype=cfg.model.dtype,
+        local_files_only=cfg.model.local_files_only,
+        max_batch_size=inf.max_batch_size,
+        batch_window_ms=inf.batch_window_ms,
+    )
+
+
+async def read_latest_weights(bus: Bus) -> WeightsPublished | None:
+    """The newest ``weights.published`` event of the run, or None before the first."""
+    try:
+        msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.WEIGHTS_PUBLISHED))
+    except nats.js.errors.NotFoundError:
+        return None
+    event: WeightsPublished = await bus.decode_msg(msg, [WeightsPublished])
+    return event
+
+
+async def fetch_weights(bus: Bus, ref: ObjectRef) -> bytes:
+    """The announced bytes (object store reads verify the digest on the way)."""
+    if ref.kind == "object":
+        return await BodyStore(bus.js, ref.bucket or bus.objects.bucket).get(
+            ref.location, ref.digest
+        )
+    if ref.kind == "path":
+        return await asyncio.to_thread(Path(ref.location).read_bytes)
+    raise ValueError(f"unknown weights location kind {ref.kind!r} (expected 'object' or 'path')")
+
+
+def peek_request_id(data: bytes) -> str:
+    """The request id of an undecodable request, if its bytes still show one."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return ""
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) else ""
+
+
+class InferenceRole(Role):
+    """Answers ``infer.<model>`` requests through a batching backend; follows new weights."""
+
+    role = "inference"
+
+    def __init__(
+        self,
+        bus: Bus,
+        instance: str,
+        cfg: RunConfig,
+        *,
+        model: str = POLICY,
+        run_dir: Path,
+        metrics_interval_s: float = 10.0,
+        heartbeat_interval_s: float | None = None,
+    ) -> None:
+        super().__init__(bus, instance, heartbeat_interval_s or cfg.bus.heartbeat_interval_s)
+        self.cfg = cfg
+        self.served = resolve_served_model(cfg, model)
+        self.run_dir = Path(run_dir)
+        self.metrics_interval_s = metrics_interval_s
+        self.log = get_logger(run=bus.run, role=self.role, instance=instance, model=model)
+        self.backend: Backend | None = None
+        self.ready = asyncio.Event()  # set once the model is loaded and requests are served
+        self.weights_loaded = 0
+        self.weights_rejected = 0
+        self.last_weights_error: str | None = None
+        self._rpc: NatsSubscription | None = None
+        self._next_weights: WeightsPublished | None = None
+        self._weights_arrived = asyncio.Event()
+        self._rejected: set[str] = set()  # event ids already refused: not retried
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        path = await asyncio.to_thread(materialize, self.cfg, self.served.path, self.run_dir)
+        weights_dir = self.run_dir / "inference" / self.instance
+        self.backend = await make_backend(self.cfg, path, weights_dir)
+        if self.served.follows_weights:
+            latest = await read_latest_weights(self.bus)
+            if latest is not None:
+                await self._apply_weights(latest)
+        model = self.served.subject_model
+        self._rpc = await rpc.serve(
+            self.bus.nc,
+            infer_subject(self.run, model),
+            infer_queue(model),
+            [GenerateRequest, ScoreRequest],
+            self._answer,
+            on_bad_request=self._bad_request,
+        )
+        await self.bus.nc.flush()  # the server knows the subscription before we say ready
+        self.ready.set()
+        self.log.info(
+            "inference.serving",
+            path=path,
+            backend=self.backend.name,
+            policy_version=self.backend.policy_version,
+            max_model_len=self.backend.max_model_len,
+        )
+
+    def background(self) -> list[Any]:
+        tasks = [self._report_metrics()]
+        if self.served.follows_weights:
+            tasks.append(self._follow_weights())
+        return tasks
+
+    async def teardown(self) -> None:
+        if self._rpc is not None:
+            with contextlib.suppress(Exception):
+                await self._rpc.unsubscribe()
+        if self.backend is not None:
+            await self.backend.close()  # answers what was queued
+            await asyncio.sleep(0.05)  # let the answering tasks send their replies
+            with contextlib.suppress(Exception):
+                await self.bus.nc.flush(timeout=2)
+
+    async def status(self) -> dict[str, object]:
+        if self.backend is None:
+            return {"info": {"model": self.served.key, "state": "loading"}}
+        return {
+            "policy_version": self.backend.policy_version,
+            "info": {
+                "model": self.served.key,
+                "subject_model": self.served.subject_model,
+                "backend": self.backend.name,
+                "weights_rejected": str(self.weights_rejected),
+            },
+        }
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def _answer(self, req: GenerateRequest | ScoreRequest) -> Any:
+        assert self.backend is not None  # serving starts after setup loaded it
+        try:
+            if isinstance(req, GenerateRequest):
+                return (await self.backend.generate([req]))[0]
+            return (await self.backend.score([req]))[0]
+        except Exception as e:  # noqa: BLE001 - a reply beats a client timeout
+            self.log.error("inference.failed", request_id=req.request_id, error=repr(e))
+            return InferenceFailed(
+                request_id=req.request_id, kind="internal", message=repr(e)[:500]
+            )
+
+    def _bad_request(self, data: bytes, error: Exception) -> InferenceFailed:
+        return InferenceFailed(
+            request_id=peek_request_id(data), kind="bad_request", message=str(error)[:500]
+        )
+
+    # -- weights ------------------------------------------------------------------------
+
+    async def _follow_weights(self) -> None:
+        """Ordered consumer on weights.published; loads only the newest pending version."""
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                event = await self.bus.decode_msg(msg, [WeightsPublished])
+            except Exception as e:  # noqa: BLE001 - one bad event must not stop following
+                self.log.error("weights.undecodable", error=repr(e))
+                return
+            pending = self._next_weights.version if self._next_weights else -1
+            if event.event_id in self._rejected:
+                return
+            if event.version > max(self._serving_version(), pending):
+                self._next_weights = event
+                self._weights_arrived.set()
+
+        sub = await self.bus.js.subscribe(
+            subject(self.run, Topic.WEIGHTS_PUBLISHED),
+            stream=self.bus.stream,
+            cb=on_msg,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST,
+        )
+        try:
+            while await _wait_either(self._weights_arrived, self.stop_event):
+                self._weights_arrived.clear()
+                event, self._next_weights = self._next_weights, None
+                if event is not None and event.version > self._serving_version():
+                    await self._apply_weights(event)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _serving_version(self) -> int:
+        return self.backend.policy_version if self.backend is not None else 0
+
+    async def _apply_weights(self, event: WeightsPublished) -> bool:
+        assert self.backend is not None
+        previous = self.backend.policy_version
+        started = time.perf_counter()
+        try:
+            if event.format != "safetensors":
+                raise ValueError(f"unsupported weights format {event.format!r}")
+            data = await fetch_weights(self.bus, event.weights)
+            await self.backend.load_weights(data, event.weights.digest, event.version)
+        except Exception as e:  # noqa: BLE001 - bad weights are refused, serving goes on
+            self.weights_rejected += 1
+            self._rejected.add(event.event_id)
+            self.last_weights_error = f"{type(e).__name__}: {e}"
+            self.log.error(
+                "weights.rejected",
+                version=event.version,
+                event_id=event.event_id,
+                serving=previous,
+                error=self.last_weights_error[:500],
+            )
+            return False
+        self.weights_loaded += 1
+        self.log.info(
+            "weights.swapped",
+            version=event.version,
+            previous=previous,
+            digest=event.weights.digest,
+            bytes=len(data),
+            load_s=round(time.perf_counter() - started, 4),
+        )
+        return True
+
+    # -- metrics ------------------------------------------------------------------------
+
+    async def _report_metrics(self) -> None:
+        prev: dict[str, float] = {}
+        prev_t = time.perf_counter()
+        while not await _wait_stop(self.stop_event, self.metrics_interval_s):
+            if self.backend is None:
+                continue
+            now, cur = time.perf_counter(), self.backend.stats()
+            values = throughput(prev, cur, now - prev_t)
+            prev, prev_t = cur, now
+            if values is None:
+                continue  # no traffic: nothing worth a stored event
+            version = self.backend.policy_version
+            self.log.info("inference.throughput", policy_version=version, **values)
+            try:
+                await self.bus.publish(
+                    MetricsReported(
+                        run=self.run,
+                        role=self.role,
+                        step=version,
+                        values=values,
+                        policy_version=version,
+                    )
+                )
+            except Exception as e:  # noqa: BLE001 - metrics are best effort
+                self.log.warning("metrics.publish_failed", error=repr(e))
+
+
+def throughput(prev: dict[str, float], cur: dict[str, float], dt: float) -> dict[str, float] | None:
+    """Rates over one interval from two cumulative ``Backend.stats()``; None when idle."""
+
+    def delta(key: str) -> float:
+        return cur.get(key, 0.0) - prev.get(key, 0.0)
+
+    requests = delta("generate_requests") + delta("score_requests")
+    if requests <= 0 or dt <= 0:
+        return None
+    values = {
+        "tokens_per_s": delta("completion_tokens") / dt,
+        "prompt_tokens_per_s": delta("prompt_tokens") / dt,
+        "requests_per_s": requests / dt,
+        "failed_requests": delta("failed_requests"),
+    }
+    if (batches := delta("batches")) > 0:
+        items = delta("batched_items")
+        values["batch_size_mean"] = items / batches
+        values["queue_s_mean"] = delta("queue_s") / max(items, 1.0)
+        values["busy_frac"] = delta("busy_s") / dt
+    return values
+
+
+async def _wait_either(event: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Wait for ``event`` or ``stop``; True when ``event`` fired and we are not stopping."""
+    if not event.is_set() and not stop.is_set():
+        waiters = [asyncio.create_task(event.wait()), asyncio.create_task(stop.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+    return not stop.is_set()
+
+
+async def _wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:
+    """Sleep up to ``timeout_s``; True as soon as ``stop`` is set."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await stop.wait()
+    return stop.is_set()
+
+
+async def main(ctx: RoleContext, model: str = POLICY) -> None:
+    """``rlbus role inference``: serve ``model`` until SIGTERM."""
+    bus = await ctx.connect()
+    try:
+        role = InferenceRole(bus, ctx.instance, ctx.cfg, model=model, run_dir=ctx.run_dir)
+    except BaseException:
+        await bus.close()
+        raise
+    await serve_role(role)

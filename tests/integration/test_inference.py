@@ -1,0 +1,221 @@
+"""The inference role against a real nats-server: batching, replicas, weights, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from bus import codec
+from bus.registry import list_roles
+from bus.runtime import Bus, BusSettings
+from bus.server import EmbeddedServer
+from bus.subjects import Topic, infer_subject, subject
+from configs import ConfigError, RunConfig, load_config
+from roles.base import serve_role
+from roles.clients import InferenceClient
+from roles.inference.role import InferenceRole, resolve_served_model
+from roles.model.loading import load_model
+from roles.model.tiny import build_tiny_model
+from roles.model.weights import state_dict_to_bytes
+from schemas import (
+    GenerateResult,
+    InferenceFailed,
+    MetricsReported,
+    ObjectRef,
+    SamplingParams,
+    ScoreResult,
+    WeightsPublished,
+)
+from schemas.arrays import f32, i32
+
+pytestmark = pytest.mark.nats
+
+GREEDY = SamplingParams(temperature=0.0, max_completion_tokens=8)
+PROMPT = [5, 40, 41, 42, 8, 6]  # <|user|> + 3 chars + <|end|><|assistant|>
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0)
+
+
+@pytest.fixture(scope="module")
+def perturbed_weights(tiny_path: Path) -> bytes:
+    """The tiny model with every matrix re-drawn (seeded): greedy outputs change."""
+    model = load_model(tiny_path)
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 2.0 / p.shape[1] ** 0.5)
+    return state_dict_to_bytes(model)
+
+
+def _cfg(tiny_path: Path) -> RunConfig:
+    return load_config(
+        "smoke", [f"model.path={tiny_path}", "inference.device=cpu", "inference.batch_window_ms=30"]
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_role(
+    server: EmbeddedServer, run: str, cfg: RunConfig, run_dir: Path, name: str
+) -> AsyncIterator[InferenceRole]:
+    """One replica served in-process (its own connection, as a real process would have)."""
+    rbus = await Bus.connect(server.url, run=run, producer=name, settings=BusSettings())
+    role = InferenceRole(
+        rbus, name, cfg, run_dir=run_dir, metrics_interval_s=0.5, heartbeat_interval_s=0.5
+    )
+    task = asyncio.create_task(serve_role(role, install_signals=False))
+    ready = asyncio.create_task(role.ready.wait())
+    await asyncio.wait({task, ready}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        ready.cancel()
+        task.result()  # raises what setup raised
+    assert role.ready.is_set(), "inference role did not become ready"
+    try:
+        yield role
+    finally:
+        role.request_stop()
+        await asyncio.wait_for(task, 30)
+
+
+async def _generate(
+    client: InferenceClient, rid: str, prompt: list[int] = PROMPT
+) -> GenerateResult:
+    res = await client.generate("policy", rid, prompt, GREEDY)
+    assert isinstance(res, GenerateResult), res
+    return res
+
+
+async def _publish_weights(bus: Bus, version: int, data: bytes, digest: str | None = None) -> None:
+    name = f"weights.v{version}"
+    real = await bus.objects.put(name, data)
+    ref = ObjectRef(kind="object", location=name, bucket=bus.objects.bucket, size=len(data), digest=digest or real)  # fmt: skip
+    await bus.publish(WeightsPublished(run=bus.run, version=version, step=version, weights=ref))
+
+
+async def _until(predicate, timeout_s: float = 20.0) -> None:  # noqa: ANN001
+    async with asyncio.timeout(timeout_s):
+        while not await predicate():
+            await asyncio.sleep(0.05)
+
+
+async def test_concurrent_requests_are_batched_across_two_replicas(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path
+) -> None:
+    """Concurrent requests are all answered, in batches >1, by both replicas of the group."""
+    cfg = _cfg(tiny_path)
+    client = InferenceClient(bus, timeout_s=30)
+    async with (
+        running_role(nats_server, bus.run, cfg, tmp_path, "inf-a") as a,
+        running_role(nats_server, bus.run, cfg, tmp_path, "inf-b") as b,
+    ):
+        prompts = [PROMPT[:-1] + [40 + i % 7] + PROMPT[-1:] for i in range(40)]
+        results = await asyncio.gather(
+            *(_generate(client, f"r{i}", p) for i, p in enumerate(prompts))
+        )
+        score = await client.score("policy", "s", PROMPT, start=2)
+        stats = [a.backend.stats(), b.backend.stats()]  # type: ignore[union-attr]
+    assert sorted(r.request_id for r in results) == sorted(f"r{i}" for i in range(40))
+    assert all(r.policy_version == 0 and len(i32(r.completion_ids)) >= 1 for r in results)
+    assert all(len(f32(r.logprobs)) == len(i32(r.completion_ids)) for r in results)
+    assert isinstance(score, ScoreResult) and len(f32(score.logprobs)) == len(PROMPT) - 2
+    assert sum(s["generate_requests"] for s in stats) == 40
+    assert all(s["generate_requests"] > 0 for s in stats), stats  # both replicas served
+    assert max(s["largest_batch"] for s in stats) > 1  # requests were batched
+
+
+async def test_weights_follow_published_events_and_bad_ones_are_refused(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path, perturbed_weights: bytes
+) -> None:
+    """weights.published mid-stream changes version and outputs; a bad digest changes nothing."""
+    cfg = _cfg(tiny_path)
+    client = InferenceClient(bus, timeout_s=30)
+    with capture_logs() as logs:
+        async with running_role(nats_server, bus.run, cfg, tmp_path, "inf-a") as a:
+            before = await _generate(client, "v0")
+            assert before.policy_version == 0
+
+            await _publish_weights(bus, 1, perturbed_weights)
+
+            async def on_v1() -> bool:
+                return (await _generate(client, "poll")).policy_version == 1
+
+            await _until(on_v1)
+            after = await _generate(client, "v1")
+            assert after.completion_ids != before.completion_ids
+
+            # A replica started now loads the newest weights before it answers anything.
+            async with running_role(nats_server, bus.run, cfg, tmp_path, "inf-b") as b:
+                assert b.backend is not None and b.backend.policy_version == 1
+
+                await _publish_weights(bus, 2, perturbed_weights[::-1], digest="sha256:" + "0" * 64)
+
+                async def both_refused() -> bool:
+                    return a.weights_rejected == 1 and b.weights_rejected == 1
+
+                await _until(both_refused)
+                still = await _generate(client, "v1-again")
+            assert still.policy_version == 1 and still.completion_ids == after.completion_ids
+
+            async def metrics_published() -> bool:
+                try:
+                    msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.METRICS_REPORTED, "inference"))  # fmt: skip
+                except Exception:  # noqa: BLE001 - not published yet
+                    return False
+                m = await bus.decode_msg(msg, [MetricsReported])
+                return m.role == "inference" and m.values.get("tokens_per_s", 0) > 0
+
+            await _until(metrics_published)
+    rejected = [e for e in logs if e["event"] == "weights.rejected"]
+    assert rejected and all(e["log_level"] == "error" and e["version"] == 2 for e in rejected)
+    assert "sha256:" + "0" * 64 in rejected[0]["error"]
+
+
+async def test_bad_and_too_long_requests_get_typed_failures(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path
+) -> None:
+    """A too-long prompt answers context_too_long; undecodable bytes answer bad_request."""
+    cfg = _cfg(tiny_path)
+    client = InferenceClient(bus, timeout_s=30)
+    async with running_role(nats_server, bus.run, cfg, tmp_path, "inf-a") as role:
+        too_long = await client.generate("policy", "long", [10] * 300, GREEDY)
+        subj = infer_subject(bus.run, "policy")
+        garbage = await bus.nc.request(subj, b"\x00not msgpack", timeout=10)
+        wrong = msgspec.msgpack.encode({"type": "generate/1", "request_id": "w", "prompt_ids": 5})
+        wrong_type = await bus.nc.request(subj, wrong, timeout=10)
+        ok = await _generate(client, "ok")
+        heartbeats = await list_roles(bus.js, bus.run)
+    assert isinstance(too_long, InferenceFailed) and too_long.kind == "context_too_long"
+    replies = [codec.decode(m.data, (InferenceFailed,)) for m in (garbage, wrong_type)]
+    assert [r.kind for r in replies] == ["bad_request", "bad_request"]
+    assert replies[1].request_id == "w"
+    assert ok.policy_version == 0
+    assert role.backend is not None
+    stats = role.backend.stats()
+    assert (stats["generate_requests"], stats["failed_requests"]) == (1, 1)
+    (hb,) = [h for h in heartbeats if h.role == "inference"]
+    assert hb.policy_version == 0
+
+
+def test_served_model_comes_from_the_config(tiny_path: Path) -> None:
+    """policy follows weights at model.path; an orchestrator.models key is frozen; others fail."""
+    cfg = load_config(
+        "smoke", [f"model.path={tiny_path}", "orchestrator.models.ref.path=/models/ref"]
+    )
+    policy = resolve_served_model(cfg, "policy")
+    assert (policy.path, policy.follows_weights) == (str(tiny_path), True)
+    ref = resolve_served_model(cfg, "ref")
+    assert (ref.path, ref.subject_model, ref.follows_weights) == ("/models/ref", "ref", False)
+    teacher = resolve_served_model(cfg, "teacher")  # no path: the frozen base weights
+    assert (teacher.path, teacher.follows_weights) == (str(tiny_path), False)
+    with pytest.raises(ConfigError, match="orchestrator.models"):
+        resolve_served_model(cfg, "nobody")
