@@ -43,4 +43,8 @@ class BodyError(BusError):
 
 
 class RequestTimeout(BusError):
-    pass
+    """Nobody answered a request in time."""
+
+
+class NoResponders(RequestTimeout):
+    """Nobody is subscribed to answer (e.g. the inference role is still starting)."""

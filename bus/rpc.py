@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from bus import codec
-from bus.errors import DecodeError, RequestTimeout
+from bus.errors import DecodeError, NoResponders, RequestTimeout
 from bus.log import get_logger
 
 log = get_logger()
@@ -64,5 +64,5 @@ async def request(
     except (TimeoutError, nats.errors.TimeoutError) as e:
         raise RequestTimeout(f"no reply on {subject} within {timeout_s}s") from e
     except nats.errors.NoRespondersError as e:
-        raise RequestTimeout(f"no responders on {subject}") from e
+        raise NoResponders(f"no responders on {subject}") from e
     return codec.decode(msg.data, tuple(reply_types))

@@ -103,6 +103,12 @@ def check_token(value: str, what: str = "name") -> str:
     return value
 
 
+def token_for(name: str) -> str:
+    """A subject-safe token for a free-form name (an env import path ``pkg.mod:make``):
+    anything but letters, digits, ``-`` and ``_`` becomes ``-``; at most 40 characters."""
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:40]
+
+
 def stream_name(run: str) -> str:
     return f"RL_{check_token(run, 'run id')}"
 

@@ -85,7 +85,8 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     heartbeat.start()
     role.log.info("role.started")
     tasks = [asyncio.create_task(c.run(role.stop_event)) for c in role.consumers]
-    tasks += [asyncio.ensure_future(a) for a in role.background()]
+    background = [asyncio.ensure_future(a) for a in role.background()]
+    tasks += background
     stopper = asyncio.create_task(role.stop_event.wait())
     try:
         waiting: set[asyncio.Future[Any]] = {*tasks, stopper}
@@ -98,6 +99,11 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     finally:
         role.log.info("role.draining")
         role.stop_event.set()
+        # Consumers drain on their own; background loops get a moment to notice the stop
+        # event, then are cancelled so a loop that does not watch it cannot hang the exit.
+        await asyncio.wait([*background], timeout=2.0) if background else None
+        for t in background:
+            t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         stopper.cancel()
         await role.teardown()

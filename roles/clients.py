@@ -35,6 +35,7 @@ class InferenceClient:
         sampling: SamplingParams,
         stop_token_ids: Sequence[int] = (),
         seed: int = 0,
+        env: str | None = None,
     ) -> GenerateResult | InferenceFailed:
         """Raises ``bus.errors.RequestTimeout`` when no replica answers in time."""
         req = GenerateRequest(
@@ -43,6 +44,7 @@ class InferenceClient:
             sampling=sampling,
             stop_token_ids=list(stop_token_ids),
             seed=seed,
+            env=env,
         )
         reply: GenerateResult | InferenceFailed = await rpc.request(
             self.bus.nc,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from roles.cli import core, model, role
+from roles.cli.rollout import rollout
 
 app = typer.Typer(
     name="rlbus",
@@ -19,6 +20,7 @@ app = typer.Typer(
     add_completion=False,
 )
 core.register(app)
+app.command("rollout")(rollout)
 
 
 @app.callback()

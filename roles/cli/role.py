@@ -13,6 +13,7 @@ from typing import Any
 
 import typer
 
+from bus.subjects import token_for
 from roles.cli.common import run_async, server_for
 
 app = typer.Typer(help="Run one role process (attach it to a live run).", no_args_is_help=True)
@@ -60,7 +61,7 @@ def env(
     env: str = typer.Option(..., "--env", "-e", help="Environment id (built-in name or module:function)."),
 ) -> None:  # fmt: skip
     """Run rollouts of one environment (replicas share one durable consumer)."""
-    _start("roles.env.server:main", "env", run, nats_url, config, _slug(env), env=env)
+    _start("roles.env.server:main", "env", run, nats_url, config, token_for(env), env=env)
 
 
 @app.command("teacher")
@@ -91,7 +92,3 @@ def orchestrator(run: str = RUN, nats_url: str | None = URL, config: str | None 
 def trainer(run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG) -> None:
     """Train on assembled batches in order and publish new weights."""
     _start("roles.trainer.role:main", "trainer", run, nats_url, config)
-
-
-def _slug(value: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in value)[:40]

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from bus.subjects import token_for
 from configs import RunConfig
 from roles.orchestrator.state import OrchestratorState
 from schemas import (
@@ -43,8 +44,8 @@ def trains_on(cfg: RunConfig) -> dict[str, dict[str, set[str]]]:
     """Which algorithms' samples train each env's groups, per phase (shadows never train)."""
     o = cfg.orchestrator
     ids = [a.id for a in o.algorithms if not a.shadow]  # SamplesScored.algorithm is the config id
-    rl = {e.id: {a for a in (e.algorithms or ids) if a in ids} for e in o.train.env}
-    sft = {e.id: set(o.warmup.algorithms) for e in o.train.env}
+    rl = {token_for(e.id): {a for a in (e.algorithms or ids) if a in ids} for e in o.train.env}
+    sft = {token_for(e.id): set(o.warmup.algorithms) for e in o.train.env}
     return {"rl": rl, "sft": sft}
 
 

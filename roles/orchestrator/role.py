@@ -11,9 +11,7 @@ and re-makes its past decisions with the same ids, which the server drops as dup
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-from pathlib import Path
 
 import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -53,18 +51,6 @@ TYPES = (
 )
 
 
-def model_dir(ctx: RoleContext) -> Path:
-    """The initial policy weights' directory (building the tiny model if that is the choice)."""
-    cfg = ctx.cfg
-    if cfg.model.path != "tiny":
-        return Path(cfg.model.path)
-    from roles.model.loading import ensure_tiny_model  # builds only if missing
-
-    sizes = cfg.model.tiny.model_dump()
-    seed = sizes.pop("init_seed")
-    return Path(ensure_tiny_model(ctx.run_dir, sizes, seed))
-
-
 class Orchestrator(Role):
     role = "orchestrator"
 
@@ -88,7 +74,7 @@ class Orchestrator(Role):
         if await read_run_started(self.bus) is not None:
             self.log.info("orchestrator.resuming")
             return
-        weights_dir = model_dir(self.ctx)
+        weights_dir = self.ctx.model_dir()
         initial = None
         files = sorted(weights_dir.glob("*.safetensors"))
         if len(files) == 1 and files[0].stat().st_size < 512 * 1024 * 1024:
@@ -170,5 +156,3 @@ class Orchestrator(Role):
 async def main(ctx: RoleContext) -> None:
     bus = await ctx.connect()
     await serve_role(Orchestrator(ctx, bus))
-
-

@@ -23,3 +23,25 @@ def test_quickstart_is_two_commands() -> None:
     commands = [line for line in block.strip().splitlines() if line.strip()]
     assert len(commands) == 2
     assert "just up" in commands[0] and commands[1].startswith("just test")
+
+
+def _leaves(d: dict, prefix: str = ""):  # type: ignore[no-untyped-def]
+    for k, v in d.items():
+        path = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict) and v and k not in ("args", "options"):
+            yield from _leaves(v, path)
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            yield from _leaves(v[0], path + "[]")
+        else:
+            yield path
+
+
+def test_every_default_config_key_is_documented() -> None:
+    """docs/configuration.md lists every key of the default preset."""
+    from configs import load_config
+
+    doc = ROOT.joinpath("docs", "configuration.md").read_text()
+    missing = [
+        k for k in _leaves(load_config("default").model_dump(mode="json")) if f"`{k}`" not in doc
+    ]
+    assert missing == []

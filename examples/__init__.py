@@ -1,0 +1,1 @@
+"""Tiny complete examples that the tests also run."""

@@ -1,0 +1,289 @@
+"""The environment API: an ``Environment`` is a ``Taskset``, a ``Harness`` and a ``Rubric``.
+
+Shaped after verifiers / prime-rl environments, kept pure so each part is unit-testable
+without a model or a bus:
+
+- ``Taskset``: deterministic tasks in ``train`` and ``eval`` splits, generated locally
+  from a seed (no downloads). ``task(split, index)`` is a JSON-able dict; the same
+  (seed, split, index) gives the same task in every process (seeds come from
+  ``schemas.stable_seed``, never Python's ``hash()``). ``GeneratedTaskset`` keeps the
+  splits disjoint by assigning every task to a split by a stable hash of its key.
+- ``Harness``: the conversation protocol. The opening messages (system prompt + first
+  user message), the env's feedback after each assistant turn
+  (``env_response(messages, task, state) -> (new_messages, done)``), ``max_turns``, and
+  ``reference_answer(messages, task)``: what a perfect policy would reply next (a
+  scripted teacher uses it).
+- ``Rubric``: named reward functions with weights. ``score`` gives ``rewards`` (each
+  function), ``reward`` (the weighted sum divided by the sum of weights) and ``metrics``
+  (the functions with weight 0, as in verifiers, plus extra metric functions).
+
+Messages are OpenAI-style dicts ``{"role": ..., "content": ...}``. The token-level
+rollout loop lives in ``roles.env.harness``; an env never sees tokens.
+
+    env = make_env("reverse-text", {})            # roles.env.registry
+    task = env.task("train", 0)
+    msgs = env.initial_messages(task)
+    msgs.append({"role": "assistant", "content": env.reference_answer(msgs, task)})
+    assert env.score(msgs, task, env.init_state(task)).reward == 1.0
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import stable_seed
+
+ChatMessage = dict[str, Any]
+Messages = list[ChatMessage]
+State = dict[str, Any]
+# A reward or metric function: (messages, task, state) -> float.
+RewardFn = Callable[[Messages, dict[str, Any], State], float]
+
+SPLITS = ("train", "eval")
+
+
+def check_split(split: str) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    return split
+
+
+def last_answer(messages: Sequence[ChatMessage]) -> str:
+    """The content of the last assistant message ("" if the assistant never spoke)."""
+    for m in reversed(messages):
+        if m.get("role") == "assistant":
+            return str(m.get("content", ""))
+    return ""
+
+
+def assistant_answers(messages: Sequence[ChatMessage]) -> list[str]:
+    return [str(m.get("content", "")) for m in messages if m.get("role") == "assistant"]
+
+
+# -- tasksets ---------------------------------------------------------------------------
+
+
+class Taskset:
+    """Deterministic tasks in a ``train`` and an ``eval`` split."""
+
+    def size(self, split: str) -> int:
+        raise NotImplementedError
+
+    def task(self, split: str, index: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _check_index(self, split: str, index: int) -> None:
+        n = self.size(check_split(split))
+        if not 0 <= index < n:
+            raise IndexError(f"task index {index} out of range for split {split!r} (size {n})")
+
+
+def split_of_key(key: str, eval_fraction: float) -> str:
+    """The split a task belongs to, from a stable hash of its key: the splits never overlap."""
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return "eval" if (h % 1_000_000) < eval_fraction * 1_000_000 else "train"
+
+
+class GeneratedTaskset(Taskset):
+    """Tasks drawn from a seeded generator; a task's split is decided by its key's hash.
+
+    Task ``(split, index)`` is the first candidate drawn with seeds
+    ``stable_seed(seed, split, index, attempt)`` (attempt = 0, 1, ...) whose key falls in
+    ``split``: deterministic, independent of the process, and the two splits are
+    disjoint by construction (duplicates *within* a split are allowed).
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        train_size: int = 100_000,
+        eval_size: int = 1_000,
+        eval_fraction: float = 0.1,
+    ) -> None:
+        if not 0.0 < eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+        self.seed = seed
+        self.sizes = {"train": int(train_size), "eval": int(eval_size)}
+        self.eval_fraction = eval_fraction
+
+    def size(self, split: str) -> int:
+        return self.sizes[check_split(split)]
+
+    def generate(self, rng: random.Random) -> dict[str, Any]:
+        """One candidate task (JSON-able) from a seeded generator."""
+        raise NotImplementedError
+
+    def key(self, task: dict[str, Any]) -> str:
+        """What makes two tasks the same task (decides the split)."""
+        raise NotImplementedError
+
+    def task(self, split: str, index: int) -> dict[str, Any]:
+        self._check_index(split, index)
+        for attempt in range(10_000):
+            candidate = self.generate(random.Random(stable_seed(self.seed, split, index, attempt)))
+            if split_of_key(self.key(candidate), self.eval_fraction) == split:
+                return candidate
+        raise RuntimeError(f"no {split} task found for index {index} (is the task space tiny?)")
+
+
+# -- harness ----------------------------------------------------------------------------
+
+
+class Harness:
+    """The conversation protocol: opening messages, env feedback, when it ends.
+
+    The default is single-turn: the env never answers, the rollout ends after the
+    first assistant message.
+    """
+
+    max_turns: int = 1
+
+    def __init__(self, system_prompt: str | None = None) -> None:
+        self.system_prompt = system_prompt
+
+    def user_prompt(self, task: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+    def initial_messages(self, task: dict[str, Any]) -> Messages:
+        msgs: Messages = []
+        if self.system_prompt:
+            msgs.append({"role": "system", "content": self.system_prompt})
+        msgs.append({"role": "user", "content": self.user_prompt(task)})
+        return msgs
+
+    def init_state(self, task: dict[str, Any]) -> State:
+        return {}
+
+    def env_response(
+        self, messages: Messages, task: dict[str, Any], state: State
+    ) -> tuple[Messages, bool]:
+        """The env's messages after an assistant turn, and whether the episode is over."""
+        return [], True
+
+    def reference_answer(self, messages: Messages, task: dict[str, Any]) -> str:
+        """What a perfect policy would reply to ``messages`` (for a scripted teacher)."""
+        raise NotImplementedError
+
+    def solve(self, messages: Messages) -> str:
+        """The perfect next reply from the conversation alone (what the model sees).
+
+        The scripted teacher uses this: it speaks the inference protocol, so it sees only
+        the prompt tokens, never the task record.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no solver from messages")
+
+
+# -- rubric -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    rewards: dict[str, float]
+    metrics: dict[str, float]
+
+
+@dataclass
+class Rubric:
+    """Named reward functions with weights (weight 0 = reported as a metric only)."""
+
+    funcs: Mapping[str, RewardFn]
+    weights: Mapping[str, float] = field(default_factory=dict)  # missing name = weight 1
+    metric_funcs: Mapping[str, Callable[[Messages, dict[str, Any], State], dict[str, float]]] = (
+        field(default_factory=dict)
+    )
+
+    def __post_init__(self) -> None:
+        unknown = set(self.weights) - set(self.funcs)
+        if unknown:
+            raise ValueError(f"weights for unknown reward functions: {sorted(unknown)}")
+        if any(w < 0 for w in self.weights.values()):
+            raise ValueError("reward weights must be >= 0")
+        if not any(self.weight(n) > 0 for n in self.funcs):
+            raise ValueError("a rubric needs at least one reward function with weight > 0")
+
+    def weight(self, name: str) -> float:
+        return float(self.weights.get(name, 1.0))
+
+    def score(self, messages: Messages, task: dict[str, Any], state: State) -> Score:
+        rewards: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        total = 0.0
+        norm = 0.0
+        for name, fn in self.funcs.items():
+            value = float(fn(messages, task, state))
+            w = self.weight(name)
+            if w > 0:
+                rewards[name] = value
+                total += w * value
+                norm += w
+            else:
+                metrics[name] = value
+        for fn in self.metric_funcs.values():
+            metrics.update({k: float(v) for k, v in fn(messages, task, state).items()})
+        return Score(reward=total / norm, rewards=rewards, metrics=metrics)
+
+
+# -- environment ------------------------------------------------------------------------
+
+
+class Environment:
+    """A taskset, a harness and a rubric under one name."""
+
+    def __init__(
+        self,
+        name: str,
+        taskset: Taskset,
+        harness: Harness,
+        rubric: Rubric,
+        args: dict[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.taskset = taskset
+        self.harness = harness
+        self.rubric = rubric
+        self.args = dict(args or {})
+
+    def __repr__(self) -> str:
+        return f"Environment({self.name!r}, args={self.args})"
+
+    # taskset
+    def size(self, split: str) -> int:
+        return self.taskset.size(split)
+
+    def task(self, split: str, index: int) -> dict[str, Any]:
+        return self.taskset.task(split, index)
+
+    # harness
+    @property
+    def system_prompt(self) -> str | None:
+        return self.harness.system_prompt
+
+    @property
+    def max_turns(self) -> int:
+        return self.harness.max_turns
+
+    def initial_messages(self, task: dict[str, Any]) -> Messages:
+        return self.harness.initial_messages(task)
+
+    def init_state(self, task: dict[str, Any]) -> State:
+        return self.harness.init_state(task)
+
+    def env_response(
+        self, messages: Messages, task: dict[str, Any], state: State
+    ) -> tuple[Messages, bool]:
+        return self.harness.env_response(messages, task, state)
+
+    def reference_answer(self, messages: Messages, task: dict[str, Any]) -> str:
+        return self.harness.reference_answer(messages, task)
+
+    def solve(self, messages: Messages) -> str:
+        return self.harness.solve(messages)
+
+    # rubric
+    def score(self, messages: Messages, task: dict[str, Any], state: State) -> Score:
+        return self.rubric.score(messages, task, state)

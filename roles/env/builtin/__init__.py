@@ -1,0 +1,13 @@
+"""The built-in environments, by name (see ``roles.env.registry``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from roles.env.base import Environment
+from roles.env.builtin import alphabet_sort, reverse_text
+
+BUILTINS: dict[str, Callable[..., Environment]] = {
+    "reverse-text": reverse_text.make_env,
+    "alphabet-sort": alphabet_sort.make_env,
+}

@@ -1,0 +1,304 @@
+"""One rollout, token in / token out: an env, a task and a ``generate`` coroutine -> a ``Trace``.
+
+The prompt of the first turn is ``Renderer.render_prompt(opening messages)``; every later
+prompt is ``Renderer.continue_prompt(previous prompt, completion, env's new messages)``,
+so no turn is ever re-tokenised from text. Every token the model saw is attributed to
+exactly one message of the trace:
+
+- an opening message (system, user) gets its own rendered tokens;
+- an assistant message gets the generation-prompt tokens (``<|assistant|>``), then the
+  sampled completion (``sampled`` = 1, with its logprobs), then, if the completion was cut
+  off and the conversation goes on, the ``<|end|>`` that closes it in the next prompt
+  (not sampled);
+- an env message (user/tool feedback) gets its rendered tokens;
+- messages after the last generation (an env's closing remark) get no tokens: the model
+  never saw them.
+
+So for every branch, concatenating its messages' ``token_ids`` is the full sequence the
+model saw last (final prompt + final completion), and ``token_ids``/``sampled``/
+``logprobs`` have equal lengths per message.
+
+A rollout never raises (except ``CancelledError``): an inference timeout, an
+``InferenceFailed`` reply (e.g. ``context_too_long``), a malformed reply or an exception
+in env code becomes a ``Trace`` with ``errors`` set and reward 0.
+
+    trace = await run_rollout(env, TaskRef(index=0, data=env.task("train", 0)), client_generate,
+                              Renderer(tokenizer), SamplingParams(), rollout_id="r0", seed=1)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from bus.errors import RequestTimeout
+from roles.env.base import Environment, Messages
+from schemas import (
+    Branch,
+    GenerateResult,
+    InferenceFailed,
+    Message,
+    SamplingParams,
+    TaskRef,
+    Trace,
+    TraceError,
+    derive_id,
+    stable_seed,
+)
+from schemas.arrays import f32, i32, pack_f32, pack_i32, pack_mask
+
+
+class Generate(Protocol):
+    """``InferenceClient.generate``'s signature, plus the asking env's name."""
+
+    def __call__(
+        self,
+        model: str,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        *,
+        env: str | None = None,
+    ) -> Awaitable[GenerateResult | InferenceFailed]: ...
+
+
+class _Failure(Exception):
+    """Ends the rollout loop with a recorded error."""
+
+    def __init__(self, kind: str, message: str, message_id: int | None = None) -> None:
+        super().__init__(message)
+        self.error = TraceError(kind=kind, message=message[:2000], message_id=message_id)
+
+
+class _Builder:
+    """The trace's messages, in order, each with its token arrays (kept as lists until the end)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+
+    def add(
+        self,
+        role: str,
+        content: str,
+        tokens: Sequence[int],
+        sampled: Sequence[int] | None = None,
+        logprobs: Sequence[float] | None = None,
+        **fields: Any,
+    ) -> int:
+        n = len(tokens)
+        self.items.append(
+            {
+                "role": role,
+                "content": content,
+                "tokens": list(tokens),
+                "sampled": list(sampled) if sampled is not None else [0] * n,
+                "logprobs": list(logprobs) if logprobs is not None else [0.0] * n,
+                "fields": fields,
+            }
+        )
+        return len(self.items) - 1
+
+    def append_unsampled(self, index: int, tokens: Sequence[int]) -> None:
+        item = self.items[index]
+        item["tokens"] += tokens
+        item["sampled"] += [0] * len(tokens)
+        item["logprobs"] += [0.0] * len(tokens)
+
+    def messages(self) -> list[Message]:
+        out = []
+        for i, item in enumerate(self.items):
+            extra = {k: v for k, v in item["fields"].items() if k in _MESSAGE_FIELDS}
+            out.append(
+                Message(
+                    id=i,
+                    role=item["role"],
+                    content=item["content"],
+                    parent=i - 1 if i else None,
+                    token_ids=pack_i32(item["tokens"]),
+                    sampled=pack_mask(item["sampled"]),
+                    logprobs=pack_f32(item["logprobs"]),
+                    **extra,
+                )
+            )
+        return out
+
+
+_MESSAGE_FIELDS = {"name", "temperature", "policy_version", "model", "finish_reason"}
+
+
+def split_initial_prompt(
+    renderer: Any, messages: Messages, prompt: Sequence[int]
+) -> tuple[list[list[int]], list[int]]:
+    """(tokens of each opening message, generation-prompt tokens) of the first prompt.
+
+    For templates that add tokens of their own (a default system prompt, a bos), the
+    extra leading tokens go to the first message, so the pieces always concatenate to
+    exactly ``prompt``.
+    """
+    prompt = list(prompt)
+    gp = list(renderer.generation_prompt_ids)
+    if gp and prompt[-len(gp) :] == gp:
+        body, gen = prompt[: -len(gp)], gp
+    else:
+        body, gen = prompt, []
+    pieces = [list(renderer.message_tokens(m)) for m in messages]
+    if sum(pieces, []) == body:
+        return pieces, gen
+    tail = sum(pieces[1:], [])
+    if len(tail) <= len(body) and body[len(body) - len(tail) :] == tail:
+        return [body[: len(body) - len(tail)], *pieces[1:]], gen
+    return [body] + [[] for _ in pieces[1:]], gen
+
+
+async def run_rollout(
+    env: Environment,
+    task: TaskRef,
+    generate: Generate,
+    renderer: Any,
+    sampling: SamplingParams,
+    *,
+    rollout_id: str,
+    model: str = "policy",
+    env_name: str | None = None,
+    env_id: str | None = None,
+    group_id: str = "",
+    sample_index: int = 0,
+    seed: int = 0,
+    max_turns: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Trace:
+    """Run one rollout of ``task`` (its ``data`` is the env's task dict) and record it.
+
+    ``env_name`` is recorded as ``Trace.env`` (the env's subject key); ``env_id`` (default:
+    the same) is what each ``GenerateRequest.env`` says, so a scripted teacher can
+    ``make_env`` it.
+    """
+    name = env_name or env.name
+    turns = max_turns or env.max_turns
+    t_start = clock()
+    timings = {"generate_s": 0.0, "env_s": 0.0, "queue_s": 0.0, "compute_s": 0.0}
+    b = _Builder()
+    chat: Messages = []
+    errors: list[TraceError] = []
+    versions: list[int] = []
+    truncated = False
+    num_turns = 0
+    reward, rewards, metrics = 0.0, {}, {}
+    data = task.data
+
+    def env_call(fn: Callable[..., Any], *args: Any) -> Any:
+        t = clock()
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - env code is user code: record, never crash
+            raise _Failure("env_exception", f"{type(e).__name__}: {e}") from e
+        finally:
+            timings["env_s"] += clock() - t
+
+    try:
+        chat = list(env_call(env.initial_messages, data))
+        state = env_call(env.init_state, data)
+        prompt = list(renderer.render_prompt(chat))
+        pieces, gen_prefix = split_initial_prompt(renderer, chat, prompt)
+        for m, toks in zip(chat, pieces, strict=True):
+            b.add(m["role"], str(m.get("content", "")), toks, name=m.get("name"))
+        while True:
+            request_id = derive_id(rollout_id, "turn", num_turns)
+            t = clock()
+            try:
+                result = await generate(
+                    model,
+                    request_id,
+                    prompt,
+                    sampling,
+                    renderer.stop_token_ids,
+                    stable_seed(seed, "turn", num_turns),
+                    env=env_id or name,
+                )
+            except RequestTimeout as e:
+                raise _Failure("inference_timeout", str(e)) from e
+            except Exception as e:  # noqa: BLE001 - e.g. the connection closed under us
+                raise _Failure("inference_error", f"{type(e).__name__}: {e}") from e
+            finally:
+                timings["generate_s"] += clock() - t
+            if isinstance(result, InferenceFailed):
+                raise _Failure(result.kind, result.message)
+            completion = i32(result.completion_ids).tolist()
+            lps = f32(result.logprobs).tolist()
+            if len(lps) != len(completion):
+                raise _Failure(
+                    "bad_reply", f"{len(completion)} completion tokens but {len(lps)} logprobs"
+                )
+            timings["queue_s"] += result.queue_s
+            timings["compute_s"] += result.compute_s
+            versions.append(result.policy_version)
+            truncated = truncated or result.finish_reason == "length"
+            content = renderer.parse_completion(completion)
+            last = b.add(
+                "assistant",
+                content,
+                gen_prefix + completion,
+                sampled=[0] * len(gen_prefix) + [1] * len(completion),
+                logprobs=[0.0] * len(gen_prefix) + lps,
+                temperature=sampling.temperature,
+                policy_version=result.policy_version,
+                model=model,
+                finish_reason=result.finish_reason,
+            )
+            chat.append({"role": "assistant", "content": content})
+            num_turns += 1
+            if num_turns >= turns:
+                break
+            new, done = env_call(env.env_response, chat, data, state)
+            new = list(new)
+            if done:  # closing remarks: part of the conversation, never seen by the model
+                for m in new:
+                    b.add(m["role"], str(m.get("content", "")), [], name=m.get("name"))
+                chat.extend(new)
+                break
+            closed = renderer.close_completion(completion)
+            b.append_unsampled(last, closed[len(completion) :])
+            for m in new:
+                b.add(
+                    m["role"],
+                    str(m.get("content", "")),
+                    renderer.message_tokens(m),
+                    name=m.get("name"),
+                )
+            chat.extend(new)
+            prompt = list(renderer.continue_prompt(prompt, completion, new))
+            gen_prefix = list(renderer.generation_prompt_ids)
+        score = env_call(env.score, chat, data, state)
+        reward, rewards, metrics = score.reward, dict(score.rewards), dict(score.metrics)
+    except _Failure as f:
+        errors.append(f.error)
+    except Exception as e:  # noqa: BLE001 - a rollout never raises; the trace records why
+        errors.append(TraceError(kind="harness_exception", message=f"{type(e).__name__}: {e}"))
+    timings["total_s"] = clock() - t_start
+    messages = b.messages()
+    return Trace(
+        rollout_id=rollout_id,
+        env=name,
+        task=task,
+        group_id=group_id,
+        sample_index=sample_index,
+        messages=messages,
+        branches=[Branch(messages=[m.id for m in messages])],
+        reward=0.0 if errors else float(reward),
+        rewards={} if errors else rewards,
+        metrics={} if errors else metrics,
+        timings=timings,
+        errors=errors,
+        policy_min=min(versions, default=0),
+        policy_max=max(versions, default=0),
+        truncated=truncated,
+        num_turns=num_turns,
+    )
+
+
+def completion_tokens(trace: Trace) -> int:
+    """How many tokens the actor sampled in ``trace``."""
+    return sum(sum(m.sampled) for m in trace.messages)  # bytes of 0/1

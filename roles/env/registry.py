@@ -1,0 +1,70 @@
+"""Find an environment by name: a built-in, or a user env by import path.
+
+    make_env("reverse-text", {"min_len": 3, "max_len": 6})
+    make_env("examples.word_count_env:make_env", {})   # module:callable -> Environment
+
+The callable is called with the env's args as keyword arguments (as in verifiers'
+``load_environment(**kwargs)``). ``env_key`` is the env's token on the bus (subject key,
+durable name): a built-in name is its own key; an import path has its dots and colon
+replaced by ``-``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from bus.subjects import token_for
+from roles.env.base import Environment
+from roles.env.builtin import BUILTINS
+
+
+class UnknownEnv(ValueError):
+    pass
+
+
+def builtin_names() -> list[str]:
+    return sorted(BUILTINS)
+
+
+def env_key(env_id: str) -> str:
+    """The env's subject/consumer token (``bus.subjects.token_for``)."""
+    return token_for(env_id)
+
+
+def _resolve(env_id: str) -> Any:
+    if env_id in BUILTINS:
+        return BUILTINS[env_id]
+    if ":" not in env_id:
+        raise UnknownEnv(
+            f"unknown env {env_id!r}: built-ins are {', '.join(builtin_names())}; "
+            "or give an import path `package.module:make_env`"
+        )
+    module_name, _, attr = env_id.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UnknownEnv(f"env {env_id!r}: cannot import module {module_name!r}: {e}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UnknownEnv(f"env {env_id!r}: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
+    """The Environment called ``env_id`` built with ``args``; a clear error otherwise."""
+    factory = _resolve(env_id)
+    args = dict(args or {})
+    try:
+        inspect.signature(factory).bind(**args)
+    except TypeError as e:
+        raise ValueError(f"env {env_id!r} does not take args {sorted(args)}: {e}") from None
+    except ValueError:  # no signature (a builtin callable): let the call decide
+        pass
+    env = factory(**args)
+    if not isinstance(env, Environment):
+        raise TypeError(
+            f"env {env_id!r}: {factory!r} returned {type(env).__name__}, not Environment"
+        )
+    return env

@@ -1,0 +1,402 @@
+"""The env server role: runs rollout groups of one environment against inference.
+
+    rlbus role env --run R --env reverse-text [--nats-url U] [--config C]
+
+Every replica of an env binds one shared durable consumer, ``env-<env key>``, on
+``task.requested.<env key>`` (a work queue: each request goes to one replica, and a
+request whose replica dies is redelivered to another after ``ack_wait``). Up to
+``concurrency`` groups are in flight per replica; the rollouts of a group run
+concurrently. For a ``TaskRequested`` the server builds ``make_env(env, request.args)``,
+takes ``task(split, index)`` and runs ``group_size`` rollouts (rollout ``i`` samples with
+seed ``stable_seed(request.seed, i)``), then returns:
+
+- split ``train``: one ``TraceCompleted`` per rollout, ``event_id = derive_id(request,
+  "trace", i)`` and ``rollout_id = derive_id(request, "rollout", i)``;
+- split ``eval``: one ``EvalCompleted`` (``derive_id(request, "eval")``) with all traces.
+
+The runtime publishes them and only then acks the request; a redelivered request
+republishes the same ids, which the stream dedups. A failed rollout is an errored trace
+(never an exception), so a group always completes. ``MetricsReported(role="env-<key>")``
+goes out every ``metrics_interval_s``: rollouts/s, mean reward, errors by kind.
+
+Only the tokenizer is loaded (from ``model.path``; "tiny" = the run's tiny model, built
+with ``model.tiny`` sizes and ``model.tiny.init_seed`` if absent): no torch model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bus.consumer import Delivery, Subscription
+from bus.errors import NoResponders
+from bus.runtime import Bus
+from bus.subjects import Topic, durable_name
+from roles.base import Role, serve_role
+from roles.context import RoleContext
+from roles.env.base import Environment
+from roles.env.harness import Generate, completion_tokens, run_rollout
+from roles.env.registry import env_key, make_env
+from schemas import (
+    Branch,
+    EvalCompleted,
+    Event,
+    MetricsReported,
+    SamplingParams,
+    TaskRef,
+    TaskRequested,
+    Trace,
+    TraceCompleted,
+    TraceError,
+    derive_id,
+    stable_seed,
+)
+
+GROUPS_IN_FLIGHT = 8
+METRICS_INTERVAL_S = 10.0
+
+
+# -- pure parts -------------------------------------------------------------------------
+
+
+def rollout_id(request: TaskRequested, i: int) -> str:
+    return derive_id(request.event_id, "rollout", i)
+
+
+def failed_group(request: TaskRequested, env_name: str, kind: str, message: str) -> list[Trace]:
+    """Errored traces for a whole group (the task itself could not be built)."""
+    return [
+        Trace(
+            rollout_id=rollout_id(request, i),
+            env=env_name,
+            task=request.task,
+            group_id=request.group_id,
+            sample_index=i,
+            messages=[],
+            branches=[Branch(messages=[])],
+            errors=[TraceError(kind=kind, message=message[:2000])],
+        )
+        for i in range(request.group_size)
+    ]
+
+
+def outputs_for(request: TaskRequested, traces: Sequence[Trace]) -> list[Event]:
+    """The events a finished group publishes; ids derive from the request (redelivery-safe)."""
+    env = request.env
+    if request.task.split == "eval":
+        return [
+            EvalCompleted(
+                run=request.run,
+                event_id=derive_id(request.event_id, "eval"),
+                causation_id=request.event_id,
+                request_id=request.event_id,
+                env=env,
+                step=request.step,
+                task_index=request.task.index,
+                rewards=[t.reward for t in traces],
+                traces=list(traces),
+                errors=sum(1 for t in traces if t.errors),
+            )
+        ]
+    return [
+        TraceCompleted(
+            run=request.run,
+            event_id=derive_id(request.event_id, "trace", i),
+            causation_id=request.event_id,
+            env=env,
+            request_id=request.event_id,
+            group_size=request.group_size,
+            step=request.step,
+            trace=trace,
+        )
+        for i, trace in enumerate(traces)
+    ]
+
+
+async def rollout_group(
+    env: Environment,
+    request: TaskRequested,
+    generate: Generate,
+    renderer: Any,
+    env_id: str | None = None,
+) -> list[Trace]:
+    """The ``group_size`` rollouts of one request, run concurrently."""
+    try:
+        data = env.task(request.task.split, request.task.index)
+    except Exception as e:  # noqa: BLE001 - a bad task index is the request's fault: record it
+        return failed_group(request, request.env, "task_error", f"{type(e).__name__}: {e}")
+    task = TaskRef(index=request.task.index, split=request.task.split, data=data)
+    return list(
+        await asyncio.gather(
+            *(
+                run_rollout(
+                    env,
+                    task,
+                    generate,
+                    renderer,
+                    request.sampling,
+                    rollout_id=rollout_id(request, i),
+                    model=request.model,
+                    env_name=request.env,
+                    env_id=env_id,
+                    group_id=request.group_id,
+                    sample_index=i,
+                    seed=stable_seed(request.seed, i),
+                    max_turns=request.max_turns,
+                )
+                for i in range(request.group_size)
+            )
+        )
+    )
+
+
+@dataclass
+class RolloutStats:
+    """Counters since the last metrics report."""
+
+    since: float = field(default_factory=time.monotonic)
+    rollouts: int = 0
+    groups: int = 0
+    reward_sum: float = 0.0
+    tokens: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    step: int = 0
+
+    def add(self, request: TaskRequested, traces: Sequence[Trace]) -> None:
+        self.groups += 1
+        self.step = max(self.step, request.step)
+        for t in traces:
+            self.rollouts += 1
+            self.reward_sum += t.reward
+            self.tokens += completion_tokens(t)
+            self.errors.update(e.kind for e in t.errors)
+
+    def values(self, now: float) -> dict[str, float]:
+        n = max(self.rollouts, 1)
+        out = {
+            "rollouts": float(self.rollouts),
+            "groups": float(self.groups),
+            "rollouts_per_s": self.rollouts / max(now - self.since, 1e-9),
+            "reward_mean": self.reward_sum / n,
+            "completion_tokens_mean": self.tokens / n,
+            "errors": float(sum(self.errors.values())),
+        }
+        out.update({f"errors_{kind}": float(c) for kind, c in self.errors.items()})
+        return out
+
+
+# -- the inference client, adapted ------------------------------------------------------
+
+
+def client_generate(client: Any, wait_for_responders_s: float = 60.0) -> Generate:
+    """``client.generate`` as a harness ``Generate``.
+
+    When no inference replica is subscribed yet (a role starting up), retries for up to
+    ``wait_for_responders_s`` instead of failing the rollout at once.
+    """
+
+    async def generate(
+        model: str,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        stop_token_ids: Sequence[int],
+        seed: int,
+        *,
+        env: str | None = None,
+    ) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_for_responders_s
+        delay = 0.1
+        while True:
+            try:
+                return await client.generate(
+                    model, request_id, prompt_ids, sampling, stop_token_ids, seed, env=env
+                )
+            except NoResponders:
+                if loop.time() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+    return generate
+
+
+# -- the role ---------------------------------------------------------------------------
+
+
+class EnvServer(Role):
+    role = "env"
+
+    def __init__(
+        self,
+        bus: Bus,
+        instance: str,
+        env_id: str,
+        renderer: Any,
+        generate: Generate,
+        *,
+        default_args: dict[str, Any] | None = None,
+        concurrency: int = GROUPS_IN_FLIGHT,
+        metrics_interval_s: float = METRICS_INTERVAL_S,
+        heartbeat_interval_s: float = 2.0,
+    ) -> None:
+        super().__init__(bus, instance, heartbeat_interval_s)
+        self.env_id = env_id
+        self.key = env_key(env_id)
+        self.renderer = renderer
+        self.generate = generate
+        self.default_args = dict(default_args or {})
+        self.concurrency = concurrency
+        self.metrics_interval_s = metrics_interval_s
+        self.stats = RolloutStats()
+        self.total_rollouts = 0
+        self._envs: dict[str, Environment] = {}
+        self._inflight = 0
+
+    def subscriptions(self) -> list[Subscription]:
+        return [
+            Subscription(
+                durable_name("env", self.key),
+                [(Topic.TASK_REQUESTED, self.key)],
+                self.on_task,
+                concurrency=self.concurrency,
+                batch=self.concurrency,
+            )
+        ]
+
+    async def setup(self) -> None:
+        self.env_for(self.default_args)  # an unknown env or bad args fail at start, not per message
+        self.log.info("env.ready", env=self.env_id, key=self.key)
+
+    def background(self) -> list[Any]:
+        return [self._report_metrics()]
+
+    async def teardown(self) -> None:
+        if self.stats.rollouts:
+            try:
+                await self._publish_metrics()
+            except Exception as e:  # noqa: BLE001 - the last report is best effort too
+                self.log.warning("metrics.failed", error=repr(e))
+
+    async def status(self) -> dict[str, object]:
+        out = await super().status()
+        out["info"] = {"env": self.env_id, "groups_in_flight": str(self._inflight)}
+        return out
+
+    def env_for(self, args: dict[str, Any]) -> Environment:
+        """The env built with ``args`` (cached: one instance per distinct args)."""
+        cache_key = json.dumps(args, sort_keys=True, default=str)
+        if cache_key not in self._envs:
+            self._envs[cache_key] = make_env(self.env_id, args)
+        return self._envs[cache_key]
+
+    async def on_task(self, request: TaskRequested, delivery: Delivery) -> list[Event]:
+        self._inflight += 1
+        t0 = time.monotonic()
+        try:
+            try:
+                env = self.env_for(request.args or self.default_args)
+            except Exception as e:  # noqa: BLE001 - bad args in one request: errored traces
+                traces = failed_group(
+                    request, request.env, "env_exception", f"{type(e).__name__}: {e}"
+                )
+            else:
+                traces = await rollout_group(
+                    env, request, self.generate, self.renderer, self.env_id
+                )
+        finally:
+            self._inflight -= 1
+        self.stats.add(request, traces)
+        self.total_rollouts += len(traces)
+        self.log.info(
+            "group.done",
+            request=request.event_id,
+            task=request.task.index,
+            split=request.task.split,
+            rewards=[round(t.reward, 3) for t in traces],
+            errors=sum(1 for t in traces if t.errors),
+            s=round(time.monotonic() - t0, 3),
+            deliveries=delivery.deliveries,
+        )
+        return outputs_for(request, traces)
+
+    async def _report_metrics(self) -> None:
+        # serve_role waits for background tasks on stop: end when the role stops.
+        while not self.stop_event.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), self.metrics_interval_s)
+            if self.stats.rollouts and not self.stop_event.is_set():
+                try:
+                    await self._publish_metrics()
+                except Exception as e:  # noqa: BLE001 - metrics are best effort
+                    self.log.warning("metrics.failed", error=repr(e))
+
+    async def _publish_metrics(self) -> None:
+        stats, self.stats = self.stats, RolloutStats(step=self.stats.step)
+        await self.bus.publish(
+            MetricsReported(
+                run=self.run,
+                role=f"env-{self.key}",
+                step=stats.step,
+                values=stats.values(time.monotonic()),
+            )
+        )
+
+
+# -- the process entry point (``rlbus role env``) ---------------------------------------
+
+
+def load_renderer(ctx: RoleContext) -> Any:
+    """A Renderer over the run model's tokenizer (the tiny model is built if absent)."""
+    from roles.context import policy_model_dir
+    from roles.model.loading import load_tokenizer
+    from roles.model.render import Renderer
+
+    path = policy_model_dir(ctx.cfg, ctx.run)
+    return Renderer(load_tokenizer(path, local_files_only=ctx.cfg.model.local_files_only))
+
+
+def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
+    """The env's args from ``orchestrator.train.env`` (empty if the env is not listed)."""
+    for env in ctx.cfg.orchestrator.train.env:
+        if env.id == env_id:
+            return dict(env.args)
+    return {}
+
+
+async def main(ctx: RoleContext, env: str) -> None:
+    renderer = await asyncio.to_thread(load_renderer, ctx)
+    from roles.clients import InferenceClient
+
+    bus = await ctx.connect()
+    timeout = ctx.cfg.inference.request_timeout_s
+    server = EnvServer(
+        bus,
+        ctx.instance,
+        env,
+        renderer,
+        client_generate(InferenceClient(bus, timeout_s=timeout), wait_for_responders_s=timeout),
+        default_args=config_args(ctx, env),
+        heartbeat_interval_s=ctx.cfg.bus.heartbeat_interval_s,
+    )
+    await serve_role(server)
+
+
+__all__ = [
+    "EnvServer",
+    "client_generate",
+    "config_args",
+    "failed_group",
+    "load_renderer",
+    "main",
+    "outputs_for",
+    "rollout_group",
+    "rollout_id",
+]

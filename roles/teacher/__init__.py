@@ -1,0 +1,1 @@
+"""A scripted frozen teacher: answers the built-in tasks correctly over the inference protocol."""

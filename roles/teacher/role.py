@@ -1,0 +1,117 @@
+"""The scripted teacher: a frozen model endpoint that answers built-in tasks correctly.
+
+    rlbus role teacher --run R --nats-url U --model teacher
+
+A randomly initialised tiny model cannot find the answer format by RL alone; the
+standard fix is a short SFT warm start on a stronger model's rollouts. Here the stronger
+model is a script: it speaks the same protocol as the inference role (token ids in,
+token ids + logprobs out, on ``rl.<run>.infer.<model>``), reads the conversation back
+from the prompt tokens, and answers with the env's ``solve`` (what a perfect policy
+would say next, computed from the conversation alone: the same information the model
+has). Its tokens carry logprob 0 (it is deterministic) and policy version 0.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from bus import rpc
+from bus.subjects import infer_queue, infer_subject
+from roles.base import Role, serve_role
+from roles.context import RoleContext
+from schemas import GenerateRequest, GenerateResult, InferenceFailed, ScoreRequest
+from schemas.arrays import i32, pack_f32, pack_i32
+
+_TURN = re.compile(r"<\|(system|user|assistant|tool)\|>(.*?)<\|end\|>", re.S)
+
+
+def parse_conversation(prompt: str) -> list[dict[str, str]]:
+    """Messages back from a rendered prompt (the char tokenizer's chat template)."""
+    messages = []
+    for role, body in _TURN.findall(prompt):
+        if role == "tool" and ":" in body:
+            name, _, body = body.partition(":")
+            messages.append({"role": role, "name": name, "content": body})
+        else:
+            messages.append({"role": role, "content": body})
+    return messages
+
+
+class Teacher(Role):
+    role = "teacher"
+
+    def __init__(self, ctx: RoleContext, bus: Any, model: str):
+        super().__init__(bus, ctx.instance, ctx.cfg.bus.heartbeat_interval_s)
+        self.ctx, self.model = ctx, model
+        self.envs: dict[str, Any] = {}
+        self.answered = 0
+
+    async def setup(self) -> None:
+        from roles.model.loading import load_tokenizer
+        from roles.model.render import Renderer
+
+        # The teacher speaks the policy's tokenizer: its tokens are what the policy trains on.
+        self.tokenizer = load_tokenizer(self.ctx.model_dir())
+        self.renderer = Renderer(self.tokenizer)
+        self.sub = await rpc.serve(
+            self.bus.nc, infer_subject(self.run, self.model), infer_queue(self.model),
+            [GenerateRequest, ScoreRequest], self.answer,
+            on_bad_request=lambda data, e: InferenceFailed(request_id="", kind="bad_request", message=str(e)),
+        )  # fmt: skip
+        self.log.info("teacher.serving", model=self.model)
+
+    async def teardown(self) -> None:
+        await self.sub.unsubscribe()
+
+    async def status(self) -> dict[str, object]:
+        return {"policy_version": 0, "info": {"answered": str(self.answered)}}
+
+    def env(self, env_id: str) -> Any:
+        if env_id not in self.envs:
+            from roles.env.registry import make_env
+
+            args = next((e.args for e in self.ctx.cfg.orchestrator.train.env if e.id == env_id), {})
+            self.envs[env_id] = make_env(env_id, args)
+        return self.envs[env_id]
+
+    async def answer(self, req: GenerateRequest | ScoreRequest) -> GenerateResult | InferenceFailed:
+        if isinstance(req, ScoreRequest):
+            return InferenceFailed(
+                request_id=req.request_id,
+                kind="bad_request",
+                message="the scripted teacher cannot score",
+            )
+        if req.env is None:
+            return InferenceFailed(
+                request_id=req.request_id,
+                kind="bad_request",
+                message="the teacher needs the request's env",
+            )
+        t0 = time.perf_counter()
+        prompt = self.tokenizer.decode(i32(req.prompt_ids).tolist(), skip_special_tokens=False)
+        try:
+            text = self.env(req.env).solve(parse_conversation(prompt))
+        except Exception as e:  # noqa: BLE001 - a teacher that cannot answer says so, per request
+            return InferenceFailed(
+                request_id=req.request_id, kind="internal", message=f"{type(e).__name__}: {e}"
+            )
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.renderer.end_token_id]
+        limit = req.sampling.max_completion_tokens
+        finish = "stop" if len(ids) <= limit else "length"
+        ids = ids[:limit]
+        self.answered += 1
+        return GenerateResult(
+            request_id=req.request_id, completion_ids=pack_i32(ids), logprobs=pack_f32([0.0] * len(ids)),
+            finish_reason=finish, policy_version=0, prompt_tokens=len(req.prompt_ids) // 4,
+            compute_s=time.perf_counter() - t0,
+        )  # fmt: skip
+
+
+async def main(ctx: RoleContext, model: str = "teacher") -> None:
+    bus = await ctx.connect()
+    await serve_role(Teacher(ctx, bus, model))
+
+
+__all__ = ["Teacher", "main", "parse_conversation"]

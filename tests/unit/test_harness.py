@@ -1,0 +1,451 @@
+"""Unit tests for the rollout harness (token attribution, failures) and the env server's pure parts."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats.errors
+import numpy as np
+import pytest
+
+from bus.errors import NoResponders, RequestTimeout
+from roles.env.base import Environment, Harness, Rubric
+from roles.env.harness import completion_tokens, run_rollout, split_initial_prompt
+from roles.env.registry import make_env
+from roles.env.server import client_generate, failed_group, outputs_for, rollout_group, rollout_id
+from roles.model.render import Renderer
+from roles.model.tokenizer import build_tokenizer
+from schemas import (
+    EvalCompleted,
+    GenerateResult,
+    InferenceFailed,
+    SamplingParams,
+    TaskRef,
+    TaskRequested,
+    Trace,
+    TraceCompleted,
+    derive_id,
+    stable_seed,
+)
+from schemas.arrays import f32, i32, mask, pack_f32, pack_i32
+
+TOK = build_tokenizer()
+R = Renderer(TOK)
+END = R.end_token_id
+SAMPLING = SamplingParams(temperature=0.7, max_completion_tokens=32)
+
+
+class FakeGenerate:
+    """Scripted inference: each call pops a reply — (text, finish_reason[, version]), an
+    ``InferenceFailed``, or an exception to raise. Records every call."""
+
+    def __init__(self, *replies: Any) -> None:
+        self.replies = list(replies)
+        self.calls: list[dict[str, Any]] = []
+        self.completions: list[list[int]] = []
+        self.logprobs: list[list[float]] = []
+
+    async def __call__(
+        self, model, request_id, prompt_ids, sampling, stop_token_ids, seed, *, env=None
+    ):  # type: ignore[no-untyped-def]
+        self.calls.append(dict(model=model, request_id=request_id, prompt=list(prompt_ids), sampling=sampling,
+                               stop=list(stop_token_ids), seed=seed, env=env))  # fmt: skip
+        reply = self.replies.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        if isinstance(reply, InferenceFailed):
+            return reply
+        text, finish, *version = reply
+        ids = TOK.encode(text, add_special_tokens=False) + ([END] if finish == "stop" else [])
+        lps = [-0.25 * (k + 1) for k in range(len(ids))]
+        self.completions.append(ids)
+        self.logprobs.append(lps)
+        return GenerateResult(
+            request_id=request_id, completion_ids=pack_i32(ids), logprobs=pack_f32(lps),
+            finish_reason=finish, policy_version=version[0] if version else 0, queue_s=0.5, compute_s=0.25,
+        )  # fmt: skip
+
+
+def task_ref(
+    env: Environment, index: int = 0, split: str = "train", data: dict | None = None
+) -> TaskRef:
+    return TaskRef(
+        index=index, split=split, data=data if data is not None else env.task(split, index)
+    )
+
+
+def check_invariants(trace: Trace, final_seen: list[int]) -> None:
+    """Per-message arrays align; every branch concatenates to what the model saw last."""
+    for m in trace.messages:
+        n = len(i32(m.token_ids))
+        assert len(mask(m.sampled)) == n and len(f32(m.logprobs)) == n, m.role
+        assert not f32(m.logprobs)[~mask(m.sampled)].any()  # logprob 0 where not sampled
+    for branch in trace.branches:
+        ids, sampled, lps, temps = trace.branch_tokens(branch)
+        assert ids.tolist() == final_seen
+        assert len(sampled) == len(lps) == len(temps) == len(ids)
+
+
+def sampled_tokens(trace: Trace) -> tuple[list[int], list[float]]:
+    ids, sampled, lps, _ = trace.branch_tokens(trace.branches[0])
+    return ids[sampled].tolist(), lps[sampled].tolist()
+
+
+async def test_single_turn_rollout_records_exactly_what_the_model_saw() -> None:
+    """reverse-text: prompt tokens per message, gen prompt + completion on the assistant,
+    sampled mask and logprobs on the completion only, reward from the rubric."""
+    env = make_env("reverse-text", {})
+    task = task_ref(env, data={"text": "hello"})
+    gen = FakeGenerate(("olleh", "stop", 7))
+    trace = await run_rollout(env, task, gen, R, SAMPLING, rollout_id="r1", model="policy",
+                              group_id="g", sample_index=2, seed=11)  # fmt: skip
+    assert trace.ok and trace.reward == 1.0 and trace.rewards == {"lcs": 1.0}
+    assert trace.metrics == {"exact": 1.0}
+    final = gen.calls[0]["prompt"] + gen.completions[0]
+    check_invariants(trace, final)
+    assert [m.role for m in trace.messages] == ["system", "user", "assistant"]
+    system, user, assistant = trace.messages
+    assert TOK.decode(i32(system.token_ids)) == "<|system|>Reverse the text.<|end|>"
+    assert TOK.decode(i32(user.token_ids)) == "<|user|>hello<|end|>"
+    assert TOK.decode(i32(assistant.token_ids)) == "<|assistant|>olleh<|end|>"
+    assert mask(assistant.sampled).tolist() == [False] + [True] * 6
+    assert sampled_tokens(trace) == (gen.completions[0], pytest.approx(gen.logprobs[0]))
+    assert assistant.content == "olleh" and assistant.finish_reason == "stop"
+    assert (
+        assistant.temperature == 0.7
+        and assistant.policy_version == 7
+        and assistant.model == "policy"
+    )
+    assert (trace.policy_min, trace.policy_max, trace.num_turns, trace.truncated) == (
+        7,
+        7,
+        1,
+        False,
+    )
+    assert trace.branches[0].messages == [0, 1, 2]
+    assert [m.parent for m in trace.messages] == [None, 0, 1]
+    assert (trace.rollout_id, trace.group_id, trace.sample_index, trace.env) == ("r1", "g", 2, "reverse-text")  # fmt: skip
+    assert trace.task == task
+    assert set(trace.timings) >= {"generate_s", "env_s", "total_s", "queue_s"}
+    assert trace.timings["queue_s"] == 0.5
+    assert completion_tokens(trace) == 6
+    call = gen.calls[0]
+    assert call["request_id"] == derive_id("r1", "turn", 0)
+    assert call["seed"] == stable_seed(11, "turn", 0)
+    assert call["env"] == "reverse-text" and call["model"] == "policy"
+    assert call["stop"] == R.stop_token_ids and call["sampling"] == SAMPLING
+
+
+async def test_multi_turn_rollout_with_truncated_turn_keeps_token_invariant() -> None:
+    """alphabet-sort over 3 turns, the middle one cut off: every prompt extends the last, the
+    closing <|end|> is unsampled context on that assistant message, rewards are per turn."""
+    env = make_env("alphabet-sort", {"max_turns": 3})
+    data = {"names": ["Kai", "Ada", "Sue"], "additions": [["Bo", "Zoe"], ["Cy"]]}
+    task = task_ref(env, data=data)
+    gen = FakeGenerate(("Ada,Kai,Sue", "stop", 3), ("Ada,Bo,Ka", "length", 5), ("Ada,Bo,Cy,Kai,Sue,Zoe", "stop", 4))  # fmt: skip
+    trace = await run_rollout(env, task, gen, R, SAMPLING, rollout_id="r", seed=1)
+    assert trace.ok, trace.errors
+    assert [m.role for m in trace.messages] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]  # fmt: skip
+    check_invariants(trace, gen.calls[-1]["prompt"] + gen.completions[-1])
+    for k in range(1, 3):  # each prompt extends the previous prompt + its completion
+        prev = gen.calls[k - 1]["prompt"] + gen.completions[k - 1]
+        assert gen.calls[k]["prompt"][: len(prev)] == prev
+    cut = trace.messages[4]
+    assert TOK.decode(i32(cut.token_ids)) == "<|assistant|>Ada,Bo,Ka<|end|>"
+    assert mask(cut.sampled).tolist() == [False] + [True] * 9 + [False]
+    ids, lps = sampled_tokens(trace)
+    assert ids == sum(gen.completions, [])
+    assert lps == pytest.approx(sum(gen.logprobs, []))
+    assert trace.messages[3].content == "Add: Bo,Zoe"
+    assert (trace.policy_min, trace.policy_max, trace.num_turns, trace.truncated) == (3, 5, 3, True)
+    assert trace.reward == pytest.approx(2 / 3)
+    assert trace.metrics == {"turn_1_correct": 1.0, "turn_2_correct": 0.0, "turn_3_correct": 1.0}
+    assert [c["request_id"] for c in gen.calls] == [derive_id("r", "turn", k) for k in range(3)]
+    assert len({c["seed"] for c in gen.calls}) == 3
+
+
+async def test_final_truncated_completion_is_not_closed() -> None:
+    """A completion cut off on the last turn gets no <|end|>: the model never saw one."""
+    env = make_env("reverse-text", {})
+    gen = FakeGenerate(("ollehollehol", "length"))
+    trace = await run_rollout(env, task_ref(env, data={"text": "hello"}), gen, R, SAMPLING, rollout_id="r")  # fmt: skip
+    check_invariants(trace, gen.calls[0]["prompt"] + gen.completions[0])
+    assert trace.truncated and trace.messages[-1].finish_reason == "length"
+    assert i32(trace.messages[-1].token_ids)[-1] != END
+
+
+async def test_max_turns_override_stops_early() -> None:
+    """max_turns from the request caps the conversation; only the turns asked are scored."""
+    env = make_env("alphabet-sort", {"max_turns": 3})
+    data = {"names": ["Kai", "Ada", "Sue"], "additions": [["Bo"], ["Cy"]]}
+    gen = FakeGenerate(("Ada,Kai,Sue", "stop"))
+    trace = await run_rollout(env, task_ref(env, data=data), gen, R, SAMPLING, rollout_id="r", max_turns=1)  # fmt: skip
+    assert trace.num_turns == 1 and len(gen.calls) == 1
+    assert trace.reward == 1.0 and trace.metrics == {"turn_1_correct": 1.0}
+
+
+class Chatty(Harness):
+    """Two turns; after the second the env has a closing remark the model never sees."""
+
+    max_turns = 5
+
+    def user_prompt(self, task):  # type: ignore[no-untyped-def]
+        return "hi"
+
+    def env_response(self, messages, task, state):  # type: ignore[no-untyped-def]
+        n = sum(m["role"] == "assistant" for m in messages)
+        if n == 1:
+            return [{"role": "tool", "name": "calc", "content": "42"}], False
+        if n == 2:
+            return [{"role": "user", "content": "Thanks."}], True
+        raise AssertionError("called after done")
+
+
+async def test_env_closing_messages_carry_no_tokens() -> None:
+    """Messages after the last generation are recorded with empty token arrays; tool messages
+    are rendered with their name."""
+    env = Environment("chatty", make_env("reverse-text", {}).taskset, Chatty(None),
+                      Rubric({"n": lambda m, t, s: float(len(m))}))  # fmt: skip
+    gen = FakeGenerate(("a", "stop"), ("b", "stop"))
+    trace = await run_rollout(env, TaskRef(index=0, data={}), gen, R, SAMPLING, rollout_id="r")
+    assert [m.role for m in trace.messages] == ["user", "assistant", "tool", "assistant", "user"]
+    assert TOK.decode(i32(trace.messages[2].token_ids)) == "<|tool|>calc:42<|end|>"
+    assert trace.messages[2].name == "calc"
+    assert trace.messages[-1].token_ids == b"" and trace.messages[-1].content == "Thanks."
+    check_invariants(trace, gen.calls[-1]["prompt"] + gen.completions[-1])
+    assert trace.reward == 5.0  # the rubric saw the closing remark
+
+
+class Boom(Harness):
+    max_turns = 2
+
+    def __init__(self, where: str) -> None:
+        super().__init__("sys")
+        self.where = where
+
+    def user_prompt(self, task):  # type: ignore[no-untyped-def]
+        if self.where == "prompt":
+            raise KeyError("text")
+        return "go"
+
+    def env_response(self, messages, task, state):  # type: ignore[no-untyped-def]
+        if self.where == "response":
+            raise ZeroDivisionError("oops")
+        return [{"role": "user", "content": "again"}], False
+
+
+def _boom_env(where: str) -> Environment:
+    def rubric(m, t, s):  # type: ignore[no-untyped-def]
+        if where == "rubric":
+            raise ValueError("bad rubric")
+        return 1.0
+
+    return Environment(
+        "boom", make_env("reverse-text", {}).taskset, Boom(where), Rubric({"r": rubric})
+    )
+
+
+@pytest.mark.parametrize(
+    ("where", "replies", "kind", "turns"),
+    [
+        ("none", [RequestTimeout("no reply on rl.x.infer.policy within 1s")], "inference_timeout", 0),
+        ("none", [("a", "stop"), InferenceFailed(request_id="x", kind="context_too_long", message="300 > 256")],
+         "context_too_long", 1),
+        ("none", [nats.errors.ConnectionClosedError()], "inference_error", 0),
+        ("prompt", [], "env_exception", 0),
+        ("response", [("a", "stop")], "env_exception", 1),
+        ("rubric", [("a", "stop"), ("b", "stop")], "env_exception", 2),
+    ],
+)  # fmt: skip
+async def test_failures_become_errored_traces(
+    where: str, replies: list, kind: str, turns: int
+) -> None:
+    """Timeouts, InferenceFailed, transport errors and env exceptions give a Trace with the
+    error kind and reward 0 — never an exception; the recorded tokens stay consistent."""
+    gen = FakeGenerate(*replies)
+    trace = await run_rollout(_boom_env(where), TaskRef(index=0, data={}), gen, R, SAMPLING, rollout_id="r")  # fmt: skip
+    assert [e.kind for e in trace.errors] == [kind]
+    assert not trace.ok and trace.reward == 0.0 and trace.rewards == {} and trace.metrics == {}
+    assert trace.num_turns == turns
+    if gen.calls:  # what was recorded is a prefix of the last prompt the model was given
+        ids, *_ = trace.branch_tokens(trace.branches[0])
+        seen = gen.calls[-1]["prompt"] + (gen.completions[-1] if kind == "env_exception" else [])
+        assert seen[: len(ids)] == ids.tolist()
+        for m in trace.messages:
+            assert len(m.token_ids) // 4 == len(m.sampled) == len(m.logprobs) // 4
+
+
+async def test_malformed_reply_is_an_error() -> None:
+    """A reply whose logprobs do not match its tokens is a bad_reply error, not a crash."""
+
+    async def bad(*args: Any, **kw: Any) -> GenerateResult:
+        return GenerateResult(request_id="x", completion_ids=pack_i32([5, 6]), logprobs=pack_f32([0.0]),
+                              finish_reason="stop", policy_version=0)  # fmt: skip
+
+    env = make_env("reverse-text", {})
+    trace = await run_rollout(env, task_ref(env), bad, R, SAMPLING, rollout_id="r")
+    assert [e.kind for e in trace.errors] == ["bad_reply"]
+
+
+async def test_cancellation_propagates() -> None:
+    """A cancelled rollout (role draining) raises CancelledError instead of faking a trace."""
+
+    async def hang(*args: Any, **kw: Any) -> GenerateResult:
+        await asyncio.sleep(3600)
+        raise AssertionError
+
+    env = make_env("reverse-text", {})
+    task = asyncio.ensure_future(run_rollout(env, task_ref(env), hang, R, SAMPLING, rollout_id="r"))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_split_initial_prompt_with_template_extras() -> None:
+    """Tokens a template adds before the messages go to the first message; pieces always
+    concatenate to the prompt."""
+
+    class FakeRenderer:
+        generation_prompt_ids = [9]
+
+        def message_tokens(self, m):  # type: ignore[no-untyped-def]
+            return [len(m["content"])] * 2
+
+    msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "bbb"}]
+    assert split_initial_prompt(FakeRenderer(), msgs, [1, 1, 3, 3, 9]) == ([[1, 1], [3, 3]], [9])
+    assert split_initial_prompt(FakeRenderer(), msgs, [7, 1, 1, 3, 3, 9]) == (
+        [[7, 1, 1], [3, 3]],
+        [9],
+    )
+    pieces, gen = split_initial_prompt(FakeRenderer(), msgs, [5, 5, 5])
+    assert sum(pieces, []) + gen == [5, 5, 5]
+
+
+# -- the env server's pure parts -----------------------------------------------------------
+
+
+def request(split: str = "train", index: int = 3, group_size: int = 3, **kw: Any) -> TaskRequested:
+    return TaskRequested(run="r", event_id="req1", env="reverse-text", task=TaskRef(index=index, split=split),
+                         group_id="g1", group_size=group_size, sampling=SAMPLING, seed=42, step=5, **kw)  # fmt: skip
+
+
+async def test_rollout_group_seeds_and_outputs_derive_from_the_request() -> None:
+    """Rollout i samples with stable_seed(seed, i); outputs' ids derive from the request so a
+    redelivery republishes the same ids."""
+    env = make_env("reverse-text", {})
+    req = request()
+    gen = FakeGenerate(*[("abc", "stop")] * 3)
+    traces = await rollout_group(env, req, gen, R)
+    assert [t.sample_index for t in traces] == [0, 1, 2]
+    assert sorted(c["seed"] for c in gen.calls) == sorted(stable_seed(stable_seed(42, i), "turn", 0) for i in range(3))  # fmt: skip
+    assert all(t.task.data == env.task("train", 3) and t.task.index == 3 for t in traces)
+    out = outputs_for(req, traces)
+    assert all(isinstance(e, TraceCompleted) for e in out)
+    assert [e.event_id for e in out] == [derive_id("req1", "trace", i) for i in range(3)]
+    assert [e.trace.rollout_id for e in out] == [rollout_id(req, i) for i in range(3)]
+    assert {(e.causation_id, e.request_id, e.group_size, e.step, e.env) for e in out} == {("req1", "req1", 3, 5, "reverse-text")}  # fmt: skip
+    again = outputs_for(req, await rollout_group(env, req, FakeGenerate(*[("abc", "stop")] * 3), R))
+    assert [e.event_id for e in again] == [e.event_id for e in out]
+
+
+async def test_eval_request_gives_one_eval_completed() -> None:
+    """An eval-split request yields one EvalCompleted with every trace and its reward."""
+    env = make_env("reverse-text", {})
+    req = request(split="eval", index=0, group_size=2)
+    text = env.task("eval", 0)["text"]
+    traces = await rollout_group(
+        env, req, FakeGenerate((text[::-1], "stop"), RequestTimeout("t")), R
+    )
+    (out,) = outputs_for(req, traces)
+    assert isinstance(out, EvalCompleted)
+    assert out.event_id == derive_id("req1", "eval") and out.request_id == "req1"
+    assert sorted(out.rewards) == [0.0, 1.0] and out.errors == 1 and len(out.traces) == 2
+    assert out.task_index == 0 and out.step == 5
+
+
+async def test_bad_task_index_gives_errored_group() -> None:
+    """A request for a task that does not exist still answers: group_size errored traces."""
+    env = make_env("reverse-text", {"train_size": 10})
+    traces = await rollout_group(env, request(index=99), FakeGenerate(), R)
+    assert len(traces) == 3 and all(t.errors[0].kind == "task_error" for t in traces)
+    assert len({t.rollout_id for t in traces}) == 3
+
+
+async def test_client_generate_adapter() -> None:
+    """env= reaches the client; a missing inference replica (no responders) is waited for,
+    other timeouts are not retried."""
+
+    class Starting:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def generate(
+            self, model, request_id, prompt_ids, sampling, stop_token_ids=(), seed=0, env=None
+        ):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            if self.calls < 3:
+                raise NoResponders("no responders")
+            if env == "slow":
+                raise RequestTimeout("no reply")
+            return env
+
+    starting = Starting()
+    assert await client_generate(starting, 5.0)("m", "r", [1], SAMPLING, [], 0, env="e") == "e"
+    assert starting.calls == 3
+    slow = Starting()
+    slow.calls = 5
+    with pytest.raises(RequestTimeout):
+        await client_generate(slow)("m", "r", [1], SAMPLING, [], 0, env="slow")
+    assert slow.calls == 6  # a plain timeout is not retried
+    with pytest.raises(NoResponders):
+        await client_generate(Starting(), 0.05)("m", "r", [1], SAMPLING, [], 0)
+
+
+async def test_rollout_is_deterministic_given_replies() -> None:
+    """Same env, task and replies: identical traces apart from wall-clock timings."""
+
+    async def once() -> Trace:
+        env = make_env("alphabet-sort", {})
+        gen = FakeGenerate(("Ada", "stop"), ("Bo", "length"), ("Cy", "stop"))
+        return await run_rollout(env, task_ref(env, 4), gen, R, SAMPLING, rollout_id="x", seed=3)
+
+    a, b = await once(), await once()
+    assert a.messages == b.messages and a.reward == b.reward and a.metrics == b.metrics
+    assert np.array_equal(a.branch_tokens(a.branches[0])[0], b.branch_tokens(b.branches[0])[0])
+
+
+# -- the rollout command's pure parts ------------------------------------------------------
+
+
+def test_rollout_cli_plans_requests_from_config() -> None:
+    """`rlbus rollout` rounds n up to whole groups, takes sampling from the config (eval
+    sampling for --split eval), asks for tasks 0.. with fresh ids and stable seeds."""
+    from configs import load_config
+    from roles.cli.rollout import build_requests, plan_requests, summarize
+
+    cfg = load_config("smoke")
+    plan = plan_requests(cfg, "reverse-text", "train", 9, 4, "policy")
+    assert plan.groups == 3 and plan.key == "reverse-text"
+    assert (
+        plan.sampling.max_completion_tokens == cfg.orchestrator.train.sampling.max_completion_tokens
+    )
+    assert plan_requests(cfg, "reverse-text", "eval", 1, 1, "policy").sampling.temperature == 0.0
+    custom = plan_requests(cfg, "examples.word_count_env:make_env", "train", 2, 2, "teacher")
+    assert custom.key == "examples-word_count_env-make_env" and custom.env_args == {}
+    reqs = build_requests("r", 0, plan, size=2)
+    again = build_requests("r", 0, plan, size=2)
+    assert [r.task.index for r in reqs] == [0, 1, 0]
+    assert [r.seed for r in reqs] == [r.seed for r in again] and len({r.seed for r in reqs}) == 3
+    assert not {r.event_id for r in reqs} & {
+        r.event_id for r in again
+    }  # reruns are not deduped away
+    assert all(r.group_size == 4 and r.env == "reverse-text" for r in reqs)
+
+    ok = Trace(rollout_id="a", env="e", task=TaskRef(index=0), group_id="g", sample_index=0,
+               messages=[], branches=[], reward=1.0)  # fmt: skip
+    bad = failed_group(request(group_size=2), "e", "inference_timeout", "t")
+    s = summarize([ok, *bad])
+    assert s["rollouts"] == 3 and s["reward_mean"] == pytest.approx(1 / 3)
+    assert s["errors"] == {"inference_timeout": 2}
