@@ -45,11 +45,24 @@ def no_time(events: list[Event]) -> list[Event]:
 
 
 def started(cfg) -> RunStarted:  # noqa: ANN001
-    return RunStarted(run="r", event_id="start", config=cfg.model_dump(mode="json"), seed=cfg.seed, model_path="m")
+    return RunStarted(
+        run="r", event_id="start", config=cfg.model_dump(mode="json"), seed=cfg.seed, model_path="m"
+    )
 
 
-def scored(req: TaskRequested, rewards: list[float], policy: int = 0, zero: bool = False) -> SamplesScored:
-    samples = [msgspec.structs.replace(sample(f"{req.group_id}-{i}"), group_id=req.group_id, policy_min=policy, policy_max=policy, reward=r) for i, r in enumerate(rewards)]
+def scored(
+    req: TaskRequested, rewards: list[float], policy: int = 0, zero: bool = False
+) -> SamplesScored:
+    samples = [
+        msgspec.structs.replace(
+            sample(f"{req.group_id}-{i}"),
+            group_id=req.group_id,
+            policy_min=policy,
+            policy_max=policy,
+            reward=r,
+        )
+        for i, r in enumerate(rewards)
+    ]
     return SamplesScored(
         run="r", event_id=f"scored-{req.group_id}", algorithm="grpo", env=req.env, group_id=req.group_id,
         request_id=req.event_id, task_index=req.task.index, step=req.step, samples=samples, rewards=rewards, zero_advantage=zero,
@@ -57,7 +70,13 @@ def scored(req: TaskRequested, rewards: list[float], policy: int = 0, zero: bool
 
 
 def weights(v: int) -> WeightsPublished:
-    return WeightsPublished(run="r", event_id=f"w{v}", version=v, step=v, weights=ObjectRef(kind="object", location=f"weights.v{v}"))
+    return WeightsPublished(
+        run="r",
+        event_id=f"w{v}",
+        version=v,
+        step=v,
+        weights=ObjectRef(kind="object", location=f"weights.v{v}"),
+    )
 
 
 def tasks(events: list[Event]) -> list[TaskRequested]:
@@ -70,7 +89,9 @@ def test_dispatch_fills_the_async_window_and_respects_in_flight_bound() -> None:
     out = step(state, cfg, started(cfg))
     reqs = tasks(out)
     assert len(reqs) == 4  # two batches need 4 groups of 4; the in-flight bound is also 4
-    assert len({r.group_id for r in reqs}) == 4 and all(r.phase == "rl" and r.model == "policy" for r in reqs)
+    assert len({r.group_id for r in reqs}) == 4 and all(
+        r.phase == "rl" and r.model == "policy" for r in reqs
+    )
 
 
 def test_decisions_are_deterministic() -> None:
@@ -132,13 +153,31 @@ def test_zero_advantage_groups_are_skipped_and_stop_the_run_when_persistent() ->
 
 def test_warm_start_batches_are_sft_from_the_teacher() -> None:
     """The first warmup.steps batches come from the warmup actor and are phase sft."""
-    cfg, state = make("orchestrator.warmup.steps=1", "orchestrator.models.teacher.kind=teacher", "orchestrator.max_async_level=1")
+    cfg, state = make(
+        "orchestrator.warmup.steps=1",
+        "orchestrator.models.teacher.kind=teacher",
+        "orchestrator.max_async_level=1",
+    )
     reqs = tasks(step(state, cfg, started(cfg)))
     assert [r.phase for r in reqs] == ["sft", "sft", "rl", "rl"]
     assert [r.model for r in reqs] == ["teacher", "teacher", "policy", "policy"]
-    sft = SamplesScored(**{**msgspec.structs.asdict(scored(reqs[0], [1, 1, 1, 1])), "algorithm": "sft", "event_id": "s0"})
-    sft2 = SamplesScored(**{**msgspec.structs.asdict(scored(reqs[1], [1, 1, 1, 1])), "algorithm": "sft", "event_id": "s1"})
-    step(state, cfg, scored(reqs[0], [1, 1, 1, 1], zero=True))  # grpo's view of a teacher group: ignored
+    sft = SamplesScored(
+        **{
+            **msgspec.structs.asdict(scored(reqs[0], [1, 1, 1, 1])),
+            "algorithm": "sft",
+            "event_id": "s0",
+        }
+    )
+    sft2 = SamplesScored(
+        **{
+            **msgspec.structs.asdict(scored(reqs[1], [1, 1, 1, 1])),
+            "algorithm": "sft",
+            "event_id": "s1",
+        }
+    )
+    step(
+        state, cfg, scored(reqs[0], [1, 1, 1, 1], zero=True)
+    )  # grpo's view of a teacher group: ignored
     out = step(state, cfg, sft) + step(state, cfg, sft2)
     (batch,) = [e for e in out if isinstance(e, BatchAssembled)]
     assert batch.phase == "sft" and batch.step == 1
@@ -160,16 +199,34 @@ def test_replaying_the_log_rebuilds_state_and_decides_nothing_new() -> None:
     assert {e.event_id for e in redone} <= {e.event_id for e in log}
     assert fresh.assembled == state.assembled and fresh.dispatched == state.dispatched
     assert decide(fresh, fresh_cfg) == []
-    assert no_time(redone) == no_time([e for e in log if e.event_id in {r.event_id for r in redone}])
+    assert no_time(redone) == no_time(
+        [e for e in log if e.event_id in {r.event_id for r in redone}]
+    )
 
 
 def test_eval_rounds_report_avg_and_pass_at_k_then_the_run_stops() -> None:
     """Eval at v0 and at max_steps; the stop waits for the final eval's metrics."""
-    cfg, state = make("orchestrator.eval.interval=5", "orchestrator.eval.num_tasks=2", "orchestrator.eval.k=2", "max_steps=1")
+    cfg, state = make(
+        "orchestrator.eval.interval=5",
+        "orchestrator.eval.num_tasks=2",
+        "orchestrator.eval.k=2",
+        "max_steps=1",
+    )
     out = step(state, cfg, started(cfg))
     evals = [r for r in tasks(out) if r.task.split == "eval"]
     assert [r.task.index for r in evals] == [0, 1] and all(r.group_size == 2 for r in evals)
-    results = [EvalCompleted(run="r", event_id=f"ec{i}", request_id=r.event_id, env=r.env, step=0, task_index=i, rewards=[1.0, 0.0] if i else [0.0, 0.0]) for i, r in enumerate(evals)]
+    results = [
+        EvalCompleted(
+            run="r",
+            event_id=f"ec{i}",
+            request_id=r.event_id,
+            env=r.env,
+            step=0,
+            task_index=i,
+            rewards=[1.0, 0.0] if i else [0.0, 0.0],
+        )
+        for i, r in enumerate(evals)
+    ]
     out = step(state, cfg, results[0]) + step(state, cfg, results[1])
     (metrics,) = [e for e in out if isinstance(e, MetricsReported)]
     assert metrics.role == "eval" and metrics.values["reverse-text/avg@2"] == 0.25
@@ -179,12 +236,26 @@ def test_eval_rounds_report_avg_and_pass_at_k_then_the_run_stops() -> None:
     final = [r for r in tasks(out) if r.task.split == "eval"]
     out = []
     for i, r in enumerate(final):
-        out += step(state, cfg, EvalCompleted(run="r", event_id=f"f{i}", request_id=r.event_id, env=r.env, step=1, task_index=i, rewards=[1.0, 1.0]))
+        out += step(
+            state,
+            cfg,
+            EvalCompleted(
+                run="r",
+                event_id=f"f{i}",
+                request_id=r.event_id,
+                env=r.env,
+                step=1,
+                task_index=i,
+                rewards=[1.0, 1.0],
+            ),
+        )
     (stop,) = [e for e in out if isinstance(e, RunStopped)]
     assert stop.reason == "max_steps"
 
 
 def test_eval_metrics_skip_pass_at_k_for_non_binary_rewards() -> None:
-    results = [EvalCompleted(run="r", request_id="q", env="e", step=0, task_index=0, rewards=[0.5, 1.0])]
+    results = [
+        EvalCompleted(run="r", request_id="q", env="e", step=0, task_index=0, rewards=[0.5, 1.0])
+    ]
     m = eval_metrics(results, 2)
     assert m["e/avg@2"] == 0.75 and "e/pass@2" not in m
