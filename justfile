@@ -32,8 +32,17 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench:
+bench: bench-bus bench-rollouts
+
+# rlbus runtime vs raw nats-py on ~23 KB trace events.
+[group('bench')]
+bench-bus:
     {{python}} -m benchmarks.bus_bench
+
+# Rollouts/s and where rollout time goes, 1 vs 2 inference replicas.
+[group('bench')]
+bench-rollouts:
+    {{python}} -m benchmarks.rollout_bench
 
 # Lint and type-check.
 [group('check')]

@@ -93,6 +93,9 @@ def build_tiny_model(
         eos_token_id=[tokenizer.convert_tokens_to_ids(END), tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id,
     )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a progress bar per tiny file is noise in role logs
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
