@@ -8,6 +8,7 @@ as stale by ``rlbus status``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -80,6 +81,7 @@ class Heartbeat:
         self.started_ns = time.time_ns()
         self.key = role_key(run, role, instance)
         self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
 
     async def beat(self, status: str = "running") -> None:
         extra: dict[str, object] = await self.probe() if self.probe else {}
@@ -92,19 +94,22 @@ class Heartbeat:
         await kv.put(self.key, msgspec.msgpack.encode(hb))
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 await self.beat()
             except Exception:  # noqa: BLE001 - a missed heartbeat must not kill the role
                 pass
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.interval_s)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
+        # An event, not cancel(): on Python 3.11 a cancel that lands just as a NATS request
+        # completes can be swallowed by wait_for inside nats-py, leaving the loop running.
+        self._stop.set()
         if self._task:
-            self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         try:
             await self.beat(status="stopped")

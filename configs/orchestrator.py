@@ -129,6 +129,9 @@ class WarmupConfig(_Section):
     actor: str = "teacher"  # key of `orchestrator.models` that rolls out during warmup
     algorithms: list[str] = ["sft"]  # registered algorithm names used during warmup
     lr: float | None = Field(default=None, gt=0)  # None = `trainer.lr`
+    # Rollouts per task while warming up: a deterministic teacher gives identical copies,
+    # so one per task shows the student the most distinct examples per batch.
+    group_size: int = Field(default=1, ge=1)
 
 
 def _default_algorithms() -> list[AlgorithmConfig]:

@@ -75,8 +75,12 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     if install_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, role.request_stop)
-    await role.bus.ensure_stream()
-    await role.setup()
+    try:
+        await role.bus.ensure_stream()
+        await role.setup()
+    except BaseException:
+        await role.bus.close()  # a role that cannot start must not leak its connection
+        raise
     role.consumers = [Consumer(role.bus, s, role.role) for s in role.subscriptions()]
     heartbeat = Heartbeat(
         role.bus.js, role.run, role.role, role.instance, role.heartbeat_interval_s,

@@ -32,15 +32,20 @@ def run_dir(cfg: RunConfig, run: str) -> Path:
     return Path(cfg.bus.data_dir) / run
 
 
-def policy_model_dir(cfg: RunConfig, run: str) -> Path:
-    """The initial policy weights: ``model.path``, or the tiny model built (once) under the run dir."""
-    if cfg.model.path != "tiny":
-        return Path(cfg.model.path)
+def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:
+    """A loadable model directory: ``"tiny"`` builds (once) the run's tiny model under
+    ``run_dir``; anything else is a local directory or hub id, returned as it is."""
+    if path != "tiny":
+        return Path(path)
     from roles.model.loading import ensure_tiny_model  # torch-free until a model is built
 
-    sizes = cfg.model.tiny.model_dump()
-    seed = sizes.pop("init_seed")
-    return Path(ensure_tiny_model(run_dir(cfg, run), sizes, seed))
+    sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})
+    return Path(ensure_tiny_model(run_dir, sizes, seed=cfg.model.tiny.init_seed))
+
+
+def policy_model_dir(cfg: RunConfig, run: str) -> Path:
+    """The initial policy weights (policy version 0)."""
+    return materialize_model(cfg, cfg.model.path, run_dir(cfg, run))
 
 
 def instance_name(role: str, suffix: str | None = None) -> str:

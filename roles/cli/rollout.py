@@ -24,14 +24,11 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import typer
 
@@ -176,51 +173,6 @@ def build_requests(run: str, seed: int, plan: Plan, size: int) -> list[Any]:
 # -- processes we start -------------------------------------------------------------------
 
 
-@dataclass
-class Started:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    log_file: IO[bytes]
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log_file.close()
-
-    def tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def start_role(
-    name: str, args: list[str], run: str, url: str, config_path: Path, logs: Path
-) -> Started:
-    logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"{name}.log"
-    log_file = log_path.open("ab")
-    argv = [
-        sys.executable,
-        "-m",
-        "roles.cli",
-        "role",
-        *args,
-        "--run",
-        run,
-        "--nats-url",
-        url,
-        "--config",
-        str(config_path),
-    ]
-    # Own session: a terminal Ctrl-C reaches us only; we stop them in order.
-    proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    return Started(name, proc, log_path, log_file)
-
-
 async def _needed(bus: Any, cfg: Any, plan: Plan) -> list[tuple[str, list[str]]]:
     """The role processes to start: those without a fresh heartbeat in the registry."""
     from bus.registry import is_alive, list_roles
@@ -264,7 +216,9 @@ async def _main(
 
     bus = await Bus.connect(url, run=run, producer="cli-rollout", settings=bus_settings(cfg))
     await bus.ensure_stream()
-    started: list[Started] = []
+    from roles.launcher import RoleProcess, role_argv
+
+    started: list[RoleProcess] = []
     t0 = time.monotonic()
     try:
         todo = await _needed(bus, cfg, plan)
@@ -272,9 +226,14 @@ async def _main(
             # Build the tiny model once, before the roles race to it.
             await asyncio.to_thread(policy_model_dir, cfg, run)
         for name, args in todo:
-            started.append(start_role(name, args, run, url, config_path, run_dir / "logs"))
+            role = RoleProcess(
+                name, role_argv(args, run, url, config_path), run_dir / "logs" / f"{name}.log"
+            )
+            role.start()
+            started.append(role)
             typer.echo(
-                f"started {name} (pid {started[-1].proc.pid}, log {started[-1].log_path})", err=True
+                f"started {name} (pid {role.proc.pid if role.proc else '?'}, log {role.log_path})",
+                err=True,
             )
 
         eval_split = plan.split == "eval"
@@ -298,7 +257,7 @@ async def _main(
             bar = progress.add_task(f"{plan.env} rollouts", total=total)
             while len(traces) < total:
                 for s in started:
-                    if s.proc.poll() is not None:
+                    if not s.alive and s.proc is not None:
                         typer.echo(
                             f"{s.name} exited with {s.proc.returncode}; log tail:\n{s.tail()}",
                             err=True,
@@ -329,8 +288,9 @@ async def _main(
         return code
     finally:
         for s in reversed(started):
-            await asyncio.to_thread(s.stop)
-            typer.echo(f"stopped {s.name} (exit {s.proc.returncode})", err=True)
+            s.terminate()
+            await asyncio.to_thread(s.wait, 30.0)
+            typer.echo(f"stopped {s.name} (exit {s.proc.returncode if s.proc else '?'})", err=True)
         await bus.close()
 
 

@@ -126,12 +126,18 @@ async def rollout_group(
     renderer: Any,
     env_id: str | None = None,
 ) -> list[Trace]:
-    """The ``group_size`` rollouts of one request, run concurrently."""
+    """The ``group_size`` rollouts of one request, run concurrently.
+
+    The orchestrator draws task indices from a large space without knowing the taskset;
+    the index is reduced modulo the split's size here, and the trace records the task's
+    real index and data.
+    """
     try:
-        data = env.task(request.task.split, request.task.index)
-    except Exception as e:  # noqa: BLE001 - a bad task index is the request's fault: record it
+        index = request.task.index % env.size(request.task.split)
+        data = env.task(request.task.split, index)
+    except Exception as e:  # noqa: BLE001 - a bad split or empty taskset is the request's fault: record it
         return failed_group(request, request.env, "task_error", f"{type(e).__name__}: {e}")
-    task = TaskRef(index=request.task.index, split=request.task.split, data=data)
+    task = TaskRef(index=index, split=request.task.split, data=data)
     return list(
         await asyncio.gather(
             *(

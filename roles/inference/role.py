@@ -46,7 +46,7 @@ from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject, subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.base import Role, serve_role
-from roles.context import RoleContext
+from roles.context import RoleContext, materialize_model
 from roles.inference.backend import Backend
 from schemas import (
     GenerateRequest,
@@ -84,17 +84,6 @@ def resolve_served_model(cfg: RunConfig, model: str) -> ServedModel:
     return ServedModel(
         model, endpoint.subject_model or model, endpoint.path or cfg.model.path, False
     )
-
-
-def materialize(cfg: RunConfig, path: str, run_dir: Path) -> str:
-    """A loadable model location: "tiny" builds (once) the run's tiny model."""
-    if path != TINY:
-        return path
-    from roles.model.loading import ensure_tiny_model
-
-    tiny = cfg.model.tiny
-    sizes = tiny.model_dump(exclude={"init_seed"})
-    return str(ensure_tiny_model(run_dir, sizes, seed=tiny.init_seed))
 
 
 async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
@@ -183,7 +172,7 @@ class InferenceRole(Role):
     # -- lifecycle ----------------------------------------------------------------------
 
     async def setup(self) -> None:
-        path = await asyncio.to_thread(materialize, self.cfg, self.served.path, self.run_dir)
+        path = str(await asyncio.to_thread(materialize_model, self.cfg, self.served.path, self.run_dir))
         weights_dir = self.run_dir / "inference" / self.instance
         self.backend = await make_backend(self.cfg, path, weights_dir)
         if self.served.follows_weights:

@@ -168,16 +168,17 @@ class Decider:
         s, o = self.state, self.cfg.orchestrator
         n = s.dispatched
         env = choose_env(self.cfg, n)
+        group_size = o.warmup.group_size if phase == "sft" else env.group_size
         self.emit(
             TaskRequested(
                 run=self.run,
                 event_id=derive_id(self.run, "task", n),
-                env=env.id,
+                env=token_for(env.id),
                 task=TaskRef(
                     index=stable_seed(self.cfg.seed, "task", env.id, n) % 2**31, split="train"
                 ),
                 group_id=derive_id(self.run, "group", n),
-                group_size=env.group_size,
+                group_size=group_size,
                 sampling=sampling_params(env.sampling or o.train.sampling),
                 model=o.warmup.actor if phase == "sft" else o.actor,
                 step=s.assembled,
@@ -188,7 +189,7 @@ class Decider:
                 phase=phase,
             )  # fmt: skip
         )
-        return env.group_size
+        return group_size
 
     # -- eval ---------------------------------------------------------------------------
 
@@ -217,7 +218,7 @@ class Decider:
                         TaskRequested(
                             run=self.run,
                             event_id=derive_id(self.run, "eval", v, env.id, i),
-                            env=env.id,
+                            env=token_for(env.id),
                             task=TaskRef(index=i, split="eval"),
                             group_id=derive_id(self.run, "eval-group", v, env.id, i),
                             group_size=e.k,

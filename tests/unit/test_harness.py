@@ -365,10 +365,17 @@ async def test_eval_request_gives_one_eval_completed() -> None:
     assert out.task_index == 0 and out.step == 5
 
 
-async def test_bad_task_index_gives_errored_group() -> None:
-    """A request for a task that does not exist still answers: group_size errored traces."""
+async def test_task_index_wraps_into_the_split() -> None:
+    """The orchestrator draws indices from a large space; the env reduces them modulo the split."""
     env = make_env("reverse-text", {"train_size": 10})
-    traces = await rollout_group(env, request(index=99), FakeGenerate(), R)
+    traces = await rollout_group(env, request(index=99), FakeGenerate(*[("abc", "stop")] * 3), R)
+    assert all(t.task.index == 9 and t.task.data == env.task("train", 9) for t in traces)
+
+
+async def test_bad_split_gives_errored_group() -> None:
+    """A request the env cannot serve still answers: group_size errored traces."""
+    env = make_env("reverse-text", {"train_size": 10})
+    traces = await rollout_group(env, request(split="test"), FakeGenerate(), R)
     assert len(traces) == 3 and all(t.errors[0].kind == "task_error" for t in traces)
     assert len({t.rollout_id for t in traces}) == 3
 

@@ -157,6 +157,7 @@ def test_warm_start_batches_are_sft_from_the_teacher() -> None:
         "orchestrator.warmup.steps=1",
         "orchestrator.models.teacher.kind=teacher",
         "orchestrator.max_async_level=1",
+        "orchestrator.warmup.group_size=4",
     )
     reqs = tasks(step(state, cfg, started(cfg)))
     assert [r.phase for r in reqs] == ["sft", "sft", "rl", "rl"]
@@ -181,6 +182,16 @@ def test_warm_start_batches_are_sft_from_the_teacher() -> None:
     out = step(state, cfg, sft) + step(state, cfg, sft2)
     (batch,) = [e for e in out if isinstance(e, BatchAssembled)]
     assert batch.phase == "sft" and batch.step == 1
+
+
+def test_warm_start_groups_default_to_one_rollout_per_task() -> None:
+    """A deterministic teacher's copies teach nothing: warm-start groups have one rollout."""
+    cfg, state = make(
+        "orchestrator.warmup.steps=1", "orchestrator.models.teacher.kind=teacher",
+        "orchestrator.max_groups_in_flight=64",
+    )  # fmt: skip
+    sft = [r for r in tasks(step(state, cfg, started(cfg))) if r.phase == "sft"]
+    assert len(sft) == cfg.orchestrator.batch_size and all(r.group_size == 1 for r in sft)
 
 
 def test_replaying_the_log_rebuilds_state_and_decides_nothing_new() -> None:

@@ -1,0 +1,140 @@
+"""``rlbus up``: one machine, every role as its own process, a live view, a clean stop.
+
+    rlbus up                       # the default preset
+    rlbus up -c smoke --no-view    # the smoke preset with plain log lines
+
+It starts an embedded nats-server under ``runs/<run>/nats`` (unless ``--nats-url``),
+builds the tiny model if that is the configured policy, writes the resolved config to
+``runs/<run>/config.toml``, and starts each role with the same ``rlbus role ...``
+command a user would type, logging to ``runs/<run>/logs/<role>.log``. A role that dies
+is restarted (it resumes from its durable consumer; the log makes that safe). When the
+orchestrator publishes ``run.stopped`` (or on Ctrl-C) every role gets SIGTERM and drains;
+then ``summary.json`` and ``curves.png`` are written next to the logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from configs import RunConfig, dump_toml
+from roles.context import policy_model_dir
+
+
+@dataclass
+class RoleProcess:
+    name: str  # unique: "env-reverse-text", "inference-policy-0", ...
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    log_file: IO[bytes] | None = None
+    exit_codes: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        """The end of the role's log, for error messages."""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def terminate(self) -> None:
+        if self.alive and self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.log_file:
+            self.log_file.close()
+
+
+def role_argv(args: list[str], run: str, url: str, config_path: Path) -> list[str]:
+    """The ``rlbus role ...`` command line of one role process of ``run``."""
+    common = ["--run", run, "--nats-url", url, "--config", str(config_path)]
+    return [sys.executable, "-m", "roles.cli", "role", *args, *common]
+
+
+def role_specs(
+    cfg: RunConfig, run: str, url: str, config_path: Path, logs: Path
+) -> list[RoleProcess]:
+    """Every role process the config needs."""
+    o = cfg.orchestrator
+    specs: list[tuple[str, list[str]]] = [
+        ("orchestrator", ["orchestrator"]),
+        ("trainer", ["trainer"]),
+    ]
+    for i in range(cfg.inference.replicas):
+        specs.append((f"inference-policy-{i}", ["inference", "--model", "policy"]))
+    for key, model in o.models.items():
+        kind = "teacher" if model.kind == "teacher" else "inference"
+        specs.append((f"{kind}-{key}", [kind, "--model", key]))
+    for env in o.train.env:
+        specs.append((f"env-{env.id}", ["env", "--env", env.id]))
+    algorithms = [a.id for a in o.algorithms]
+    if o.warmup.steps > 0:
+        algorithms += [a for a in o.warmup.algorithms if a not in algorithms]
+    for a in algorithms:
+        specs.append((f"algorithm-{a}", ["algorithm", "--name", a]))
+    return [
+        RoleProcess(name, role_argv(args, run, url, config_path), logs / f"{name}.log")
+        for name, args in specs
+    ]
+
+
+def new_run_id() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+
+
+def launch(cfg: RunConfig, nats_url: str | None = None, live_view: bool = True) -> int:
+    """Run the whole thing; returns the process exit code."""
+    from bus.log import configure
+    from bus.server import EmbeddedServer
+
+    run = cfg.run or new_run_id()
+    cfg.run = run
+    run_dir = Path(cfg.bus.data_dir) / run
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    configure(run=run, role="launcher", json=not live_view or not sys.stderr.isatty(), level="INFO")
+    config_path = run_dir / "config.toml"
+    config_path.write_text(dump_toml(cfg))
+    server = None
+    if nats_url is None:
+        server = EmbeddedServer(run_dir / "nats").start()
+        nats_url = server.url
+    try:
+        policy_model_dir(cfg, run)  # build the tiny model once, before roles race to it
+        roles = role_specs(cfg, run, nats_url, config_path, logs)
+        from roles.supervisor import supervise
+
+        return asyncio.run(supervise(cfg, run, nats_url, roles, run_dir, live_view))
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def write_summary(run_dir: Path, summary: dict[str, object]) -> Path:
+    path = run_dir / "summary.json"
+    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return path

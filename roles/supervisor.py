@@ -1,0 +1,143 @@
+"""Keeps a run's role processes alive and watches the run through its stream.
+
+Started by ``rlbus up`` (``roles/launcher.py``). It reads metrics, weights and stop
+events (and only the headers of completed traces, to count rollouts) with ordered
+consumers, restarts a role process that dies, and on ``run.stopped`` or Ctrl-C stops
+every role with SIGTERM so each drains its in-flight work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from pathlib import Path
+
+import nats.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from bus.log import get_logger
+from bus.runtime import Bus
+from bus.subjects import Topic, filter_subject
+from configs import RunConfig
+from roles.launcher import RoleProcess, write_summary
+from roles.monitor import RunMonitor
+from schemas import MetricsReported, RunStarted, RunStopped, WeightsPublished
+
+TYPES = (MetricsReported, RunStarted, RunStopped, WeightsPublished)
+MAX_RESTARTS = 5
+
+
+async def follow_events(bus: Bus, monitor: RunMonitor, stop: asyncio.Event) -> None:
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.ALL,
+        filter_subjects=[
+            filter_subject(bus.run, t)
+            for t in (
+                Topic.RUN_STARTED,
+                Topic.RUN_STOPPED,
+                Topic.WEIGHTS_PUBLISHED,
+                Topic.METRICS_REPORTED,
+            )
+        ],
+    )
+    sub = await bus.js.subscribe("", ordered_consumer=True, config=config, stream=bus.stream)
+    traces = await bus.js.subscribe(
+        "", ordered_consumer=True, stream=bus.stream,
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, headers_only=True, filter_subject=filter_subject(bus.run, Topic.TRACE_COMPLETED)),
+    )  # fmt: skip
+
+    async def count_traces() -> None:
+        while not stop.is_set():
+            try:
+                await traces.next_msg(timeout=1.0)
+                monitor.trace_completed()
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+
+    counter = asyncio.create_task(count_traces())
+    try:
+        while not stop.is_set():
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            monitor.apply(await bus.decode_msg(msg, TYPES))
+    finally:
+        counter.cancel()
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+            await traces.unsubscribe()
+
+
+async def supervise(
+    cfg: RunConfig, run: str, url: str, roles: list[RoleProcess], run_dir: Path, live_view: bool
+) -> int:
+    log = get_logger(run=run, role="launcher")
+    monitor = RunMonitor(run=run, max_steps=cfg.max_steps)
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupted.set)
+    bus = await Bus.connect(url, run=run, producer="launcher")
+    await bus.ensure_stream()
+    for r in roles:
+        r.start()
+        log.info(
+            "role.started", name=r.name, pid=r.proc.pid if r.proc else None, log=str(r.log_path)
+        )
+    stop_reading = asyncio.Event()
+    reader = asyncio.create_task(follow_events(bus, monitor, stop_reading))
+    from roles.view import LiveView
+
+    view = LiveView(monitor, roles, enabled=live_view)
+    failed: str | None = None
+    try:
+        with view:
+            while not interrupted.is_set() and monitor.stopped is None:
+                for r in roles:
+                    if not r.alive and r.proc is not None:
+                        code = r.proc.returncode
+                        r.exit_codes.append(code)
+                        if r.restarts >= MAX_RESTARTS:
+                            failed = f"{r.name} died {r.restarts + 1} times (last exit {code}); see {r.log_path}"
+                            break
+                        r.restarts += 1
+                        log.warning(
+                            "role.restarted", name=r.name, exit_code=code, restarts=r.restarts
+                        )
+                        view.note(f"{r.name} exited ({code}); restarted (#{r.restarts})")
+                        r.start()
+                if failed:
+                    break
+                if reader.done():
+                    reader.result()
+                view.refresh()
+                await asyncio.sleep(0.5)
+    finally:
+        for r in roles:
+            r.terminate()
+        deadline = time.monotonic() + 30
+        for r in roles:
+            await asyncio.to_thread(r.wait, max(1.0, deadline - time.monotonic()))
+        stop_reading.set()
+        await asyncio.gather(reader, return_exceptions=True)
+        await bus.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    summary = monitor.summary()
+    summary["restarts"] = {r.name: r.restarts for r in roles if r.restarts}
+    if failed:
+        summary["failed"] = failed
+    path = write_summary(run_dir, summary)
+    from roles.plots import plot_curves
+
+    curves = plot_curves(monitor, run_dir / "curves.png")
+    print(view.final_report(summary, path, curves))
+    if failed:
+        log.error("run.failed", reason=failed)
+        return 1
+    if interrupted.is_set():
+        return 130
+    return 0 if monitor.stopped is not None and monitor.stopped.reason == "max_steps" else 3

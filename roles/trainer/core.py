@@ -1,0 +1,234 @@
+"""The trainer's pure state machine: a fold of ``BatchAssembled`` events over a model.
+
+No NATS here: the trainer role drives it from the bus, and a replay command can drive
+it from a recorded log. Its state after batch ``s`` (weights, AdamW moments, ``step``)
+depends only on the config, the initial weights and batches ``1..s``, bit for bit on
+CPU: each step runs with torch seeded from ``stable_seed(cfg.seed, "trainer", step)``
+inside ``fork_rng`` (no global RNG leaks in or out), deterministic algorithms on, and a
+fixed intra-op thread count (``RLBUS_TORCH_THREADS``, default 1: float sums depend on
+how work is split across threads). The learning rate is a pure function of the step
+(``lr_at``), so the "scheduler" needs no state beyond ``step``.
+
+A checkpoint is a snapshot of the fold: ``<run_dir>/checkpoints/step-<8 digits>/`` with
+``model.safetensors``, ``optimizer.pt`` and ``state.json`` (step, weights digest, the
+caller's ``extra``). It is written to a temporary sibling and renamed into place, so a
+crash never leaves a half checkpoint; the newest two are kept.
+
+    core = TrainerCore(cfg, "runs/x/model/initial")
+    for batch in batches:                 # steps 1, 2, 3, ... in order
+        metrics = core.train_step(batch)
+    core.save_checkpoint("runs/x"); print(core.weights_digest())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from configs import RunConfig
+from roles.model.loading import load_model, resolve_device
+from roles.model.weights import digest, load_state_bytes, state_dict_to_bytes
+from roles.trainer.loss import LossStats, loss_denominator, policy_loss
+from roles.trainer.packing import collate, pack
+from schemas import BatchAssembled, stable_seed
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+KEEP_CHECKPOINTS = 2
+_PREFIX = "step-"
+
+
+class StepOutOfOrder(Exception):
+    """A batch that is not the next step of this trainer (a gap or a replayed step)."""
+
+
+def lr_at(cfg: RunConfig, step: int, phase: str = "rl") -> float:
+    """Learning rate of batch ``step`` (1-based).
+
+    Linear warmup over ``trainer.warmup_steps`` (step s gets s/warmup of the base), then
+    constant, linear or cosine decay over the steps left until ``max_steps``: the first
+    step after warmup gets the full base, the last one ``base / remaining`` (linear).
+    SFT-phase batches use ``orchestrator.warmup.lr`` as a constant when it is set.
+    """
+    t = cfg.trainer
+    if phase == "sft" and cfg.orchestrator.warmup.lr is not None:
+        return cfg.orchestrator.warmup.lr
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    if t.lr_schedule == "constant":
+        return t.lr
+    remaining = max(1, cfg.max_steps - t.warmup_steps)
+    progress = min(1.0, max(0.0, (step - 1 - t.warmup_steps) / remaining))
+    if t.lr_schedule == "linear":
+        return t.lr * (1.0 - progress)
+    return t.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def torch_threads() -> int:
+    return int(os.environ.get("RLBUS_TORCH_THREADS", "1"))
+
+
+class TrainerCore:
+    """Model + AdamW + step counter; ``train_step`` applies one batch."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str | Path, device: str | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(device or cfg.trainer.device)
+        if self.device.startswith("cuda"):
+            # cuBLAS is deterministic only with a fixed workspace; it must be set before
+            # cuBLAS initialises, i.e. before the model's first matmul on the GPU.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        self.model = load_model(
+            model_dir,
+            dtype=cfg.model.dtype,
+            device=self.device,
+            local_files_only=cfg.model.local_files_only,
+        )
+        self.model.train()
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+        t = cfg.trainer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+        )
+        self.step = 0  # batches trained == current policy version
+        self.threads = torch_threads()
+
+    # -- training -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _deterministic(self, step: int) -> Iterator[None]:
+        prev_threads = torch.get_num_threads()
+        prev_det = torch.are_deterministic_algorithms_enabled()
+        prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+        devices = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
+        torch.set_num_threads(self.threads)
+        # CPU kernels have deterministic versions; on GPU some do not, and warn instead.
+        torch.use_deterministic_algorithms(True, warn_only=self.device != "cpu")
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(stable_seed(self.cfg.seed, "trainer", step))
+                yield
+        finally:
+            torch.use_deterministic_algorithms(prev_det, warn_only=prev_warn)
+            torch.set_num_threads(prev_threads)
+
+    def train_step(self, batch: BatchAssembled) -> dict[str, float]:
+        """Train on ``batch`` (which must be step ``self.step + 1``); returns its metrics."""
+        if batch.step != self.step + 1:
+            raise StepOutOfOrder(f"batch step {batch.step} is not the next step ({self.step + 1})")
+        start = time.perf_counter()
+        cfg = self.cfg.trainer
+        lr = lr_at(self.cfg, batch.step, batch.phase)
+        samples = batch.samples
+        groups = pack([len(s) for s in samples], cfg.seq_len, cfg.micro_batch_size)
+        mbs = [collate(samples, g, self.pad_id) for g in groups]
+        denominator = loss_denominator([mb.loss for mb in mbs], batch.phase, cfg.loss.normalize)
+        stats = LossStats()
+        with self._deterministic(batch.step):
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in mbs:
+                if mb.input_ids.shape[1] < 2:
+                    continue  # one-token samples predict nothing
+                logits = self.model(input_ids=mb.input_ids.to(self.device), use_cache=False).logits
+                loss, s = policy_loss(
+                    logits[:, :-1], mb.loss.to(self.device), cfg.loss, batch.phase, denominator
+                )
+                if s.loss_tokens:
+                    loss.backward()
+                stats = stats + s
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = (
+                float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if params else 0.0
+            )
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step = batch.step
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(s) for s in samples)
+        return {
+            **stats.finalize(),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": float(tokens),
+            "samples": float(len(samples)),
+            "micro_batches": float(len(mbs)),
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "step_s": elapsed,
+        }
+
+    # -- weights ------------------------------------------------------------------------
+
+    def weights_bytes(self) -> bytes:
+        return state_dict_to_bytes(self.model)
+
+    def weights_digest(self) -> str:
+        return digest(self.weights_bytes())
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def save_checkpoint(self, run_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Snapshot under ``<run_dir>/checkpoints/step-N`` (atomic); keeps the newest two."""
+        root = Path(run_dir) / CHECKPOINTS_SUBDIR
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"{_PREFIX}{self.step:08d}"
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+        try:
+            weights = self.weights_bytes()
+            (tmp / "model.safetensors").write_bytes(weights)
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            state = {"step": self.step, "weights_digest": digest(weights), "extra": extra or {}}
+            (tmp / "state.json").write_text(json.dumps(state, sort_keys=True))
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            if final.exists():  # the same step saved again (e.g. interval, then stop)
+                old = root / f".old-{final.name}-{os.getpid()}"
+                final.rename(old)
+                shutil.rmtree(old)
+            tmp.rename(final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        for stale in _checkpoints(root)[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(stale, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore model, optimizer and step from ``path``; returns the saved ``extra``."""
+        path = Path(path)
+        state = json.loads((path / "state.json").read_text())
+        load_state_bytes(
+            self.model, (path / "model.safetensors").read_bytes(), state["weights_digest"]
+        )
+        opt = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(opt)
+        self.step = int(state["step"])
+        extra: dict[str, Any] = state.get("extra", {})
+        return extra
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoints under ``root``, oldest first."""
+    found = []
+    for p in root.glob(f"{_PREFIX}*"):
+        suffix = p.name.removeprefix(_PREFIX)
+        if p.is_dir() and suffix.isdigit() and (p / "state.json").exists():
+            found.append((int(suffix), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest finished checkpoint under ``<run_dir>/checkpoints``, or None."""
+    found = _checkpoints(Path(run_dir) / CHECKPOINTS_SUBDIR)
+    return found[-1] if found else None

@@ -1,0 +1,119 @@
+"""`rlbus up` end to end: every role as a real process on an embedded nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from bus.registry import list_roles
+from bus.runtime import Bus
+from bus.server import EmbeddedServer, running_server_url
+from configs import load_config
+from schemas import (
+    BatchAssembled,
+    EvalCompleted,
+    MetricsReported,
+    RunStarted,
+    RunStopped,
+    SamplesScored,
+    TaskRequested,
+    TraceCompleted,
+    WeightsPublished,
+)
+from tests.e2e.helpers import all_events, rlbus_up, summary
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+async def test_smoke_run_trains_end_to_end(tmp_path: Path) -> None:
+    """Every event kind appears, versions advance, no stale sample trains, one step per batch."""
+    proc = rlbus_up(tmp_path, "smoke1")
+    out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    cfg = load_config("smoke")
+    with EmbeddedServer(tmp_path / "smoke1" / "nats") as server:
+        events = await all_events(server.url, "smoke1")
+    kinds = {type(e) for e in events}
+    for kind in (
+        RunStarted,
+        RunStopped,
+        TaskRequested,
+        TraceCompleted,
+        EvalCompleted,
+        SamplesScored,
+        BatchAssembled,
+        WeightsPublished,
+        MetricsReported,
+    ):
+        assert kind in kinds, kind.__name__
+    batches = [e for e in events if isinstance(e, BatchAssembled)]
+    weights = [e for e in events if isinstance(e, WeightsPublished)]
+    trainer_steps = [e for e in events if isinstance(e, MetricsReported) and e.role == "trainer"]
+    assert [b.step for b in batches] == list(range(1, cfg.max_steps + 1))
+    assert [w.version for w in weights] == list(range(1, cfg.max_steps + 1))
+    assert len(trainer_steps) == len(batches)
+    for b in batches:
+        if b.phase == "rl":
+            assert all(
+                (b.step - 1) - s.policy_min <= cfg.orchestrator.max_off_policy_steps
+                for s in b.samples
+            )
+    assert any(isinstance(e, TraceCompleted) and e.trace.policy_max > 0 for e in events), (
+        "inference never picked up new weights"
+    )
+    (stop,) = [e for e in events if isinstance(e, RunStopped)]
+    assert stop.reason == "max_steps"
+    s = summary(tmp_path, "smoke1")
+    assert s["steps"] == cfg.max_steps and (tmp_path / "smoke1" / "curves.png").exists()
+
+
+async def test_killed_trainer_resumes_without_training_a_batch_twice(tmp_path: Path) -> None:
+    """SIGKILL the trainer mid-run: it is restarted, resumes from checkpoint + log, and the
+    final weights equal a fresh replay of the recorded batches (none skipped or doubled)."""
+    run = "kill1"
+    proc = rlbus_up(tmp_path, run, "max_steps=6", "trainer.checkpoint_interval=2")
+    store = tmp_path / run / "nats"
+    killed = False
+    deadline = time.monotonic() + 400
+    while not killed and time.monotonic() < deadline and proc.poll() is None:
+        await asyncio.sleep(0.5)
+        url = running_server_url(store)
+        if url is None:
+            continue
+        bus = await Bus.connect(url, run=run, producer="e2e")
+        try:
+            versions = [
+                e.version for e in await all_events(url, run) if isinstance(e, WeightsPublished)
+            ]
+            if max(versions, default=0) >= 3:
+                (trainer,) = [
+                    r
+                    for r in await list_roles(bus.js, run)
+                    if r.role == "trainer" and r.status == "running"
+                ]
+                os.kill(trainer.pid, signal.SIGKILL)
+                killed = True
+        finally:
+            await bus.close()
+    assert killed, "the run never reached version 3"
+    out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert summary(tmp_path, run)["restarts"].get("trainer", 0) >= 1
+    with EmbeddedServer(store) as server:
+        events = await all_events(server.url, run)
+    weights = [e for e in events if isinstance(e, WeightsPublished)]
+    assert [w.version for w in weights] == list(range(1, 7))
+    batches = [e for e in events if isinstance(e, BatchAssembled)]
+    from roles.trainer.core import TrainerCore  # the same fold, uninterrupted
+
+    cfg = load_config(str(tmp_path / run / "config.toml"))
+    started = next(e for e in events if isinstance(e, RunStarted))
+    core = TrainerCore(cfg, started.model_path)
+    for b in batches:
+        core.train_step(b)
+    assert core.weights_digest == weights[-1].weights.digest
