@@ -9,12 +9,12 @@ are a ``ValueError`` naming the algorithm, so a worker with a bad config fails a
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
 from roles.algorithm.base import CHANNELS, Algorithm
 from roles.algorithm.builtin import GRPO, RLOO, SFT, MaxRL
+from roles.plugins import load_named
 
 BUILTINS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, MaxRL, RLOO, SFT)}
 
@@ -25,21 +25,7 @@ class UnknownAlgorithm(ValueError):
 
 def resolve(name: str) -> type[Algorithm]:
     """The class registered as ``name``, or imported from ``module.path:ClassName``."""
-    if name in BUILTINS:
-        return BUILTINS[name]
-    if ":" not in name:
-        raise UnknownAlgorithm(
-            f"unknown algorithm {name!r}: built-ins are {sorted(BUILTINS)}; "
-            "a custom algorithm is named by import path, e.g. 'my_pkg.algos:MyAlgo'"
-        )
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UnknownAlgorithm(f"algorithm {name!r}: cannot import {module_name!r}: {e}") from e
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise UnknownAlgorithm(f"algorithm {name!r}: module {module_name!r} has no {attr!r}")
+    cls = load_named(name, BUILTINS, "algorithm", "my_pkg.algos:MyAlgo", UnknownAlgorithm)
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise UnknownAlgorithm(
             f"algorithm {name!r} is not a subclass of roles.algorithm.base.Algorithm"

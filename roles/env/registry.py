@@ -11,13 +11,13 @@ replaced by ``-``.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 from bus.subjects import token_for
 from roles.env.base import Environment
 from roles.env.builtin import BUILTINS
+from roles.plugins import load_named
 
 
 class UnknownEnv(ValueError):
@@ -34,21 +34,9 @@ def env_key(env_id: str) -> str:
 
 
 def _resolve(env_id: str) -> Any:
-    if env_id in BUILTINS:
-        return BUILTINS[env_id]
-    if ":" not in env_id:
-        raise UnknownEnv(
-            f"unknown env {env_id!r}: built-ins are {', '.join(builtin_names())}; "
-            "or give an import path `package.module:make_env`"
-        )
-    module_name, _, attr = env_id.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UnknownEnv(f"env {env_id!r}: cannot import module {module_name!r}: {e}") from e
-    factory = getattr(module, attr, None)
+    factory = load_named(env_id, BUILTINS, "env", "my_pkg.envs:make_env", UnknownEnv)
     if not callable(factory):
-        raise UnknownEnv(f"env {env_id!r}: module {module_name!r} has no callable {attr!r}")
+        raise UnknownEnv(f"env {env_id!r}: {factory!r} is not callable")
     return factory
 
 

@@ -295,7 +295,7 @@ def test_registry_import_path() -> None:
     assert env.score(msgs, task, {}).reward == 1.0
     with pytest.raises(UnknownEnv, match="cannot import"):
         make_env("no_such_pkg.envs:make_env", {})
-    with pytest.raises(UnknownEnv, match="no callable"):
+    with pytest.raises(UnknownEnv, match="has no .nope."):
         make_env("examples.word_count_env:nope", {})
     with pytest.raises(TypeError, match="not Environment"):
         make_env("examples.word_count_env:answered_count", {"messages": []})
