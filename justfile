@@ -32,7 +32,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-bus bench-rollouts
+bench: bench-bus bench-rollouts bench-loop bench-lake
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -61,3 +61,13 @@ fmt:
 [group('run')]
 clean:
     rm -rf runs .pytest_cache .ruff_cache .mypy_cache .hypothesis
+
+# The learning loop end to end, max_async_level 0 vs 1.
+[group('bench')]
+bench-loop:
+    {{python}} -m benchmarks.loop_bench
+
+# Lake sync rows/s and a DuckDB query over 1 M rollout rows.
+[group('bench')]
+bench-lake:
+    {{python}} -m benchmarks.lake_bench

@@ -1,0 +1,176 @@
+"""Replay and analytics: the run is its log.
+
+    import replay
+    run = replay.open_run("smoke1", data_dir="runs")         # syncs the lake first if needed
+    run.rollouts.group_by("step").agg(pl.col("reward").mean()).collect()
+
+- ``replay.log``: reading a run's log in order (legacy versions upcast, unknown ones
+  reported and skipped); ``replay.upcast``: the upcasters.
+- ``replay.lake``: the log materialised as Parquet tables (``rlbus lake sync``);
+  ``replay.tables``: the pure row builders; ``replay.sql``: DuckDB views (``rlbus sql``).
+- ``open_run``: the same tables as polars LazyFrames (below).
+
+Heavy imports (polars, duckdb, nats) happen inside functions: importing ``replay`` is free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from replay.lake import SyncResult
+
+
+@dataclass(frozen=True)
+class RunTables:
+    """Every lake table of one run as a polars LazyFrame (``scan_parquet``; nothing is read
+    until ``collect``). ``rollouts`` has ``batch_step`` joined in, as the SQL view; its
+    ``rewards``/``metrics`` stay lists of {name, value} (polars has no MAP type)."""
+
+    run: str
+    lake: Path
+    synced: SyncResult | None  # what the sync of ``open_run`` added (None: not synced)
+    events: pl.LazyFrame
+    runs: pl.LazyFrame
+    tasks: pl.LazyFrame
+    rollouts: pl.LazyFrame
+    rollout_tokens: pl.LazyFrame
+    samples: pl.LazyFrame
+    sample_tokens: pl.LazyFrame
+    batches: pl.LazyFrame
+    batch_samples: pl.LazyFrame
+    metrics: pl.LazyFrame
+    eval: pl.LazyFrame
+    weights: pl.LazyFrame
+    dead_letters: pl.LazyFrame
+
+    @property
+    def train_metrics(self) -> pl.LazyFrame:
+        import polars as pl
+
+        return self.metrics.filter(pl.col("role") == "trainer")
+
+    @property
+    def orchestrator_metrics(self) -> pl.LazyFrame:
+        import polars as pl
+
+        return self.metrics.filter(pl.col("role") == "orchestrator")
+
+    def tables(self) -> dict[str, pl.LazyFrame]:
+        skip = {"run", "lake", "synced"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+
+
+def scan_table(lake: Path, table: str) -> pl.LazyFrame:
+    """One table's parts as a LazyFrame; columns are the union over parts (a part written
+    before a new ``reward_<name>`` existed reads it as null)."""
+    import polars as pl
+
+    from replay.lake import parts, to_frame
+
+    files = [p for _, _, p in parts(lake, table)]
+    if not files:
+        return to_frame(table, []).lazy()
+    schema: dict[str, Any] = {}
+    for f in files:
+        for name, dtype in pl.read_parquet_schema(f).items():
+            schema.setdefault(name, dtype)
+    return pl.scan_parquet(files, schema=schema, missing_columns="insert")
+
+
+@contextlib.contextmanager
+def reachable_server(
+    run: str, data_dir: str | Path, nats_url: str | None = None, start: bool = True
+) -> Iterator[str | None]:
+    """A URL that serves ``run``: ``nats_url``, $RLBUS_NATS_URL, the run's running embedded
+    server, or (``start``) a temporary one on its store; None when there is none."""
+    from bus.server import EmbeddedServer, running_server_url
+
+    if url := nats_url or os.environ.get("RLBUS_NATS_URL"):
+        yield url
+        return
+    store = Path(data_dir) / run / "nats"
+    if running := running_server_url(store):
+        yield running
+    elif start and (store / "jetstream").exists():
+        with EmbeddedServer(store) as server:
+            yield server.url
+    else:
+        yield None
+
+
+def sync_lake(
+    run: str, data_dir: str | Path = "runs", nats_url: str | None = None, force: bool = False
+) -> SyncResult | None:
+    """Sync ``run``'s lake if there can be anything new (the policy of ``open_run``'s
+    ``sync=None``; ``force`` is ``sync=True``); None when it did not sync. Callable from
+    async code too (it then syncs on a thread with its own event loop)."""
+    from bus.server import running_server_url
+    from replay.lake import lake_dir, sync
+
+    data_dir = Path(data_dir)
+    stopped = False
+    try:
+        stopped = json.loads((lake_dir(data_dir, run) / "_state.json").read_text())["stopped"]
+    except (FileNotFoundError, KeyError, ValueError):
+        pass
+    live = nats_url or running_server_url(data_dir / run / "nats")
+    if stopped and not live and not force:
+        return None  # a finished run whose lake holds its end: nothing to add
+    with reachable_server(run, data_dir, nats_url) as url:
+        if url is None:
+            if force:
+                raise LookupError(f"no NATS server for run {run!r} and no store under {data_dir}")
+            return None
+        coro = sync(run, url, data_dir)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coro)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from async code
+            return pool.submit(asyncio.run, coro).result()
+
+
+def open_run(
+    run: str,
+    data_dir: str | Path = "runs",
+    sync: bool | None = None,
+    nats_url: str | None = None,
+) -> RunTables:
+    """The run's lake tables as LazyFrames.
+
+    ``sync=None`` (default): sync first through a reachable server (``nats_url``,
+    $RLBUS_NATS_URL, the run's running embedded server, or a temporary server started on
+    its store), except for a finished run whose lake already holds its ``run.stopped``
+    and whose server is not running. ``sync=True``: always sync (error if impossible).
+    ``sync=False``: read the lake as it is.
+    """
+    import polars as pl
+
+    from replay.lake import lake_dir
+    from replay.tables import TABLES
+
+    root = Path(data_dir)
+    synced = None if sync is False else sync_lake(run, root, nats_url, force=bool(sync))
+    lake = lake_dir(root, run)
+    frames = {t: scan_table(lake, t) for t in TABLES}
+    trained = (
+        frames["batch_samples"]
+        .group_by("run", "rollout_id")
+        .agg(pl.col("step").min().alias("batch_step"))
+    )
+    frames["rollouts"] = frames["rollouts"].join(trained, on=["run", "rollout_id"], how="left")
+    return RunTables(run=run, lake=lake, synced=synced, **frames)
+
+
+__all__ = ["RunTables", "open_run", "scan_table", "sync_lake"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from roles.cli import core, model, role
+from roles.cli.lake import lake_app, sql
 from roles.cli.rollout import rollout
 
 app = typer.Typer(
@@ -21,6 +22,8 @@ app = typer.Typer(
 )
 core.register(app)
 app.command("rollout")(rollout)
+app.command("sql")(sql)
+app.add_typer(lake_app, name="lake")
 
 
 @app.callback()

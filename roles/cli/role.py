@@ -92,3 +92,12 @@ def orchestrator(run: str = RUN, nats_url: str | None = URL, config: str | None 
 def trainer(run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG) -> None:
     """Train on assembled batches in order and publish new weights."""
     _start("roles.trainer.role:main", "trainer", run, nats_url, config)
+
+
+@app.command("lake")
+def lake(
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    interval: float = typer.Option(5.0, "--interval", help="Seconds between syncs."),
+) -> None:  # fmt: skip
+    """Keep the run's Parquet lake in sync while it runs (optional live role)."""
+    _start("replay.lake:main", "lake", run, nats_url, config, interval_s=interval)
