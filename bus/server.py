@@ -68,7 +68,11 @@ class EmbeddedServer:
             "-sd", str(self.data_dir / "jetstream"), "-l", str(self.log_path),
             "--http_port", "0", "-n", f"rlbus-{os.getpid()}",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Own session: a terminal Ctrl-C must reach our owner, not the server, so roles can
+        # still drain (ack, publish) through it; the owner stops it last.
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         port = None
         while time.monotonic() < deadline:

@@ -71,6 +71,26 @@ async def follow_events(bus: Bus, monitor: RunMonitor, stop: asyncio.Event) -> N
             await traces.unsubscribe()
 
 
+# Producers stop before the roles they depend on: the orchestrator stops dispatching, env
+# servers drain their rollouts while inference still answers, inference goes last.
+STOP_ORDER = ("orchestrator", "env-", "algorithm-", "trainer", "teacher-", "inference-")
+
+
+async def stop_in_order(roles: list[RoleProcess], timeout_s: float = 30.0) -> None:
+    """SIGTERM each group of roles in ``STOP_ORDER`` and wait for it to drain."""
+    rank = {
+        r.name: next((i for i, p in enumerate(STOP_ORDER) if r.name.startswith(p)), len(STOP_ORDER))
+        for r in roles
+    }
+    for level in sorted(set(rank.values())):
+        group = [r for r in roles if rank[r.name] == level]
+        for r in group:
+            r.terminate()
+        deadline = time.monotonic() + timeout_s
+        for r in group:
+            await asyncio.to_thread(r.wait, max(1.0, deadline - time.monotonic()))
+
+
 async def supervise(
     cfg: RunConfig, run: str, url: str, roles: list[RoleProcess], run_dir: Path, live_view: bool
 ) -> int:
@@ -116,11 +136,7 @@ async def supervise(
                 view.refresh()
                 await asyncio.sleep(0.5)
     finally:
-        for r in roles:
-            r.terminate()
-        deadline = time.monotonic() + 30
-        for r in roles:
-            await asyncio.to_thread(r.wait, max(1.0, deadline - time.monotonic()))
+        await stop_in_order(roles)
         stop_reading.set()
         await asyncio.gather(reader, return_exceptions=True)
         await bus.close()

@@ -121,3 +121,32 @@ async def test_killed_trainer_resumes_without_training_a_batch_twice(tmp_path: P
     for b in batches:
         core.train_step(b)
     assert core.weights_digest() == weights[-1].weights.digest
+
+
+async def test_ctrl_c_drains_every_role_and_exits_cleanly(tmp_path: Path) -> None:
+    """SIGINT to `rlbus up` stops roles in order (each logs role.stopped), keeps the server
+    up until they drained, writes the summary, and exits 130."""
+    run = "ctrlc1"
+    proc = rlbus_up(tmp_path, run, "max_steps=500")
+    store = tmp_path / run / "nats"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        await asyncio.sleep(0.5)
+        url = running_server_url(store)
+        if url is None:
+            continue
+        try:
+            events = await all_events(url, run)
+        except nats.js.errors.NotFoundError:
+            continue
+        if any(isinstance(e, WeightsPublished) and e.version >= 2 for e in events):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, _ = await asyncio.to_thread(proc.communicate, timeout=240)
+    assert proc.returncode == 130, out[-3000:]
+    logs = sorted((tmp_path / run / "logs").glob("*.log"))
+    assert len(logs) >= 6
+    for log in logs:
+        assert '"role.stopped"' in log.read_text(), f"{log.name} did not drain"
+    assert (tmp_path / run / "summary.json").exists()
+    assert running_server_url(store) is None
