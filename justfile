@@ -32,7 +32,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-bus bench-rollouts bench-loop bench-lake
+bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -71,3 +71,8 @@ bench-loop:
 [group('bench')]
 bench-lake:
     {{python}} -m benchmarks.lake_bench
+
+# Trainer replay speed relative to the original run.
+[group('bench')]
+bench-replay:
+    {{python}} -m benchmarks.replay_bench

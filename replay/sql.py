@@ -91,6 +91,15 @@ def connect(
             con.execute(f"CREATE VIEW {_ident(t)} AS SELECT * FROM {_ident('_' + t)}")
     for name, body in _VIEWS.items():
         con.execute(f"CREATE VIEW {_ident(name)} AS {body}")
+    # `rlbus replay <run> algorithm <other>` writes shadow scores beside the lake, with the
+    # samples table's columns, so SQL can compare algorithms on the same rollouts.
+    shadow = str(root / (run or "*") / "lake" / "shadow_samples" / "*.parquet")
+    if list(root.glob(str(Path(shadow).relative_to(root)))):
+        con.execute(
+            f"CREATE VIEW shadow_samples AS SELECT * FROM read_parquet({_literal(shadow)}, union_by_name=true)"
+        )
+    else:
+        con.execute("CREATE VIEW shadow_samples AS SELECT * FROM _samples WHERE false")
     for name in WIDE:
         metrics = [m for (m,) in con.sql(f"SELECT DISTINCT metric FROM {name} ORDER BY 1").fetchall()]  # fmt: skip
         columns = "".join(

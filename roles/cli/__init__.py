@@ -11,6 +11,7 @@ import typer
 
 from roles.cli import core, model, role
 from roles.cli.lake import lake_app, sql
+from roles.cli.replay import export, import_run, plot, replay_app, trace
 from roles.cli.rollout import rollout
 
 app = typer.Typer(
@@ -24,6 +25,11 @@ core.register(app)
 app.command("rollout")(rollout)
 app.command("sql")(sql)
 app.add_typer(lake_app, name="lake")
+app.add_typer(replay_app, name="replay")
+app.command("trace")(trace)
+app.command("export")(export)
+app.command("import")(import_run)
+app.command("plot")(plot)
 
 
 @app.callback()

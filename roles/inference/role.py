@@ -172,7 +172,9 @@ class InferenceRole(Role):
     # -- lifecycle ----------------------------------------------------------------------
 
     async def setup(self) -> None:
-        path = str(await asyncio.to_thread(materialize_model, self.cfg, self.served.path, self.run_dir))
+        path = str(
+            await asyncio.to_thread(materialize_model, self.cfg, self.served.path, self.run_dir)
+        )
         weights_dir = self.run_dir / "inference" / self.instance
         self.backend = await make_backend(self.cfg, path, weights_dir)
         if self.served.follows_weights:

@@ -17,11 +17,36 @@ from schemas.run import ObjectRef
 
 def fed_monitor() -> RunMonitor:
     m = RunMonitor(run="r", max_steps=4)
-    m.apply(RunStarted(run="r", config={"orchestrator": {"warmup": {"steps": 2}}}, seed=0, model_path="m"))
+    m.apply(
+        RunStarted(
+            run="r", config={"orchestrator": {"warmup": {"steps": 2}}}, seed=0, model_path="m"
+        )
+    )
     for step in range(1, 5):
-        m.apply(MetricsReported(run="r", role="orchestrator", step=step, values={"reward_mean": step / 10, "sft": float(step <= 2)}))
-        m.apply(MetricsReported(run="r", role="trainer", step=step, values={"loss": 1 / step, "tokens_per_s": 1000.0}))
-        m.apply(WeightsPublished(run="r", version=step, step=step, weights=ObjectRef(kind="object", location=f"w{step}", digest=f"d{step}")))
+        m.apply(
+            MetricsReported(
+                run="r",
+                role="orchestrator",
+                step=step,
+                values={"reward_mean": step / 10, "sft": float(step <= 2)},
+            )
+        )
+        m.apply(
+            MetricsReported(
+                run="r",
+                role="trainer",
+                step=step,
+                values={"loss": 1 / step, "tokens_per_s": 1000.0},
+            )
+        )
+        m.apply(
+            WeightsPublished(
+                run="r",
+                version=step,
+                step=step,
+                weights=ObjectRef(kind="object", location=f"w{step}", digest=f"d{step}"),
+            )
+        )
     for version, score in ((0, 0.1), (2, 0.2), (4, 0.5)):
         m.apply(MetricsReported(run="r", role="eval", step=version, values={"env/avg@1": score}))
     m.apply(RunStopped(run="r", reason="max_steps", step=4))

@@ -1,0 +1,218 @@
+"""One rollout and its causation chain, backward and forward through the log.
+
+    rlbus trace <run> <rollout-id> [--json] [--no-tokens]
+
+``trace_chain(events, rollout_id)`` is pure: from the run's events (log order) it builds
+a JSON-able description of one trace:
+
+- the trace itself: task, messages (role, content; for sampled messages, per token: id,
+  text, sampled mask, logprob, and the advantage each algorithm gave it), reward(s),
+  errors, timings;
+- **backward**: the ``task.requested`` that asked for it (``request_id``) and the weights
+  that sampled its tokens (each ``weights.published`` with a version in
+  ``[policy_min, policy_max]``; version 0 is the run's initial weights);
+- **forward**: the ``samples.scored`` of every algorithm that scored it (advantage per
+  branch), each ``batch.assembled`` that trained one of its samples (step, phase, which
+  algorithm's samples), and the ``weights.published`` that came out of that batch.
+
+``render_chain`` prints it with rich. A rollout id may be given by a unique prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bus.subjects import TOPIC_OF
+from schemas import (
+    BatchAssembled,
+    EvalCompleted,
+    RunStarted,
+    SamplesScored,
+    TaskRequested,
+    Trace,
+    TraceCompleted,
+    WeightsPublished,
+    arrays,
+)
+
+TYPES = (RunStarted, TaskRequested, TraceCompleted, EvalCompleted, SamplesScored,
+         BatchAssembled, WeightsPublished)  # fmt: skip
+TOPICS = [(TOPIC_OF[t], None) for t in TYPES]  # what ``trace_chain`` needs from the log
+
+
+class TraceNotFound(LookupError):
+    pass
+
+
+def find_trace(events: Sequence[Any], rollout_id: str) -> tuple[Any, Trace]:
+    """(the event that recorded it, the trace) for a rollout id or a unique prefix of one."""
+    found: dict[str, tuple[Any, Trace]] = {}
+    for e in events:
+        if not isinstance(e, TraceCompleted | EvalCompleted):
+            continue
+        for t in [e.trace] if isinstance(e, TraceCompleted) else e.traces:
+            if t.rollout_id.startswith(rollout_id):
+                found.setdefault(t.rollout_id, (e, t))
+    if rollout_id in found:
+        return found[rollout_id]
+    if len(found) == 1:
+        return next(iter(found.values()))
+    if not found:
+        raise TraceNotFound(f"no trace with rollout id {rollout_id!r} in this run")
+    raise TraceNotFound(f"{len(found)} rollouts start with {rollout_id!r}: {sorted(found)[:5]}")
+
+
+def token_positions(trace: Trace) -> dict[int, tuple[int, int]]:
+    """message id -> (branch, offset of its first token in that branch's sample): the
+    first branch containing the message, where it is trained."""
+    by_id = {m.id: m for m in trace.messages}
+    out: dict[int, tuple[int, int]] = {}
+    for b, branch in enumerate(trace.branches):
+        offset = 0
+        for mid in branch.messages:
+            out.setdefault(mid, (b, offset))
+            offset += len(by_id[mid].token_ids) // 4
+    return out
+
+
+def trace_chain(
+    events: Sequence[Any],
+    rollout_id: str,
+    token_text: Callable[[list[int]], list[str]] | None = None,
+) -> dict[str, Any]:
+    recorder, trace = find_trace(events, rollout_id)
+    rid = trace.rollout_id
+    started = next((e for e in events if isinstance(e, RunStarted)), None)
+    request = next(
+        (e for e in events if isinstance(e, TaskRequested) and e.event_id == recorder.request_id),
+        None,
+    )
+    weights = {e.version: e for e in events if isinstance(e, WeightsPublished)}
+    scored = [
+        e
+        for e in events
+        if isinstance(e, SamplesScored) and any(s.rollout_id == rid for s in e.samples)
+    ]
+    advantages = {  # algorithm -> branch -> per-token advantages
+        e.algorithm: {s.branch: arrays.f32(s.advantages) for s in e.samples if s.rollout_id == rid}
+        for e in scored
+    }
+    source_algorithm = {e.event_id: e.algorithm for e in events if isinstance(e, SamplesScored)}
+    batches = []
+    for b in (e for e in events if isinstance(e, BatchAssembled)):
+        if not any(s.rollout_id == rid for s in b.samples):
+            continue
+        out = next((w for w in weights.values() if w.batch_id == b.event_id), None)
+        algos = sorted({source_algorithm.get(src, "?") for src in b.sources} & set(advantages))
+        batches.append({
+            "step": b.step, "event_id": b.event_id, "phase": b.phase, "algorithms": algos,
+            "weights": None if out is None else
+            {"version": out.version, "digest": out.weights.digest, "event_id": out.event_id},
+        })  # fmt: skip
+    versions = range(trace.policy_min, trace.policy_max + 1)
+    sampled_by = []
+    for v in versions:
+        if v == 0:
+            ref = started.initial_weights if started is not None else None
+            sampled_by.append(
+                {"version": 0, "initial": True, "digest": ref.digest if ref else None}
+            )
+        elif v in weights:
+            w = weights[v]
+            sampled_by.append({"version": v, "digest": w.weights.digest, "batch_id": w.batch_id})
+    positions = token_positions(trace)
+    messages = []
+    for m in trace.messages:
+        ids = arrays.i32(m.token_ids).tolist()
+        entry: dict[str, Any] = {
+            "id": m.id, "role": m.role, "content": m.content, "name": m.name,
+            "policy_version": m.policy_version, "finish_reason": m.finish_reason,
+            "n_tokens": len(ids), "n_sampled": int(arrays.mask(m.sampled).sum()),
+        }  # fmt: skip
+        if entry["n_sampled"]:
+            branch, offset = positions.get(m.id, (0, 0))
+            texts = token_text(ids) if token_text is not None else [None] * len(ids)
+            lps = arrays.f32(m.logprobs).tolist()
+            mask = arrays.mask(m.sampled).tolist()
+            entry["tokens"] = [
+                {"id": t, "text": texts[i], "sampled": bool(mask[i]), "logprob": lps[i],
+                 "advantage": {a: float(adv[branch][offset + i]) for a, adv in advantages.items()
+                               if branch in adv and offset + i < len(adv[branch])}}
+                for i, t in enumerate(ids)
+            ]  # fmt: skip
+        messages.append(entry)
+    return {
+        "run": recorder.run, "rollout_id": rid, "env": trace.env, "split": trace.task.split,
+        "group_id": trace.group_id, "sample_index": trace.sample_index,
+        "task": {"index": trace.task.index, "data": trace.task.data},
+        "reward": trace.reward, "rewards": trace.rewards, "metrics": trace.metrics,
+        "errors": [{"kind": e.kind, "message": e.message} for e in trace.errors],
+        "timings": trace.timings, "truncated": trace.truncated, "num_turns": trace.num_turns,
+        "policy": {"min": trace.policy_min, "max": trace.policy_max},
+        "recorded_by": {"event_id": recorder.event_id, "type": type(recorder).__name__},
+        "backward": {
+            "request": None if request is None else {
+                "event_id": request.event_id, "step": request.step, "phase": request.phase,
+                "model": request.model, "policy_version": request.policy_version,
+                "group_size": request.group_size, "seed": request.seed},
+            "sampled_by": sampled_by,
+        },
+        "forward": {
+            "scored": [{"algorithm": e.algorithm, "event_id": e.event_id, "zero_advantage": e.zero_advantage,
+                        "advantage": {s.branch: _scalar(s) for s in e.samples if s.rollout_id == rid}}
+                       for e in scored],
+            "batches": batches,
+        },
+        "messages": messages,
+    }  # fmt: skip
+
+
+def _scalar(sample: Any) -> float:
+    mask = arrays.mask(sample.mask)
+    return float(arrays.f32(sample.advantages)[mask][0]) if mask.any() else 0.0
+
+
+def render_chain(chain: dict[str, Any], console: Console, tokens: bool = True) -> None:
+    c = console
+    c.rule(f"[bold]rollout {chain['rollout_id']}[/] ({chain['env']}, {chain['split']})")
+    c.print(f"task {chain['task']['index']}: {chain['task']['data']}")
+    c.print(f"group {chain['group_id']} sample {chain['sample_index']}, "
+            f"turns {chain['num_turns']}, truncated {chain['truncated']}")  # fmt: skip
+    c.print(f"[bold]reward[/] {chain['reward']!r} {chain['rewards']}  metrics {chain['metrics']}")
+    for e in chain["errors"]:
+        c.print(f"[red]error[/] {e['kind']}: {e['message']}")
+    c.print("timings " + ", ".join(f"{k}={v:.3f}s" for k, v in chain["timings"].items()))
+    for m in chain["messages"]:
+        extra = f" (v{m['policy_version']}, {m['finish_reason']})" if m["n_sampled"] else ""
+        c.print(f"[bold cyan]{m['role']}[/]{extra}: {m['content']!r}")
+        if tokens and m.get("tokens"):
+            algos = sorted({a for t in m["tokens"] for a in t["advantage"]})
+            table = Table("#", "token", "sampled", "logprob", *[f"adv {a}" for a in algos])
+            for i, t in enumerate(m["tokens"]):
+                text = repr(t["text"]) if t["text"] is not None else str(t["id"])
+                table.add_row(str(i), text, "x" if t["sampled"] else "",
+                              f"{t['logprob']:.4f}" if t["sampled"] else "",
+                              *[f"{t['advantage'].get(a, 0.0):+.4f}" for a in algos])  # fmt: skip
+            c.print(table)
+    back, fwd = chain["backward"], chain["forward"]
+    c.rule("backward")
+    r = back["request"]
+    c.print("requested by " + ("(not in the log)" if r is None else
+            f"task.requested {r['event_id']} (step {r['step']}, phase {r['phase']}, "
+            f"model {r['model']}, policy v{r['policy_version']})"))  # fmt: skip
+    for w in back["sampled_by"]:
+        what = "initial weights" if w.get("initial") else f"weights v{w['version']}"
+        c.print(f"tokens sampled by {what} {w['digest']}")
+    c.rule("forward")
+    for s in fwd["scored"]:
+        c.print(f"scored by {s['algorithm']} ({s['event_id']}): advantage {s['advantage']}")
+    for b in fwd["batches"]:
+        w = b["weights"]
+        out = "not trained yet" if w is None else f"-> weights v{w['version']} {w['digest']}"
+        c.print(f"trained in batch step {b['step']} ({b['phase']}, {b['algorithms']}) {out}")
+    if not fwd["batches"]:
+        c.print("never trained (not in any batch)")

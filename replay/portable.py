@@ -1,0 +1,345 @@
+"""Portable runs: a whole run in one file, loadable on another machine.
+
+    rlbus export <run> run.tar                 # or run.tar.gz
+    rlbus import run.tar [--data-dir D] [--run NEW]
+
+The archive is a tar with a ``manifest.json`` (format, run, counts, and the sha256 of
+every other member), the run's stream as msgpack chunks (``log/NNNNNN.msgpack``: every
+stored message with its subject, headers, data and original sequence and storage time),
+every object of the run's object store (``objects/NNNNNN``: offloaded bodies, weights),
+``config.toml`` and the initial model directory (``model/``, tokenizer and config
+included). Import verifies every member against the manifest *before* writing anything
+(a tampered or truncated archive is a ``PortableError`` naming the member), recreates the
+objects (checking their digests), republishes every message in order with its headers
+(new sequences: ``seq_map`` maps old to new), and restores config and model under
+``<data_dir>/<run>/``. With ``--run NEW`` every event is decoded and re-encoded with the
+new run id (subjects, ``run`` fields, object-store references).
+
+``locate_model_dir`` finds a run's initial weights on this machine for trainer replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import re
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from bus import codec
+from bus.errors import BusError, DecodeError
+from bus.offload import BodyStore, sha256_digest
+from bus.runtime import Bus
+from bus.subjects import objects_bucket, stream_subjects, topic_of_subject
+from schemas import EVENT_TYPES, Event, ObjectRef, RunStarted, WeightsPublished
+
+FORMAT = "rlbus-run/1"
+LOG_CHUNK = 5000  # messages per log member
+MANIFEST = "manifest.json"
+
+
+class PortableError(Exception):
+    """An archive that is not a run, does not match its manifest, or cannot be loaded."""
+
+
+class LogRecord(msgspec.Struct, frozen=True):
+    seq: int
+    subject: str
+    headers: dict[str, str]
+    data: bytes
+    stored_ns: int
+
+
+_records = msgspec.msgpack.Decoder(list[LogRecord])
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# -- export -----------------------------------------------------------------------------
+
+
+async def stored_messages(bus: Bus) -> list[LogRecord]:
+    """Every message of the run's stream, raw, in order (ordered push consumer)."""
+    info = await bus.js.stream_info(bus.stream)
+    if not info.state.messages:
+        return []
+    config = ConsumerConfig(
+        deliver_policy=DeliverPolicy.ALL, filter_subjects=stream_subjects(bus.run)
+    )
+    sub = await bus.js.subscribe("", ordered_consumer=True, config=config, stream=bus.stream)
+    out: list[LogRecord] = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=10.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                break
+            meta = msg.metadata
+            stamp = meta.timestamp.timestamp() if meta.timestamp else 0.0
+            out.append(LogRecord(meta.sequence.stream, msg.subject, dict(msg.headers or {}),
+                                 bytes(msg.data), int(stamp * 1e9)))  # fmt: skip
+            if meta.num_pending == 0:
+                break
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def stored_objects(bus: Bus) -> dict[str, bytes]:
+    """Every (not deleted) object of the run's object store, by name."""
+    try:
+        obs = await bus.js.object_store(objects_bucket(bus.run))
+        infos = await obs.list(ignore_deletes=True)
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+        return {}
+    out = {}
+    for info in sorted(infos, key=lambda i: i.name):
+        buf = io.BytesIO()
+        await obs.get(info.name, writeinto=buf)  # writeinto: never the quadratic path
+        out[info.name] = buf.getvalue()
+    return out
+
+
+def _add(tar: tarfile.TarFile, manifest: dict[str, Any], name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+    tar.addfile(info, io.BytesIO(data))
+    if name != MANIFEST:  # the manifest is the root of trust, not a member of itself
+        manifest["members"][name] = {"size": len(data), "sha256": _sha(data)}
+
+
+async def export_run(bus: Bus, out: Path, run_dir: Path, model_dir: Path | None) -> dict[str, Any]:
+    """Write ``bus.run`` (stream, objects, config, model) to ``out``; returns the manifest."""
+    records = await stored_messages(bus)
+    objects = await stored_objects(bus)
+    return await asyncio.to_thread(
+        write_archive, out, bus.run, records, objects, run_dir, model_dir
+    )
+
+
+def write_archive(
+    out: Path, run: str, records: list[LogRecord], objects: dict[str, bytes],
+    run_dir: Path, model_dir: Path | None,
+) -> dict[str, Any]:  # fmt: skip
+    counts: dict[str, int] = {}
+    for r in records:
+        topic = topic_of_subject(run, r.subject).value
+        counts[topic] = counts.get(topic, 0) + 1
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "run": run, "exported_ns": time.time_ns(), "members": {},
+        "stream": {"subjects": stream_subjects(run), "messages": len(records),
+                   "first_seq": records[0].seq if records else 0,
+                   "last_seq": records[-1].seq if records else 0},
+        "counts": counts, "objects": {}, "log": [], "model": [], "config": None,
+    }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, "w:gz" if out.name.endswith((".gz", ".tgz")) else "w") as tar:
+        for i in range(0, len(records), LOG_CHUNK):
+            name = f"log/{i // LOG_CHUNK:06d}.msgpack"
+            _add(tar, manifest, name, msgspec.msgpack.encode(records[i : i + LOG_CHUNK]))
+            manifest["log"].append(name)
+        for i, (obj, data) in enumerate(objects.items()):
+            _add(tar, manifest, f"objects/{i:06d}", data)  # object names are not paths
+            manifest["objects"][obj] = {"member": f"objects/{i:06d}", "digest": sha256_digest(data)}
+        if (run_dir / "config.toml").is_file():
+            _add(tar, manifest, "config.toml", (run_dir / "config.toml").read_bytes())
+            manifest["config"] = "config.toml"
+        if model_dir is not None and model_dir.is_dir():
+            for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
+                _add(tar, manifest, f"model/{f.name}", f.read_bytes())
+                manifest["model"].append(f"model/{f.name}")
+        _add(tar, manifest, MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return manifest
+
+
+# -- import -----------------------------------------------------------------------------
+
+
+def read_archive(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(manifest, members) of an archive, every member checked against the manifest."""
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            members = {
+                m.name: tar.extractfile(m).read()  # type: ignore[union-attr]
+                for m in tar.getmembers()
+                if m.isfile()
+            }
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise PortableError(f"{path}: not a readable run archive: {e}") from e
+    if MANIFEST not in members:
+        raise PortableError(f"{path}: no {MANIFEST}: not an rlbus run archive")
+    manifest = json.loads(members.pop(MANIFEST))
+    if manifest.get("format") != FORMAT:
+        raise PortableError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    expected = manifest["members"]
+    for name in sorted(set(members) - set(expected)):
+        raise PortableError(f"{path}: member {name!r} is not in the manifest (tampered archive?)")
+    for name, want in expected.items():
+        if name not in members:
+            raise PortableError(f"{path}: member {name!r} is missing (truncated archive?)")
+        got = _sha(members[name])
+        if got != want["sha256"] or len(members[name]) != want["size"]:
+            raise PortableError(
+                f"{path}: member {name!r} does not match the manifest: sha256 {got}, "
+                f"expected {want['sha256']} (corrupted or tampered archive)"
+            )
+    return manifest, members
+
+
+def renamed(event: Event, new_run: str) -> Event:
+    """``event`` as if recorded in run ``new_run`` (object references follow the run)."""
+    changes: dict[str, Any] = {"run": new_run}
+    bucket = objects_bucket(new_run)
+    if isinstance(event, RunStarted):
+        changes["config"] = {**event.config, "run": new_run}
+        ref = event.initial_weights
+        if ref is not None and ref.kind == "object":
+            changes["initial_weights"] = msgspec.structs.replace(ref, bucket=bucket)
+    elif isinstance(event, WeightsPublished) and event.weights.kind == "object":
+        changes["weights"] = msgspec.structs.replace(event.weights, bucket=bucket)
+    return msgspec.structs.replace(event, **changes)
+
+
+async def import_run(
+    path: Path, bus: Bus, run_dir: Path, manifest: dict[str, Any], members: dict[str, bytes]
+) -> dict[str, Any]:
+    """Load a verified archive (``read_archive``) into run ``bus.run``; a summary back."""
+    old = manifest["run"]
+    try:
+        info = await bus.js.stream_info(bus.stream)
+        if info.state.messages:
+            raise PortableError(
+                f"run {bus.run!r} already exists with {info.state.messages} messages"
+            )
+    except nats.js.errors.NotFoundError:
+        pass
+    await bus.ensure_stream()
+    bodies: dict[str, bytes] = {}
+    for name, obj in manifest["objects"].items():
+        data = members[obj["member"]]
+        digest = await bus.objects.put(name, data)
+        if digest != obj["digest"]:
+            raise PortableError(f"object {name}: stored {digest}, expected {obj['digest']}")
+        bodies[name] = data
+    records = [r for name in manifest["log"] for r in _records.decode(members[name])]
+    prepared = [await _prepared(r, bus, old, bodies) for r in records]
+    acks = []
+    for i in range(0, len(prepared), 1000):
+        acks += await bus.publish_raw(prepared[i : i + 1000])
+    seq_map = {r.seq: a.seq for r, a in zip(records, acks, strict=True)}
+    await asyncio.to_thread(restore_files, run_dir, bus.run, manifest, members)
+    return {
+        "run": bus.run, "from_run": old, "messages": len(records), "objects": len(bodies),
+        "duplicates": sum(1 for a in acks if a.duplicate), "model_files": len(manifest["model"]),
+        "seq_map": seq_map,
+    }  # fmt: skip
+
+
+def restore_files(
+    run_dir: Path, run: str, manifest: dict[str, Any], members: dict[str, bytes]
+) -> None:
+    """``config.toml`` and ``model/initial/`` under the run's directory."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if manifest.get("config"):
+        text = members[manifest["config"]].decode()
+        if run != manifest["run"]:
+            text = re.sub(r'(?m)^run = ".*"$', f'run = "{run}"', text)
+        (run_dir / "config.toml").write_text(text)
+    model = run_dir / "model" / "initial"
+    for name in manifest["model"]:
+        model.mkdir(parents=True, exist_ok=True)
+        (model / Path(name).name).write_bytes(members[name])
+
+
+async def _prepared(
+    r: LogRecord, bus: Bus, old: str, bodies: dict[str, bytes]
+) -> tuple[str, bytes, dict[str, str]]:
+    if bus.run == old:
+        return r.subject, r.data, dict(r.headers)
+    payload = r.data
+    try:
+        if r.headers.get(codec.H_BODY) == "ref":
+            payload = bodies[codec.decode_ref(payload).name]
+        event = codec.decode(payload, EVENT_TYPES, r.headers.get(codec.H_SCHEMA))
+    except (DecodeError, KeyError) as e:
+        raise PortableError(f"message {r.seq} ({r.subject}) cannot be renamed: {e}") from e
+    return await bus.prepare(renamed(event, bus.run))
+
+
+# -- the initial model on this machine ------------------------------------------------------
+
+
+def model_digest(model_dir: Path, ref: ObjectRef) -> str | None:
+    """The digest of ``model_dir``'s weights computed as ``run.started`` recorded it."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if ref.kind == "object":  # the object is the raw bytes of the single weights file
+        return sha256_digest(files[0].read_bytes()) if len(files) == 1 else None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return "sha256:" + h.hexdigest() if files else None
+
+
+async def locate_model_dir(bus: Bus, started: RunStarted, cfg: Any, run_dir: Path) -> Path:
+    """The run's initial model directory here, its weights matching the recorded digest.
+
+    Tries the recorded ``model_path``, then ``<run_dir>/model/initial`` (where import
+    restores it); failing both, restores the weights from the object store
+    (``weights.v0``) into ``<run_dir>/model/initial`` (its config and tokenizer rebuilt
+    first for the tiny model). Never uses weights whose digest differs.
+    """
+    ref = started.initial_weights
+    target = run_dir / "model" / "initial"
+    found, looked = await asyncio.to_thread(_find_local, [Path(started.model_path), target], ref)
+    if found is not None:
+        return found
+    if ref is not None and ref.kind == "object":
+        try:
+            data = await BodyStore(bus.js, ref.bucket or bus.objects.bucket).get(
+                ref.location, ref.digest
+            )
+        except (BusError, nats.js.errors.Error) as e:
+            looked.append(f"object {ref.location} ({e})")
+        else:
+            if await asyncio.to_thread(_restore_weights, target, cfg, run_dir, data):
+                return target
+            looked.append(f"{target}: no config or tokenizer to put the weights in")
+    want = ref.digest if ref is not None else "?"
+    raise PortableError(f"initial weights {want} not found: looked at " + "; ".join(looked))
+
+
+def _find_local(candidates: list[Path], ref: ObjectRef | None) -> tuple[Path | None, list[str]]:
+    looked = []
+    for candidate in candidates:
+        if not (candidate / "config.json").is_file():
+            looked.append(f"{candidate} (missing)")
+            continue
+        found = None if ref is None else model_digest(candidate, ref)
+        if ref is None or found == ref.digest:
+            return candidate, looked
+        looked.append(f"{candidate} (weights {found})")
+    return None, looked
+
+
+def _restore_weights(target: Path, cfg: Any, run_dir: Path, data: bytes) -> bool:
+    if not (target / "config.json").is_file() and cfg.model.path == "tiny":
+        from roles.context import materialize_model  # builds config, tokenizer (and weights)
+
+        materialize_model(cfg, "tiny", run_dir)
+    if not (target / "config.json").is_file():
+        return False
+    for old in target.glob("*.safetensors"):
+        old.unlink()
+    (target / "model.safetensors").write_bytes(data)
+    return True

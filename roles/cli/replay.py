@@ -1,0 +1,364 @@
+"""``rlbus replay``, ``trace``, ``export``, ``import``, ``plot``: the run is its log.
+
+    rlbus replay <run> trainer [--until N] [--fork NEW --from N key=value ...]
+    rlbus replay <run> algorithm <id>
+    rlbus replay <run> rubric [--env KEY] [--no-eval]
+    rlbus trace <run> <rollout-id> [--json]
+    rlbus export <run> run.tar ; rlbus import run.tar [--data-dir D] [--run NEW]
+    rlbus plot <run> [--out curves.png]
+
+Thin wrappers over ``replay.*``: they find (or start) the run's NATS server
+(``server_for``), read what they need, stop the server, then compute. Exit codes: 0 =
+reproduced / done, 1 = a difference was found, 2 = cannot replay (bad arguments, missing
+data). Registered by ``roles.cli`` (``replay_app`` as a group, the rest as commands).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from roles.cli.common import DATA_DIR, nats_dir, run_async, server_for
+
+replay_app = typer.Typer(
+    help="Replay a recorded run's pure roles (trainer, algorithms, rubric) and diff.",
+    no_args_is_help=True,
+)
+URL = typer.Option(None, "--nats-url", help="NATS URL (default: the run's embedded server).")
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def run_dir(run: str) -> Path:
+    return Path(DATA_DIR) / run
+
+
+async def _connect(url: str, run: str, producer: str = "replay") -> Any:
+    from bus.runtime import Bus
+
+    return await Bus.connect(url, run=run, producer=producer)
+
+
+@replay_app.callback()
+def _replay(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."), nats_url: str | None = URL) -> None:  # fmt: skip
+    ctx.obj = {"run": run, "nats_url": nats_url}
+
+
+@contextlib.contextmanager
+def fork_server(run: str, nats_url: str | None) -> Iterator[str]:
+    """Where a fork is written: the given server, else the new run's own embedded one."""
+    from bus.server import EmbeddedServer, running_server_url
+
+    url = nats_url or os.environ.get("RLBUS_NATS_URL") or running_server_url(nats_dir(run))
+    if url:
+        yield url
+        return
+    with EmbeddedServer(nats_dir(run)) as server:
+        yield server.url
+
+
+@replay_app.command("trainer")
+def trainer(
+    ctx: typer.Context,
+    overrides: list[str] = typer.Argument(None, help="Fork config overrides: trainer.lr=0.01"),
+    until: int | None = typer.Option(None, "--until", help="Stop after this step."),
+    fork: str | None = typer.Option(None, "--fork", help="Write a fork as this new run."),
+    from_step: int | None = typer.Option(None, "--from", help="Fork: last step replayed exactly."),
+) -> None:
+    """Re-train the recorded batches on CPU; every step's metrics and digest must match."""
+    from replay.diff import print_verdict, step_printer
+    from replay.trainer import ReplayError, publish_fork, replay_run, run_fork
+
+    run, nats_url, console = ctx.obj["run"], ctx.obj["nats_url"], _console()
+    if (fork is None) != (from_step is None) or (overrides and fork is None):
+        raise typer.BadParameter("--fork NEW and --from STEP go together (overrides need them)")
+    try:
+        log, model_dir = _load_trainer(run, nats_url)
+        if not log.batches:
+            raise ReplayError(f"run {run} has no batches")
+    except ReplayError as e:
+        console.print(f"[red]cannot replay:[/] {e}")
+        raise typer.Exit(2) from None
+    console.print(f"replaying {len(log.batches)} batches of {run} on CPU from {model_dir}")
+    on_step = step_printer(console, log.recorded)
+    if fork is None:
+        r = replay_run(log, model_dir, until, on_step)
+        raise typer.Exit(print_verdict(console, r.steps, r.divergence, r.stopped, r.wall_s))
+    assert from_step is not None
+    on_fork = step_printer(console, log.recorded, fork=True)
+    forked = run_fork(log, model_dir, from_step, overrides or [], until, on_step, on_fork)
+    if not forked.prefix.ok:
+        print_verdict(console, forked.prefix.steps, forked.prefix.divergence)
+        console.print("[red]not forking:[/] the exact prefix does not reproduce")
+        raise typer.Exit(1)
+    weights = sorted(model_dir.glob("*.safetensors"))
+    initial = weights[0].read_bytes() if len(weights) == 1 else None
+
+    async def publish(url: str) -> int:
+        bus = await _connect(url, fork)
+        try:
+            return await publish_fork(bus, log, forked, from_step, overrides or [], model_dir, initial)  # fmt: skip
+        finally:
+            await bus.close()
+
+    try:
+        with fork_server(fork, nats_url) as url:
+            n = run_async(publish(url))
+    except ReplayError as e:
+        console.print(f"[red]cannot write the fork:[/] {e}")
+        raise typer.Exit(2) from None
+    from configs import dump_toml
+
+    run_dir(fork).mkdir(parents=True, exist_ok=True)
+    (run_dir(fork) / "config.toml").write_text(dump_toml(forked.config.model_copy(update={"run": fork})))  # fmt: skip
+    console.print(f"fork {fork}: {n} events written; {len(forked.fork.steps)} steps after step {from_step} under {list(overrides or [])}")  # fmt: skip
+    first, loss = forked.first_difference, forked.first_loss_difference
+    if first is None:
+        console.print(f"the fork never differs from {run}: no override took effect")
+    else:
+        console.print(f"first differing step: {first[0].step} ({', '.join(m.name for m in first)})")
+        for m in first:
+            console.print("  " + m.describe())
+    if loss is not None:
+        console.print(f"loss first diverges at step {loss[0].step}: {loss[0].describe()}")
+
+
+def _load_trainer(run: str, nats_url: str | None) -> Any:
+    """(TrainerLog, model dir) of ``run``; the server is stopped before training starts."""
+    from replay.portable import PortableError, locate_model_dir
+    from replay.trainer import ReplayError, read_trainer_log
+
+    async def load(url: str) -> Any:
+        bus = await _connect(url, run)
+        try:
+            log = await read_trainer_log(bus)
+            return log, await locate_model_dir(bus, log.started, log.config(), run_dir(run))
+        except PortableError as e:
+            raise ReplayError(str(e)) from e
+        finally:
+            await bus.close()
+
+    with server_for(run, nats_url) as url:
+        return run_async(load(url))
+
+
+@replay_app.command("algorithm")
+def algorithm(ctx: typer.Context, name: str = typer.Argument(..., help="Algorithm id (config id or registered name).")) -> None:  # fmt: skip
+    """Recompute scored samples from the recorded traces; diff (recorded) or shadow table."""
+    from replay.algorithm import (
+        diff_scored,
+        read_algorithm_log,
+        recompute,
+        shadow_rows,
+        write_shadow,
+    )
+
+    run, console = ctx.obj["run"], _console()
+
+    async def load(url: str) -> Any:
+        bus = await _connect(url, run)
+        try:
+            return await read_algorithm_log(bus, name)
+        finally:
+            await bus.close()
+
+    with server_for(run, ctx.obj["nats_url"]) as url:
+        log = run_async(load(url))
+    try:
+        scored = recompute(name, log)
+    except ValueError as e:  # an unknown algorithm or bad options
+        console.print(f"[red]cannot replay:[/] {e}")
+        raise typer.Exit(2) from None
+    if not log.recorded:
+        path = write_shadow(run_dir(run), name, shadow_rows(run, scored))
+        n = sum(len(s.samples) for _, s in scored)
+        console.print(f"{name} is not recorded in {run}: shadow table with {len(scored)} groups, {n} samples: {path}")  # fmt: skip
+        return
+    d = diff_scored(log, scored)
+    if d.unscored_tail:
+        console.print(f"note: {d.unscored_tail} groups completed after the worker's last output (not scored before the run stopped)")  # fmt: skip
+    for line in d.advantages.summary("advantages (per rollout/branch)"):
+        console.print(line)
+    for item in (d.groups + d.arrays)[:10]:
+        console.print(f"  [red]differs[/] {item}")
+    if d.ok:
+        console.print(f"[green bold]MATCH[/] {name}: {d.groups_compared} groups, every advantage exactly equal")  # fmt: skip
+        return
+    console.print(f"[red bold]MISMATCH[/] {name}: {len(d.advantages.changed)} advantages, {len(d.arrays)} arrays, {len(d.groups)} groups differ")  # fmt: skip
+    raise typer.Exit(1)
+
+
+@replay_app.command("rubric")
+def rubric(
+    ctx: typer.Context,
+    env: str | None = typer.Option(None, "--env", help="Only this env key."),
+    no_eval: bool = typer.Option(False, "--no-eval", help="Skip eval traces."),
+) -> None:
+    """Re-score recorded traces with the current reward functions; diff the rewards."""
+    from replay.rubric import read_rubric_log, rescore
+
+    run, console = ctx.obj["run"], _console()
+
+    async def load(url: str) -> Any:
+        bus = await _connect(url, run)
+        try:
+            return await read_rubric_log(bus, env, evals=not no_eval)
+        finally:
+            await bus.close()
+
+    with server_for(run, ctx.obj["nats_url"]) as url:
+        log = run_async(load(url))
+    result = rescore(log)
+    console.print(f"{result.scored} traces rescored ({result.errored} errored traces skipped), {len(result.changed_traces)} changed")  # fmt: skip
+    for line in result.diff.summary("rewards"):
+        console.print(line)
+    for f in result.failures[:5]:
+        console.print(f"  [red]rubric raised[/] {f}")
+    if result.failures or not result.diff.ok:
+        raise typer.Exit(1)
+
+
+def trace(
+    run: str = typer.Argument(..., help="Run id."),
+    rollout_id: str = typer.Argument(..., help="Rollout id (or a unique prefix)."),
+    as_json: bool = typer.Option(False, "--json", help="The chain as one JSON object."),
+    tokens: bool = typer.Option(True, "--tokens/--no-tokens", help="Per-token table."),
+    nats_url: str | None = URL,
+) -> None:
+    """One rollout: its messages and tokens, what caused it and what it caused."""
+    from bus.reader import read_log
+    from replay.inspect import TOPICS, TYPES, TraceNotFound, render_chain, trace_chain
+
+    async def load(url: str) -> list[Any]:
+        bus = await _connect(url, run)
+        try:
+            return [e async for e in read_log(bus, TOPICS, TYPES)]
+        finally:
+            await bus.close()
+
+    with server_for(run, nats_url) as url:
+        events = run_async(load(url))
+    try:
+        chain = trace_chain(events, rollout_id, _token_text(run, events) if tokens else None)
+    except TraceNotFound as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(chain, default=str))
+    else:
+        render_chain(chain, _console(), tokens=tokens)
+
+
+def _token_text(run: str, events: list[Any]) -> Any:
+    """Token ids -> token strings with the run's tokenizer, or None if it is not here."""
+    from schemas import RunStarted
+
+    started = next((e for e in events if isinstance(e, RunStarted)), None)
+    for d in (run_dir(run) / "model" / "initial", Path(started.model_path) if started else None):
+        if d is not None and (d / "tokenizer_config.json").is_file():
+            from roles.model.loading import load_tokenizer
+
+            tok = load_tokenizer(d)
+            return lambda ids: list(tok.convert_ids_to_tokens(ids))
+    return None
+
+
+def export(
+    run: str = typer.Argument(..., help="Run id."),
+    file: Path = typer.Argument(..., help="Archive to write (.tar, or .tar.gz to compress)."),
+    model: bool = typer.Option(True, "--model/--no-model", help="Include the initial model dir."),
+    nats_url: str | None = URL,
+) -> None:
+    """Write a whole run (log, objects, config, initial model) to one portable file."""
+    from replay.portable import export_run
+    from roles.context import read_run_started
+
+    async def main(url: str) -> dict[str, Any]:
+        bus = await _connect(url, run)
+        try:
+            model_dir = run_dir(run) / "model" / "initial"
+            started = await read_run_started(bus)
+            if not model_dir.is_dir() and started is not None:
+                model_dir = Path(started.model_path)
+            return await export_run(bus, file, run_dir(run), model_dir if model else None)
+        finally:
+            await bus.close()
+
+    with server_for(run, nats_url) as url:
+        manifest = run_async(main(url))
+    size = file.stat().st_size
+    typer.echo(f"exported {run}: {manifest['stream']['messages']} messages, {len(manifest['objects'])} objects, {len(manifest['model'])} model files -> {file} ({size / 1e6:.1f} MB)")  # fmt: skip
+
+
+def import_run(
+    file: Path = typer.Argument(..., help="Archive written by `rlbus export`."),
+    data_dir: Path = typer.Option(Path(DATA_DIR), "--data-dir", help="Root of run directories."),
+    new_run: str | None = typer.Option(None, "--run", help="Import under this run id."),
+    nats_url: str | None = URL,
+) -> None:
+    """Load an exported run: its stream, objects, config and model, verified by digest."""
+    from bus.server import EmbeddedServer, running_server_url
+    from replay.portable import PortableError, read_archive
+    from replay.portable import import_run as load
+
+    try:
+        manifest, members = read_archive(file)
+    except PortableError as e:
+        typer.echo(f"import failed: {e}", err=True)
+        raise typer.Exit(2) from None
+    run = new_run or manifest["run"]
+
+    async def main(url: str) -> dict[str, Any]:
+        bus = await _connect(url, run, producer="")  # a renamed event keeps its producer
+        try:
+            return await load(file, bus, data_dir / run, manifest, members)
+        finally:
+            await bus.close()
+
+    store = nats_dir(run, data_dir)
+    try:
+        if url := nats_url or running_server_url(store):
+            summary = run_async(main(url))
+        else:
+            with EmbeddedServer(store) as server:
+                summary = run_async(main(server.url))
+    except PortableError as e:
+        typer.echo(f"import failed: {e}", err=True)
+        raise typer.Exit(2) from None
+    seq_map = summary.pop("seq_map")
+    (data_dir / run / "import.json").write_text(json.dumps({**summary, "archive": str(file), "seq_map": seq_map}))  # fmt: skip
+    typer.echo(f"imported {summary['from_run']} as {run}: {summary['messages']} messages, {summary['objects']} objects, {summary['model_files']} model files into {data_dir / run}")  # fmt: skip
+
+
+def plot(
+    run: str = typer.Argument(..., help="Run id."),
+    out: Path | None = typer.Option(None, "--out", help="PNG to write (default <run>/plot.png)."),
+    nats_url: str | None = URL,
+) -> None:
+    """Reward, eval, loss, staleness and throughput curves of a run in one PNG."""
+    from replay.plots import plot_run, read_curves
+
+    async def main(url: str) -> Any:
+        bus = await _connect(url, run)
+        try:
+            return await read_curves(bus)
+        finally:
+            await bus.close()
+
+    with server_for(run, nats_url) as url:
+        curves = run_async(main(url))
+    path = plot_run(curves, out or run_dir(run) / "plot.png")
+    if path is None:
+        typer.echo(f"run {run} has no metrics yet: nothing to plot", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {path}")
