@@ -26,7 +26,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import DiscardPolicy, PubAck, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, PubAck, RawStreamMsg, StorageType, StreamConfig
 
 from bus import codec
 from bus.errors import PublishError
@@ -167,7 +167,7 @@ class Bus:
                 await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
             failed: list[int] = []
             for chunk in _chunks(todo, prepared, self.settings.publish_window_bytes):
-                futs = []
+                futs: list[asyncio.Future[PubAck] | None] = []
                 for i in chunk:
                     subj, payload, headers = prepared[i]
                     try:
@@ -198,10 +198,10 @@ class Bus:
 
     # -- reading one message back -----------------------------------------------------
 
-    async def decode_msg(self, msg: Msg, types: Iterable[type]) -> Any:
+    async def decode_msg(self, msg: Msg | RawStreamMsg, types: Iterable[type]) -> Any:
         """Decode a stream message (resolving an offloaded body) as one of ``types``."""
         headers = msg.headers or {}
-        payload: bytes = msg.data
+        payload: bytes = msg.data or b""
         if headers.get(codec.H_BODY) == "ref":
             ref = codec.decode_ref(payload)
             payload = await BodyStore(self.js, ref.bucket).get(ref.name, ref.digest)

@@ -17,9 +17,14 @@ def plot_curves(monitor: RunMonitor, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    reward = monitor.series(monitor.train, "reward_mean")
+    # Warm-start batches hold the teacher's answers (reward 1 by construction): plot RL only.
+    reward = [
+        (k, v)
+        for k, v in monitor.series(monitor.train, "reward_mean")
+        if not monitor.train[k].get("sft")
+    ]
     if reward:
-        axes[0].plot(*zip(*reward, strict=True), marker=".", label="train reward (batch mean)")
+        axes[0].plot(*zip(*reward, strict=True), marker=".", label="train reward (RL batch mean)")
     warm = 0
     if monitor.started:
         warm = int(monitor.started.config.get("orchestrator", {}).get("warmup", {}).get("steps", 0))

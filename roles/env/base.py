@@ -223,8 +223,8 @@ class Rubric:
                 norm += w
             else:
                 metrics[name] = value
-        for fn in self.metric_funcs.values():
-            metrics.update({k: float(v) for k, v in fn(messages, task, state).items()})
+        for metric_fn in self.metric_funcs.values():
+            metrics.update({k: float(v) for k, v in metric_fn(messages, task, state).items()})
         return Score(reward=total / norm, rewards=rewards, metrics=metrics)
 
 

@@ -98,7 +98,7 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     source = resolve_source(path_or_id, local_files_only=local_files_only)
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         source, dtype=resolve_dtype(dtype), local_files_only=local_files_only
     )
     return model.to(resolve_device(device)).eval()

@@ -97,7 +97,10 @@ class TrainerCore:
         self.pad_id = int(self.model.config.pad_token_id or 0)
         t = cfg.trainer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+            self.model.parameters(),
+            lr=t.lr,
+            betas=(t.betas[0], t.betas[1]),
+            weight_decay=t.weight_decay,
         )
         self.step = 0  # batches trained == current policy version
         self.threads = torch_threads()
