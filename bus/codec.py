@@ -1,9 +1,11 @@
 """Encoding events to bytes + headers, and decoding them back to declared types.
 
-Headers on every stored message (see docs/architecture.md):
+Headers carry only what a reader needs before decoding (see docs/architecture.md):
 ``Nats-Msg-Id`` (event id, for server-side dedup), ``Rl-Schema`` (tag ``name/version``),
-``Rl-Run``, ``Rl-Producer``, ``Rl-Causation``, and ``Rl-Policy-Version`` when the event
-has one. ``Rl-Body: ref`` marks a payload that is a ``BodyRef`` to an offloaded body.
+``Rl-Policy-Version`` when the event has one, and ``Rl-Body: ref`` on a payload that is a
+``BodyRef`` to an offloaded body. Run, producer and causation id live in the event's
+envelope (and the run in the subject): every header costs every message on both sides,
+measured in ``benchmarks/bus_bench.py``.
 
 Decoders are built once per set of types; an unknown or newer schema is an
 ``UnknownSchema`` error that names it, anything else undecodable a ``DecodeError``.
@@ -22,9 +24,6 @@ from schemas import EVENT_TYPES, BodyRef, Event
 
 H_MSG_ID = "Nats-Msg-Id"
 H_SCHEMA = "Rl-Schema"
-H_RUN = "Rl-Run"
-H_PRODUCER = "Rl-Producer"
-H_CAUSATION = "Rl-Causation"
 H_POLICY = "Rl-Policy-Version"
 H_BODY = "Rl-Body"
 
@@ -46,15 +45,7 @@ def encode_any(value: Any) -> bytes:
 
 
 def headers_for(event: Event) -> dict[str, str]:
-    h = {
-        H_MSG_ID: event.event_id,
-        H_SCHEMA: tag_of(type(event)),
-        H_RUN: event.run,
-    }
-    if event.producer:
-        h[H_PRODUCER] = event.producer
-    if event.causation_id:
-        h[H_CAUSATION] = event.causation_id
+    h = {H_MSG_ID: event.event_id, H_SCHEMA: tag_of(type(event))}
     version = getattr(event, "policy_version", None)
     if isinstance(version, int):
         h[H_POLICY] = str(version)

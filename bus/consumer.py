@@ -73,6 +73,7 @@ class Consumer:
         self.handled = 0
         self.dead_lettered = 0
         self._inflight: set[asyncio.Task[None]] = set()
+        self._active: dict[int, Msg] = {}  # being handled (by id: Msg is unhashable)
         self._slots = asyncio.Semaphore(max(1, sub.concurrency))
 
     def config(self) -> ConsumerConfig:
@@ -103,6 +104,7 @@ class Consumer:
         await self.ensure()
         psub = await self.bus.js.pull_subscribe_bind(self.sub.durable, self.bus.stream)
         sequential = self.sub.concurrency <= 1
+        keepalive = asyncio.create_task(self._keep_alive())
         try:
             while not stop.is_set():
                 want = self.sub.batch if sequential else self._free_slots()
@@ -127,6 +129,7 @@ class Consumer:
                         task.add_done_callback(self._inflight.discard)
         finally:
             await self._drain(drain_timeout_s)
+            keepalive.cancel()
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
 
@@ -165,7 +168,7 @@ class Consumer:
         except (DecodeError, BodyError) as e:
             await self._dead_letter(msg, delivery, type(e).__name__, str(e))
             return
-        keepalive = _KeepAlive(msg, max(0.5, self.bus.settings.ack_wait_s / 3))
+        self._active[id(msg)] = msg
         try:
             outputs = await self.sub.handler(event, delivery)
             if outputs:
@@ -185,9 +188,19 @@ class Consumer:
                 await msg.nak(delay=self.bus.settings.nak_delay_s)
             return
         finally:
-            keepalive.cancel()
+            self._active.pop(id(msg), None)
         await msg.ack()
         self.handled += 1
+
+    async def _keep_alive(self) -> None:
+        """One loop per consumer (not a timer per message: those cost every message):
+        every ack_wait/3 it tells the server that messages still being handled are alive."""
+        interval = max(0.5, self.bus.settings.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            for msg in list(self._active.values()):
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
 
     async def _dead_letter(self, msg: Msg, d: Delivery, error_type: str, error: str) -> None:
         headers = {k: v for k, v in (msg.headers or {}).items() if k != codec.H_MSG_ID}
@@ -211,28 +224,3 @@ class Consumer:
         self.log.error(
             "message.dead_lettered", seq=d.stream_seq, error_type=error_type, error=error[:500]
         )
-
-
-class _KeepAlive:
-    """Sends ``in_progress()`` every ``interval`` s while a handler runs, so a long handler
-    is not redelivered. A timer, not a task: cheap enough to arm for every message."""
-
-    def __init__(self, msg: Msg, interval: float):
-        self.msg = msg
-        self.interval = interval
-        self.loop = asyncio.get_running_loop()
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.timer = self.loop.call_later(interval, self._fire)
-
-    def _fire(self) -> None:
-        task = self.loop.create_task(self._send())
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        self.timer = self.loop.call_later(self.interval, self._fire)
-
-    async def _send(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.msg.in_progress()
-
-    def cancel(self) -> None:
-        self.timer.cancel()

@@ -177,15 +177,23 @@ class Bus:
                     except _RETRYABLE as e:
                         last_error = e
                         futs.append(None)
+                # One bounded wait for the whole window (a wait_for per future costs every
+                # message); whatever is not acked in time is retried with the same id.
+                pending = [f for f in futs if f is not None]
+                if pending:
+                    _, late = await asyncio.wait(pending, timeout=self.settings.publish_timeout_s)
+                    for f in late:
+                        f.cancel()
                 for i, fut in zip(chunk, futs, strict=True):
-                    if fut is None:
+                    if fut is None or fut.cancelled():
                         failed.append(i)
-                        continue
-                    try:
-                        acks[i] = await asyncio.wait_for(fut, self.settings.publish_timeout_s)
-                    except _RETRYABLE as e:
-                        last_error = e
+                    elif (exc := fut.exception()) is not None:
+                        if not isinstance(exc, _RETRYABLE):
+                            raise exc
+                        last_error = exc
                         failed.append(i)
+                    else:
+                        acks[i] = fut.result()
             if not failed:
                 return [a for a in acks if a is not None]
             self.log.warning(

@@ -104,7 +104,7 @@ async def test_handler_outputs_are_published_before_the_ack(bus: Bus) -> None:
         lambda: len(got) == 1,
     )
     msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.RUN_STOPPED))
-    assert msg.headers[codec.H_CAUSATION] == "start"
+    assert codec.decode(msg.data, [RunStopped]).causation_id == "start"
     assert msg.headers[codec.H_MSG_ID] == derive_id("start", "stop")
 
 

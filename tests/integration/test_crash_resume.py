@@ -12,7 +12,7 @@ import pytest
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, filter_subject
-from schemas import TaskRef, TaskRequested
+from schemas import MetricsReported, TaskRef, TaskRequested
 
 pytestmark = pytest.mark.nats
 
@@ -40,7 +40,7 @@ async def count_metrics(bus: Bus) -> dict[str, int]:
     try:
         while True:
             msg = await sub.next_msg(timeout=0.5)
-            cause = msg.headers["Rl-Causation"]
+            cause = (await bus.decode_msg(msg, [MetricsReported])).causation_id
             counts[cause] = counts.get(cause, 0) + 1
     except Exception:  # noqa: BLE001 - next_msg timeout: we have read everything
         pass
