@@ -32,13 +32,14 @@ def test_presets_load_with_the_documented_values():
     assert {"default", "smoke"} <= set(list_presets())
     cfg = load_config()
     assert cfg == load_config("default")
-    assert cfg.max_steps == 40 and cfg.orchestrator.batch_size == 32
+    assert cfg.max_steps == 500 and cfg.orchestrator.batch_size == 64
     assert [e.id for e in cfg.orchestrator.train.env] == ["reverse-text"]
     assert cfg.orchestrator.train.env[0].group_size == 8
-    assert cfg.orchestrator.warmup.steps == 10
+    assert (cfg.orchestrator.warmup.steps, cfg.orchestrator.warmup.lr) == (120, 3e-3)
     assert cfg.orchestrator.models["teacher"].kind == "teacher"
     assert [a.id for a in cfg.orchestrator.algorithms] == ["grpo"]
-    assert cfg.orchestrator.eval.interval == 10
+    assert (cfg.orchestrator.eval.interval, cfg.orchestrator.eval.k) == (50, 4)
+    assert cfg.orchestrator.algorithms[0].options == {"std_normalize": True}
     smoke = load_config("smoke")
     assert (smoke.max_steps, smoke.orchestrator.batch_size) == (3, 8)
     assert smoke.orchestrator.train.env[0].group_size == 4
