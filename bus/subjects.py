@@ -150,6 +150,11 @@ def subject_for(event: Event) -> str:
     return subject(event.run, topic, getattr(event, field) if field else None)
 
 
+def relative_subject(run: str, subj: str) -> str:
+    """A subject without its ``rl.<run>.`` prefix (``trace.completed.reverse-text``)."""
+    return subj.removeprefix(f"rl.{run}.")
+
+
 def topic_of_subject(run: str, subj: str) -> Topic:
     prefix = f"rl.{run}."
     if not subj.startswith(prefix):

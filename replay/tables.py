@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from bus.subjects import Topic
+from bus.subjects import topic_of_subject
 from schemas import (
     BatchAssembled,
     DeadLettered,
@@ -293,8 +293,7 @@ def rows_for(
 
 def _topic(run: str, subject: str) -> str | None:
     """``trace.completed`` from ``rl.<run>.trace.completed.<env>`` (None if no subject)."""
-    rest = subject.removeprefix(f"rl.{run}.")
-    for t in Topic:
-        if rest == t.value or rest.startswith(t.value + "."):
-            return t.value
-    return None
+    try:
+        return topic_of_subject(run, subject).value
+    except ValueError:
+        return None

@@ -11,7 +11,7 @@ import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.runtime import Bus
-from bus.subjects import TOPICS, Topic, filter_subject, stream_subjects
+from bus.subjects import TOPICS, Topic, filter_subject, relative_subject, stream_subjects
 from schemas import EVENT_TYPES, Event
 
 
@@ -79,7 +79,7 @@ async def print_events(
                 )
                 eid = event.event_id[:8] if event is not None else "-"
                 print(
-                    f"{meta.sequence.stream:>6} {ts} {msg.subject.removeprefix(f'rl.{run}.'):<32} {kind:<16} {eid}{cause}  {line}"
+                    f"{meta.sequence.stream:>6} {ts} {relative_subject(run, msg.subject):<32} {kind:<16} {eid}{cause}  {line}"
                 )
             shown += 1
         await sub.unsubscribe()
