@@ -116,7 +116,9 @@ def launch(cfg: RunConfig, nats_url: str | None = None, live_view: bool = True) 
     run_dir = Path(cfg.bus.data_dir) / run
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    configure(run=run, role="launcher", json=not live_view or not sys.stderr.isatty(), level="INFO")
+    live = live_view and sys.stdout.isatty()
+    # With the live view on a terminal, routine lines would scroll it away: warnings only.
+    configure(run=run, role="launcher", json=not live, level="WARNING" if live else "INFO")
     config_path = run_dir / "config.toml"
     config_path.write_text(dump_toml(cfg))
     server = None

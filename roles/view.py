@@ -76,7 +76,8 @@ class LiveView:
         head = Table.grid(padding=(0, 2))
         head.add_column(style="bold")
         head.add_column()
-        rewards = [v for _, v in m.series(m.train, "reward_mean")]
+        # Warm-start batches are the teacher's answers (reward 1 by construction): RL only.
+        rewards = [v for k, v in m.series(m.train, "reward_mean") if not m.train[k].get("sft")]
         elapsed = time.monotonic() - m.started_at
         tps = m.last(m.trainer, "tokens_per_s")
         head.add_row("step", f"{m.assembled}/{m.max_steps} ({m.phase})   elapsed {elapsed:.0f}s")
