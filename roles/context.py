@@ -11,8 +11,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from bus.reader import last_event
 from bus.runtime import Bus, BusSettings
-from bus.subjects import Topic, subject
+from bus.subjects import Topic
 from configs import RunConfig, load_config, resolve
 from schemas import RunStarted
 
@@ -57,14 +58,8 @@ def instance_name(role: str, suffix: str | None = None) -> str:
 
 async def read_run_started(bus: Bus) -> RunStarted | None:
     """The run's ``run.started`` event, or None if the run has not started yet."""
-    import nats.js.errors
-
-    try:
-        msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.RUN_STARTED))
-    except nats.js.errors.NotFoundError:
-        return None
-    event: RunStarted = await bus.decode_msg(msg, [RunStarted])
-    return event
+    started: RunStarted | None = await last_event(bus, Topic.RUN_STARTED, (RunStarted,))
+    return started
 
 
 @dataclass

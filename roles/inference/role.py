@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 from nats.js.api import DeliverPolicy
@@ -42,6 +41,7 @@ from nats.js.api import DeliverPolicy
 from bus import rpc
 from bus.log import get_logger
 from bus.offload import BodyStore
+from bus.reader import last_event
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject, subject
 from configs import POLICY, ConfigError, RunConfig
@@ -108,11 +108,9 @@ async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
 
 async def read_latest_weights(bus: Bus) -> WeightsPublished | None:
     """The newest ``weights.published`` event of the run, or None before the first."""
-    try:
-        msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.WEIGHTS_PUBLISHED))
-    except nats.js.errors.NotFoundError:
-        return None
-    event: WeightsPublished = await bus.decode_msg(msg, [WeightsPublished])
+    event: WeightsPublished | None = await last_event(
+        bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,)
+    )
     return event
 
 

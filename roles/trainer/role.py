@@ -36,19 +36,19 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import nats.errors
 import nats.js.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import DeliverPolicy
 
 from bus.consumer import Consumer, Delivery, Subscription
+from bus.reader import last_seq, read_log
 from bus.registry import Heartbeat
 from bus.runtime import Bus
-from bus.subjects import Topic, durable_name, filter_subject, subject
+from bus.subjects import Topic, durable_name
 from roles.base import Role, serve_role
 from roles.context import RoleContext
 from roles.model.weights import digest
@@ -80,43 +80,6 @@ class _Pending:
     seq: int  # its stream sequence (recorded in checkpoints for catch-up)
     metrics: dict[str, float]
     recorded: WeightsPublished | None  # its announcement already on the stream (catch-up)
-
-
-async def last_seq(bus: Bus, topic: Topic) -> int:
-    """Stream sequence of the newest message on ``topic`` (0 when there is none)."""
-    try:
-        msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, topic))
-    except nats.js.errors.NotFoundError:
-        return 0
-    return int(msg.seq or 0)
-
-
-async def read_events(
-    bus: Bus, topic: Topic, types: tuple[type, ...], start_seq: int, end_seq: int
-) -> AsyncIterator[tuple[int, Any]]:
-    """(stream seq, decoded event) of ``topic`` from ``start_seq`` through ``end_seq``."""
-    if end_seq < start_seq:
-        return
-    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq)
-    # nats-py makes the subject argument the consumer's filter (overriding config's).
-    sub = await bus.js.subscribe(
-        filter_subject(bus.run, topic), ordered_consumer=True, config=config, stream=bus.stream
-    )
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=_READ_TIMEOUT_S)
-            except (nats.errors.TimeoutError, TimeoutError) as e:
-                raise TimeoutError(
-                    f"reading {topic.value} up to seq {end_seq}: nothing for {_READ_TIMEOUT_S}s"
-                ) from e
-            seq = msg.metadata.sequence.stream
-            yield seq, await bus.decode_msg(msg, types)
-            if seq >= end_seq:
-                return
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
 
 
 class TrainerRole(Role):
@@ -205,22 +168,25 @@ class TrainerRole(Role):
         if end >= start_seq:
             recorded = await self._recorded_weights(start_seq)
             self.log.info("trainer.catch_up", from_seq=start_seq, to_seq=end, step=self.core.step)
-            async for seq, batch in read_events(
-                self.bus, Topic.BATCH_ASSEMBLED, (BatchAssembled,), start_seq, end
-            ):
-                if self.stop_event.is_set():
-                    return
-                if batch.step <= self.core.step:
-                    continue
-                if batch.step != self.core.step + 1:
-                    # Leave the gap to the durable consumer: it retries the batch, then
-                    # dead-letters it, visibly. Nothing after it is trained here.
-                    self.log.error(
-                        "trainer.batch_gap", seq=seq, step=batch.step, current=self.core.step
-                    )
-                    resume_seq = seq
-                    break
-                await self._advance(batch, seq, wait_s=0.0, recorded=recorded.get(batch.step))
+            batches = read_log(
+                self.bus, [(Topic.BATCH_ASSEMBLED, None)], (BatchAssembled,),
+                from_seq=start_seq, until_seq=end, with_seq=True, stall_timeout_s=_READ_TIMEOUT_S,
+            )  # fmt: skip
+            async with contextlib.aclosing(batches):
+                async for seq, batch in batches:
+                    if self.stop_event.is_set():
+                        return
+                    if batch.step <= self.core.step:
+                        continue
+                    if batch.step != self.core.step + 1:
+                        # Leave the gap to the durable consumer: it retries the batch, then
+                        # dead-letters it, visibly. Nothing after it is trained here.
+                        self.log.error(
+                            "trainer.batch_gap", seq=seq, step=batch.step, current=self.core.step
+                        )
+                        resume_seq = seq
+                        break
+                    await self._advance(batch, seq, wait_s=0.0, recorded=recorded.get(batch.step))
         if not self.stop_event.is_set():
             await self._reset_durable(resume_seq)
 
@@ -228,9 +194,11 @@ class TrainerRole(Role):
         """WeightsPublished already on the stream (first per step), from ``start_seq``."""
         out: dict[int, WeightsPublished] = {}
         end = await last_seq(self.bus, Topic.WEIGHTS_PUBLISHED)
-        async for _, event in read_events(
-            self.bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,), start_seq, end
-        ):
+        events = read_log(
+            self.bus, [(Topic.WEIGHTS_PUBLISHED, None)], (WeightsPublished,),
+            from_seq=start_seq, until_seq=end, with_seq=True, stall_timeout_s=_READ_TIMEOUT_S,
+        )  # fmt: skip
+        async for _, event in events:
             out.setdefault(event.step, event)
         return out
 
