@@ -17,6 +17,8 @@ from enum import StrEnum
 
 from schemas import (
     EVENT_TYPES,
+    AlgorithmAttached,
+    AlgorithmDetached,
     BatchAssembled,
     DeadLettered,
     EvalCompleted,
@@ -44,6 +46,8 @@ class Topic(StrEnum):
     WEIGHTS_PUBLISHED = "weights.published"
     METRICS_REPORTED = "metrics.reported"
     DEAD_LETTERED = "dead.lettered"
+    ALGORITHM_ATTACHED = "algorithm.attached"
+    ALGORITHM_DETACHED = "algorithm.detached"
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,20 @@ TOPICS: dict[Topic, TopicSpec] = {
         ),
         TopicSpec(Topic.METRICS_REPORTED, MetricsReported, "role", "every role", "lake, status"),
         TopicSpec(Topic.DEAD_LETTERED, DeadLettered, "role", "bus runtime", "operators, lake"),
+        TopicSpec(
+            Topic.ALGORITHM_ATTACHED,
+            AlgorithmAttached,
+            "algorithm",
+            "rlbus algorithm attach",
+            "orchestrator, the worker, status",
+        ),
+        TopicSpec(
+            Topic.ALGORITHM_DETACHED,
+            AlgorithmDetached,
+            "algorithm",
+            "rlbus algorithm detach",
+            "orchestrator, the worker, status",
+        ),
     )
 }
 

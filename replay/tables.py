@@ -25,6 +25,8 @@ import polars as pl
 
 from bus.subjects import topic_of_subject
 from schemas import (
+    AlgorithmAttached,
+    AlgorithmDetached,
     BatchAssembled,
     DeadLettered,
     EvalCompleted,
@@ -69,8 +71,8 @@ SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
     "samples": {**_BASE, "event_id": S, "algorithm": S, "env": S, "group_id": S,
                 "request_id": S, "task_index": I64, "step": I64, "rollout_id": S, "branch": I64,
                 "reward": F, "adv_mean": F, "adv_min": F, "adv_max": F, "n_tokens": I64,
-                "n_masked": I64, "n_sft": I64, "policy_min": I64, "policy_max": I64,
-                "zero_advantage": B, "group_samples": I64, "group_excluded": I64, "ts_ns": I64},
+                "n_masked": I64, "n_sft": I64, "n_ref": I64, "member": S, "policy_min": I64,
+                "policy_max": I64, "zero_advantage": B, "group_samples": I64, "group_excluded": I64, "ts_ns": I64},
     "sample_tokens": {**_BASE, "algorithm": S, "rollout_id": S, "branch": I64,
                       "mask": pl.List(pl.Boolean), "advantages": pl.List(pl.Float32),
                       "sft_mask": pl.List(pl.Boolean)},
@@ -80,7 +82,10 @@ SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
     "batch_samples": {**_BASE, "step": I64, "phase": S, "position": I64, "rollout_id": S,
                       "branch": I64, "env": S, "group_id": S, "task_index": I64, "reward": F,
                       "policy_min": I64, "policy_max": I64, "staleness": I64, "n_tokens": I64,
-                      "n_masked": I64},
+                      "n_masked": I64, "algorithms": pl.List(pl.Utf8)},
+    "algorithms": {**_BASE, "event_id": S, "kind": S, "algorithm": S, "name": S, "options": S,
+                   "envs": pl.List(pl.Utf8), "shadow": B, "from_seq": I64, "reason": S,
+                   "ts_ns": I64},
     "metrics": {**_BASE, "role": S, "step": I64, "policy_version": I64, "metric": S, "value": F,
                 "producer": S, "ts_ns": I64},
     "eval": {**_BASE, "step": I64, "policy_version": I64, "env": S, "metric": S, "k": I64,
@@ -176,6 +181,10 @@ def _sample_stats(s: Sample) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _n_ref(s: Sample) -> int:
+    return int((arrays.f32(s.ref_weights) > 0).sum()) if s.ref_weights is not None else 0
+
+
 def _metric_rows(run: str, seq: int, e: MetricsReported) -> dict[str, list[dict[str, Any]]]:
     base = {"run": run, "seq": seq, "step": e.step, "policy_version": e.policy_version, "ts_ns": e.ts_ns}  # fmt: skip
     out: dict[str, list[dict[str, Any]]] = {
@@ -239,7 +248,8 @@ def rows_for(
             for s in event.samples:
                 sft = arrays.mask(s.sft_mask) if s.sft_mask is not None else None
                 out["samples"].append(
-                    {**group, **_sample_stats(s), "n_sft": int(sft.sum()) if sft is not None else 0}
+                    {**group, **_sample_stats(s), "n_sft": int(sft.sum()) if sft is not None else 0,
+                     "n_ref": _n_ref(s), "member": s.member}
                 )
                 out["sample_tokens"].append({
                     "run": run, "seq": seq, "algorithm": event.algorithm, "rollout_id": s.rollout_id,
@@ -257,6 +267,7 @@ def rows_for(
                 "run": run, "seq": seq, "step": event.step, "phase": event.phase, "position": i,
                 **_pick(s, "env", "group_id", "task_index"), "staleness": event.step - 1 - s.policy_min,
                 **{k: v for k, v in _sample_stats(s).items() if not k.startswith("adv_")},
+                "algorithms": list(s.algorithms),
             } for i, s in enumerate(event.samples)]  # fmt: skip
         case MetricsReported():
             out.update(_metric_rows(run, seq, event))
@@ -287,6 +298,17 @@ def rows_for(
                 **base, **_pick(event, "event_id", "role", "consumer", "subject", "stream_seq",
                                 "deliveries", "error_type", "error"),
                 "schema": event.headers.get("Rl-Schema"),
+            }]  # fmt: skip
+        case AlgorithmAttached():
+            out["algorithms"] = [{
+                **base, **_pick(event, "event_id", "algorithm", "name", "shadow", "from_seq"),
+                "kind": "attached", "options": json.dumps(event.options, sort_keys=True),
+                "envs": list(event.envs), "reason": None,
+            }]  # fmt: skip
+        case AlgorithmDetached():
+            out["algorithms"] = [{
+                **base, **_pick(event, "event_id", "algorithm", "reason"), "kind": "detached",
+                "name": None, "options": None, "envs": [], "shadow": None, "from_seq": None,
             }]  # fmt: skip
     return out
 

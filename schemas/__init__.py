@@ -30,7 +30,14 @@ from schemas.rollout import (
     TraceError,
 )
 from schemas.run import ObjectRef, RunStarted, RunStopped
-from schemas.training import BatchAssembled, Sample, SamplesScored, WeightsPublished
+from schemas.training import (
+    AlgorithmAttached,
+    AlgorithmDetached,
+    BatchAssembled,
+    Sample,
+    SamplesScored,
+    WeightsPublished,
+)
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     RunStarted,
@@ -43,6 +50,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     WeightsPublished,
     MetricsReported,
     DeadLettered,
+    AlgorithmAttached,
+    AlgorithmDetached,
 )
 
 
@@ -57,6 +66,8 @@ def schema_of(cls: type[msgspec.Struct]) -> tuple[str, int]:
 
 __all__ = [
     "EVENT_TYPES",
+    "AlgorithmAttached",
+    "AlgorithmDetached",
     "BatchAssembled",
     "BodyRef",
     "Branch",

@@ -68,6 +68,9 @@ class Message(Record, frozen=True):
     policy_version: int | None = None  # weights version that sampled it
     model: str | None = None
     finish_reason: str | None = None  # "stop" | "length" for sampled messages
+    # [start, end) of the content's tokens inside token_ids (the rest is chat-template
+    # scaffolding); recorded for env messages so SFT on tool outputs trains content only.
+    content_span: tuple[int, int] | None = None
 
     def ids(self) -> np.ndarray:
         return arrays.i32(self.token_ids)

@@ -1,11 +1,20 @@
 """Training messages: scored samples, assembled batches, published weights.
 
-A ``Sample`` is flat and aligned: ``token_ids``, ``mask`` (trainable positions),
-``logprobs`` (inference logprobs), ``temperatures``, ``advantages`` and optional
-``sft_mask`` all have one entry per token.
+A ``Sample`` is flat and aligned: every array has one entry per token. It carries up
+to three loss channels (``docs/algorithms.md``):
+
+- ``rl``: ``mask`` (the positions) and ``advantages`` (per-token A), trained by the
+  importance-weighted policy gradient against ``logprobs`` (the inference logprobs);
+- ``ce``: ``sft_mask`` (the positions) and ``ce_weights`` (per-token weight, 1 where
+  absent), trained by weighted cross-entropy;
+- ``ref_kl``: ``ref_weights`` (per-token coefficient; > 0 = in the channel) and
+  ``ref_logprobs`` (a reference model's logprob of each token), pulling the policy
+  toward the reference.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -26,10 +35,15 @@ class Sample(Record, frozen=True):
     logprobs: bytes  # float32: inference logprob of each sampled token
     temperatures: bytes  # float32
     advantages: bytes  # float32
-    sft_mask: bytes | None = None  # uint8: tokens trained by cross-entropy instead of RL
+    sft_mask: bytes | None = None  # uint8: the ce channel's positions
     reward: float = 0.0
     policy_min: int = 0
     policy_max: int = 0
+    ce_weights: bytes | None = None  # float32: ce weight per token (None = 1 on sft_mask)
+    ref_logprobs: bytes | None = None  # float32: the reference's logprob of each token
+    ref_weights: bytes | None = None  # float32: ref_kl coefficient per token (0 = not in it)
+    member: str | None = None  # multi-agent: the member whose tokens this branch trains
+    algorithms: list[str] = msgspec.field(default_factory=list)  # ids whose channels it carries
 
     def __len__(self) -> int:
         return len(self.token_ids) // 4
@@ -44,6 +58,10 @@ class Sample(Record, frozen=True):
         }
         if self.sft_mask is not None:
             out["sft_mask"] = arrays.mask(self.sft_mask)
+        for name in ("ce_weights", "ref_logprobs", "ref_weights"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = arrays.f32(value)
         return out
 
 
@@ -59,7 +77,7 @@ class SamplesScored(Event, frozen=True, tag="samples_scored/1"):
     samples: list[Sample]
     rewards: list[float] = msgspec.field(default_factory=list)  # of the non-errored rollouts
     excluded: int = 0  # errored rollouts left out of the baseline and of training
-    zero_advantage: bool = False  # every advantage is zero: no learning signal
+    zero_advantage: bool = False  # no channel has a non-zero weight: no learning signal
 
 
 class BatchAssembled(Event, frozen=True, tag="batch_assembled/1"):
@@ -81,3 +99,26 @@ class WeightsPublished(Event, frozen=True, tag="weights_published/1"):
     weights: ObjectRef
     format: str = "safetensors"
     batch_id: str | None = None  # the BatchAssembled event it was trained on
+
+
+class AlgorithmAttached(Event, frozen=True, tag="algorithm_attached/1"):
+    """A worker joined a live run (``rlbus algorithm attach``).
+
+    Unless ``shadow``, it is a routing change: groups of ``envs`` (empty = every env)
+    dispatched after this event wait for its samples and train on them. A shadow
+    worker's samples go to the log and the lake only.
+    """
+
+    algorithm: str  # the worker's id (the samples.scored.<id> key)
+    name: str  # registered algorithm name or import path
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    envs: list[str] = msgspec.field(default_factory=list)  # env keys; empty = every env
+    shadow: bool = False
+    from_seq: int = 1  # the first stream sequence whose traces it scores
+
+
+class AlgorithmDetached(Event, frozen=True, tag="algorithm_detached/1"):
+    """The worker's samples stop training (``rlbus algorithm detach``); it stops too."""
+
+    algorithm: str
+    reason: str = "user"

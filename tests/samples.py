@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from schemas import (
+    AlgorithmAttached,
+    AlgorithmDetached,
     BatchAssembled,
     Branch,
     DeadLettered,
@@ -93,4 +95,9 @@ def every_event(run: str = "golden") -> list[Event]:
             event_id="e-dead", role="trainer", consumer="trainer", subject=f"rl.{run}.batch.assembled",
             stream_seq=5, deliveries=5, error_type="ValueError", error="boom", payload=b"\x00\x01", headers={"Rl-Schema": "batch_assembled/1"}, **base,
         ),
+        AlgorithmAttached(
+            event_id="e-attached", algorithm="maxrl2", name="max_rl", options={"eps": 0.5},
+            envs=["reverse-text"], shadow=True, from_seq=42, **base,
+        ),
+        AlgorithmDetached(event_id="e-detached", algorithm="maxrl2", reason="user", **base),
     ]  # fmt: skip
