@@ -248,8 +248,13 @@ def rows_for(
             for s in event.samples:
                 sft = arrays.mask(s.sft_mask) if s.sft_mask is not None else None
                 out["samples"].append(
-                    {**group, **_sample_stats(s), "n_sft": int(sft.sum()) if sft is not None else 0,
-                     "n_ref": _n_ref(s), "member": s.member}
+                    {
+                        **group,
+                        **_sample_stats(s),
+                        "n_sft": int(sft.sum()) if sft is not None else 0,
+                        "n_ref": _n_ref(s),
+                        "member": s.member,
+                    }
                 )
                 out["sample_tokens"].append({
                     "run": run, "seq": seq, "algorithm": event.algorithm, "rollout_id": s.rollout_id,
