@@ -1,19 +1,29 @@
-"""The algorithm interface: a pure function from one complete group to advantages.
+"""The algorithm interface: a pure function from one complete group to loss-channel targets.
 
 An algorithm sees the non-errored traces of one group (sorted by ``sample_index``, so
-the arrival order never matters) and returns one scalar advantage per trace, which the
-sample builder broadcasts over that trace's trainable tokens. It must not read the
-clock, the global RNG or anything outside its arguments: replaying an algorithm over a
-run's recorded traces must reproduce its recorded advantages exactly.
+arrival order inside a group never matters) and returns, for every trainable branch of
+every trace, a ``Targets``: per-token weights on the trainer's loss channels.
 
-A stateful algorithm (e.g. a running baseline across groups) keeps ``state`` as a
-fold over its own output log: ``fold(state, scored)`` is applied to every
-``SamplesScored`` it published, in log order, starting from ``initial_state()``. A
-restarted worker rebuilds the state by folding over ``samples.scored.<name>``, so the
-state is never anything the log cannot reproduce.
+- ``rl``: per-token advantages on the branch's trainable (sampled) tokens, trained by
+  the importance-weighted policy gradient with the trust-region mask;
+- ``ce``: per-token cross-entropy weights (e.g. tool-output tokens, or the sampled
+  tokens of a frozen teacher);
+- ``ref_kl``: per-token coefficients and a reference model's logprobs, pulling the
+  policy toward the reference.
 
-Room to grow, not built yet: ``advantages`` may later return per-token arrays instead
-of scalars, and ``channel`` may gain more loss channels (e.g. ``ref_kl``).
+The trainer knows channels, never algorithm names (``roles/trainer/loss.py``).
+
+Most algorithms only need one scalar per trace: write ``advantages`` and the default
+``targets`` broadcasts it over each branch's trainable tokens (``channel = "ce"`` puts
+it on the ce channel instead). Algorithms that need a model's opinion of a branch
+(distillation) return a ``ScoreSpec`` from ``score_spec``; the worker asks the
+inference role for those logprobs and hands them to ``targets`` as ``refs``. The
+logprobs are recorded in the samples, so everything downstream replays from the log.
+
+An algorithm must not read the clock, the global RNG or anything outside its
+arguments. A stateful algorithm keeps ``state`` as a fold over its own output:
+``fold(state, scored)`` is applied to every ``SamplesScored`` it published, in log
+order, from ``initial_state()``; a restarted worker rebuilds it from the log.
 
     class MyAlgo(Algorithm):
         name = "my_algo"
@@ -23,21 +33,78 @@ of scalars, and ``channel`` may gain more loss channels (e.g. ``ref_kl``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from schemas import SamplesScored, Trace
+import numpy as np
 
-# Loss channels a sample can feed: "rl" = policy gradient weighted by the advantage,
-# "ce" = cross-entropy on the actor's sampled tokens (``Sample.sft_mask``).
-CHANNELS = ("rl", "ce")
+from schemas import Branch, SamplesScored, Trace
+
+# The trainer's loss channels (docs/algorithms.md).
+CHANNELS = ("rl", "ce", "ref_kl")
+
+
+@dataclass(frozen=True)
+class BranchView:
+    """One trainable branch of a trace, as flat per-token arrays."""
+
+    trace: Trace
+    index: int  # position in trace.branches
+    branch: Branch
+    token_ids: np.ndarray  # int32
+    trainable: np.ndarray  # bool: the actor's sampled tokens this branch trains
+    logprobs: np.ndarray  # float32: inference logprobs (0 where not sampled)
+    temperatures: np.ndarray  # float32
+    reward: float  # the branch's reward (its member's, in multi-agent traces)
+
+    @property
+    def member(self) -> str | None:
+        return self.branch.member
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Targets:
+    """Channel weights of one branch; ``None`` = the channel is not used.
+
+    ``advantages`` and ``ref_weights`` may be scalars: they are broadcast over the
+    branch's trainable tokens. Arrays have one entry per token of the branch.
+    """
+
+    advantages: float | np.ndarray | None = None  # rl
+    ce: np.ndarray | None = None  # ce weight per token (0 = not trained)
+    ref_weights: float | np.ndarray | None = None  # ref_kl coefficient
+    ref_logprobs: np.ndarray | None = None  # ref_kl target, per token
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """Which model scores a branch, and whether the env's demonstration is prepended.
+
+    ``model`` is an inference model key ("policy" or a key of ``orchestrator.models``).
+    With ``hint``, the env's ``demonstration(task)`` messages are rendered before the
+    branch and their logprobs sliced off (self-distillation).
+    """
+
+    model: str
+    hint: bool = False
+
+
+# Refs handed to ``targets``: (rollout id, branch index) -> per-token logprobs.
+Refs = dict[tuple[str, int], np.ndarray]
 
 
 class Algorithm:
-    """Base class of every algorithm; subclasses set ``name`` and write ``advantages``."""
+    """Base class of every algorithm; subclasses set ``name`` and write ``advantages``
+    (one scalar per trace) or ``targets`` (per-token channel weights)."""
 
     name: ClassVar[str] = ""
     stateful: ClassVar[bool] = False
-    channel: ClassVar[str] = "rl"
+    channel: ClassVar[str] = "rl"  # where the default ``targets`` puts ``advantages``
+    channels: ClassVar[tuple[str, ...]] = ("rl",)  # every channel it may emit
+    needs_members: ClassVar[bool] = False  # only for envs whose traces name members
 
     def __init__(self, **options: Any) -> None:
         # Subclasses with options declare them as keyword arguments; reaching here with
@@ -47,7 +114,24 @@ class Algorithm:
 
     def advantages(self, group: list[Trace], state: Any) -> list[float]:
         """One advantage per trace of ``group`` (the group's non-errored traces), in order."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} defines neither advantages nor targets")
+
+    def targets(
+        self, group: list[Trace], views: list[list[BranchView]], state: Any, refs: Refs
+    ) -> list[list[Targets]]:
+        """``Targets`` for each branch (``views[i][j]`` = branch j of trace i)."""
+        adv = self.advantages(group, state)
+        if len(adv) != len(group):
+            raise ValueError(
+                f"algorithm {self.name!r} returned {len(adv)} advantages for {len(group)} traces"
+            )
+        if self.channel == "ce":
+            return [[Targets(ce=v.trainable * float(a)) for v in vs] for a, vs in zip(adv, views)]
+        return [[Targets(advantages=float(a)) for _ in vs] for a, vs in zip(adv, views)]
+
+    def score_spec(self, trace: Trace) -> ScoreSpec | None:
+        """The model whose logprobs ``targets`` needs for ``trace``'s branches (None: none)."""
+        return None
 
     def initial_state(self) -> Any:
         """The state before any group was scored (stateful algorithms only)."""

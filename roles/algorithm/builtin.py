@@ -1,7 +1,8 @@
-"""The built-in algorithms: group baselines for RL, and the SFT pass-through.
+"""The built-in algorithms with a scalar per trace: group baselines for RL, and SFT.
 
-All four fit in a few lines each, so they share this file; your own algorithm is a
-class in your own module (see ``examples/my_algo.py``), loaded by import path.
+Each fits in a few lines, so they share this file (the per-token and distillation
+algorithms live in ``roles/algorithm/channels.py``); your own algorithm is a class in
+your own module (see ``examples/my_algo.py``), loaded by import path.
 
 Means and standard deviations use ``math.fsum`` (exactly rounded): a plain running
 sum depends on the order of its terms in the last bits, and advantages must not depend
@@ -85,10 +86,12 @@ class RLOO(Algorithm):
 
 
 class SFT(Algorithm):
-    """No baseline: cross-entropy on the actor's sampled tokens (warm start, phase "sft")."""
+    """No baseline: cross-entropy on the actor's sampled tokens (the actor may be a frozen
+    teacher, as in the warm start), weight 1."""
 
     name = "sft"
     channel = "ce"
+    channels = ("ce",)
 
     def advantages(self, group: list[Trace], state: Any) -> list[float]:
         return [1.0] * len(group)

@@ -14,9 +14,12 @@ from typing import Any
 
 from roles.algorithm.base import CHANNELS, Algorithm
 from roles.algorithm.builtin import GRPO, RLOO, SFT, MaxRL
+from roles.algorithm.channels import OPD, OPSD, RAE, Echo
 from roles.plugins import load_named
 
-BUILTINS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, MaxRL, RLOO, SFT)}
+BUILTINS: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (GRPO, MaxRL, RLOO, SFT, Echo, OPD, OPSD, RAE)
+}
 
 
 class UnknownAlgorithm(ValueError):
@@ -40,8 +43,7 @@ def create(name: str, options: Mapping[str, Any] | None = None) -> Algorithm:
         algorithm = cls(**dict(options or {}))
     except TypeError as e:
         raise ValueError(f"bad options {dict(options or {})} for algorithm {name!r}: {e}") from e
-    if algorithm.channel not in CHANNELS:
-        raise ValueError(
-            f"algorithm {name!r} has channel {algorithm.channel!r}; expected one of {CHANNELS}"
-        )
+    unknown = [c for c in (algorithm.channel, *algorithm.channels) if c not in CHANNELS]
+    if unknown:
+        raise ValueError(f"algorithm {name!r} uses channels {unknown}; expected some of {CHANNELS}")
     return algorithm

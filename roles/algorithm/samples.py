@@ -6,13 +6,18 @@
             scored = score_group("grpo", create("grpo"), group, state=None)
             buffer.mark_scored(scored.group_id)
 
-- ``trace_samples``: one flat ``Sample`` per branch of a trace. ``mask`` = the actor's
-  sampled tokens, except that a message shared by several branches (a common prefix,
-  a multi-agent turn) is trained once, in the first branch containing it; the
-  trace's advantage sits on masked tokens, 0 elsewhere.
+- ``branch_views``: each branch of a trace as flat arrays. ``trainable`` = the actor's
+  sampled tokens, except that a message shared by several branches (a common prefix)
+  is trained once, in the first branch containing it; in a multi-agent trace a branch
+  with a ``member`` trains only that member's messages.
+- ``env_token_masks``: the content tokens of environment messages (tool outputs,
+  optionally user feedback) after the first sampled response, per branch: what
+  ``echo`` and the per-env ``sft.on_tool_outputs`` train by cross-entropy. Only the
+  recorded ``Message.content_span`` counts, never the chat-template scaffolding.
 - ``score_group``: errored traces are left out of the baseline and of training and
   only counted (``excluded``); the group is sorted by ``sample_index`` first so the
-  result never depends on arrival order.
+  result never depends on arrival order. The algorithm's ``Targets`` become one flat
+  ``Sample`` per branch, carrying its channels (``schemas/training.py``).
 - ``GroupBuffer``: the pending-group fold (dedup by rollout id, skip scored groups).
 
 Nothing here reads the clock, the RNG or the network: replay calls the same functions.
@@ -20,14 +25,23 @@ Nothing here reads the clock, the RNG or the network: replay calls the same func
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from roles.algorithm.base import Algorithm
-from schemas import Sample, SamplesScored, Trace, TraceCompleted, arrays, derive_id
+from roles.algorithm.base import Algorithm, BranchView, Refs, Targets
+from schemas import Branch, Sample, SamplesScored, Trace, TraceCompleted, arrays, derive_id
+
+
+def branch_reward(trace: Trace, branch: Branch) -> float:
+    """A branch's own reward, else its member's, else the trace's."""
+    if branch.reward is not None:
+        return float(branch.reward)
+    if branch.member is not None and branch.member in trace.member_rewards:
+        return float(trace.member_rewards[branch.member])
+    return float(trace.reward)
 
 
 def branch_masks(trace: Trace) -> list[np.ndarray]:
@@ -38,48 +52,136 @@ def branch_masks(trace: Trace) -> list[np.ndarray]:
     for branch in trace.branches:
         parts = []
         for mid in branch.messages:
-            sampled = arrays.mask(by_id[mid].sampled)
-            parts.append(np.zeros_like(sampled) if mid in seen else sampled)
-            seen.add(mid)
+            m = by_id[mid]
+            sampled = arrays.mask(m.sampled)
+            mine = branch.member is None or m.member == branch.member
+            parts.append(sampled if mine and mid not in seen else np.zeros_like(sampled))
+            if mine:
+                seen.add(mid)
         masks.append(np.concatenate(parts) if parts else np.zeros(0, bool))
     return masks
 
 
-def trace_samples(trace: Trace, advantage: float, channel: str = "rl") -> list[Sample]:
-    """One ``Sample`` per branch of ``trace``, with ``advantage`` on its trainable tokens.
-
-    ``channel="ce"`` also sets ``sft_mask`` = ``mask`` (train those tokens by
-    cross-entropy, as the ``sft`` algorithm asks).
-    """
-    out = []
+def branch_views(trace: Trace) -> list[BranchView]:
+    """Every branch of ``trace`` as aligned flat arrays (lengths checked)."""
+    views = []
     for index, (branch, mask) in enumerate(zip(trace.branches, branch_masks(trace), strict=True)):
-        ids, sampled, logprobs, temps = trace.branch_tokens(branch)
-        if not (len(ids) == len(sampled) == len(logprobs) == len(temps) == len(mask)):
+        ids, _sampled, logprobs, temps = trace.branch_tokens(branch)
+        if not (len(ids) == len(logprobs) == len(temps) == len(mask)):
             raise ValueError(
                 f"trace {trace.rollout_id} branch {index}: per-token arrays disagree in length "
-                f"(ids {len(ids)}, sampled {len(sampled)}, logprobs {len(logprobs)})"
+                f"(ids {len(ids)}, logprobs {len(logprobs)}, mask {len(mask)})"
             )
-        adv = np.where(mask, np.float32(advantage), np.float32(0.0)).astype(arrays.F32)
-        packed_mask = arrays.pack_mask(mask)
-        out.append(
-            Sample(
-                rollout_id=trace.rollout_id,
-                branch=index,
-                env=trace.env,
-                task_index=trace.task.index,
-                group_id=trace.group_id,
-                token_ids=arrays.pack_i32(ids),
-                mask=packed_mask,
-                logprobs=arrays.pack_f32(logprobs),
-                temperatures=arrays.pack_f32(temps),
-                advantages=adv.tobytes(),
-                sft_mask=packed_mask if channel == "ce" else None,
-                reward=float(trace.reward if branch.reward is None else branch.reward),
-                policy_min=trace.policy_min,
-                policy_max=trace.policy_max,
+        views.append(
+            BranchView(
+                trace, index, branch, ids, mask, logprobs, temps, branch_reward(trace, branch)
             )
         )
+    return views
+
+
+def env_token_masks(
+    trace: Trace, roles: Collection[str] = ("tool",), names: Collection[str] | None = None
+) -> list[np.ndarray]:
+    """Per branch: content tokens of env messages with a role in ``roles`` (and, when
+    ``names`` is given, a name in it) that come after the branch's first sampled
+    response. A message shared by branches is marked in the first one only."""
+    by_id = {m.id: m for m in trace.messages}
+    seen: set[int] = set()
+    masks = []
+    for branch in trace.branches:
+        parts = []
+        responded = False
+        for mid in branch.messages:
+            m = by_id[mid]
+            part = np.zeros(len(m.token_ids) // 4, bool)
+            wanted = m.role in roles and (names is None or m.name in names)
+            if responded and wanted and m.content_span is not None and mid not in seen:
+                start, end = m.content_span
+                part[start:end] = True
+                seen.add(mid)
+            responded = responded or (m.role == "assistant" and bool(arrays.mask(m.sampled).any()))
+            parts.append(part)
+        masks.append(np.concatenate(parts) if parts else np.zeros(0, bool))
+    return masks
+
+
+@dataclass(frozen=True)
+class ToolSft:
+    """The per-env ``[orchestrator.train.env.sft]`` rule, applied by every worker."""
+
+    alpha: float
+    tool_names: tuple[str, ...] | None = None
+
+
+def _per_token(value: float | np.ndarray, view: BranchView, what: str) -> np.ndarray:
+    """A scalar broadcast over the trainable tokens, or a per-token array checked."""
+    if np.isscalar(value):
+        return np.where(view.trainable, np.float32(value), np.float32(0.0)).astype(arrays.F32)
+    out = np.asarray(value, dtype=arrays.F32)
+    if out.shape != (len(view),):
+        raise ValueError(f"{what} has shape {out.shape}; branch has {len(view)} tokens")
     return out
+
+
+def build_sample(view: BranchView, t: Targets, algorithm_id: str) -> Sample:
+    """The flat ``Sample`` of one branch carrying the channels of ``t``."""
+    trace = view.trace
+    n = len(view)
+    if t.advantages is not None:
+        rl_mask = view.trainable  # rl trains the actor's own tokens only (it needs their logprobs)
+        adv = np.where(rl_mask, _per_token(t.advantages, view, "advantages"), 0).astype(arrays.F32)
+    else:
+        rl_mask, adv = np.zeros(n, bool), np.zeros(n, arrays.F32)
+    ce = None if t.ce is None else _per_token(t.ce, view, "ce weights")
+    ref_w = ref_lp = None
+    if t.ref_weights is not None:
+        if t.ref_logprobs is None:
+            raise ValueError(f"algorithm {algorithm_id!r}: ref_weights without ref_logprobs")
+        ref_w = _per_token(t.ref_weights, view, "ref_weights")
+        ref_lp = _per_token(t.ref_logprobs, view, "ref_logprobs")
+    values = [adv, ce, ref_w]
+    for v in values:
+        if v is not None and not np.all(np.isfinite(v)):
+            raise ValueError(f"algorithm {algorithm_id!r} returned a non-finite weight")
+    return Sample(
+        rollout_id=trace.rollout_id,
+        branch=view.index,
+        env=trace.env,
+        task_index=trace.task.index,
+        group_id=trace.group_id,
+        token_ids=arrays.pack_i32(view.token_ids),
+        mask=arrays.pack_mask(rl_mask),
+        logprobs=arrays.pack_f32(view.logprobs),
+        temperatures=arrays.pack_f32(view.temperatures),
+        advantages=adv.tobytes(),
+        sft_mask=None if ce is None else arrays.pack_mask(ce != 0),
+        ce_weights=None if ce is None else ce.tobytes(),
+        ref_weights=None if ref_w is None else ref_w.tobytes(),
+        ref_logprobs=None if ref_lp is None else ref_lp.tobytes(),
+        reward=view.reward,
+        policy_min=trace.policy_min,
+        policy_max=trace.policy_max,
+        member=view.member,
+        algorithms=[algorithm_id],
+    )
+
+
+def has_signal(sample: Sample) -> bool:
+    """True when some channel of ``sample`` has a non-zero weight."""
+    return any(
+        b is not None and bool(np.any(arrays.f32(b) != 0))
+        for b in (sample.advantages, sample.ce_weights, sample.ref_weights)
+    )
+
+
+def trace_samples(trace: Trace, advantage: float, channel: str = "rl") -> list[Sample]:
+    """One ``Sample`` per branch of ``trace`` with ``advantage`` on its trainable tokens
+    (``channel="ce"``: as cross-entropy weight instead)."""
+    views = branch_views(trace)
+    if channel == "ce":
+        return [build_sample(v, Targets(ce=v.trainable * advantage), "") for v in views]
+    return [build_sample(v, Targets(advantages=advantage), "") for v in views]
 
 
 def group_order(event: TraceCompleted) -> tuple[int, str]:
@@ -87,31 +189,41 @@ def group_order(event: TraceCompleted) -> tuple[int, str]:
 
 
 def score_group(
-    algorithm_id: str, algorithm: Algorithm, group: Sequence[TraceCompleted], state: Any = None
+    algorithm_id: str,
+    algorithm: Algorithm,
+    group: Sequence[TraceCompleted],
+    state: Any = None,
+    refs: Refs | None = None,
+    tool_sft: ToolSft | None = None,
 ) -> SamplesScored:
-    """The one ``SamplesScored`` of a complete group (event id derived from the group)."""
+    """The one ``SamplesScored`` of a complete group (event id derived from the group).
+
+    ``refs`` are the logprobs the algorithm's ``score_spec`` asked for; ``tool_sft``
+    adds the env's tool-output cross-entropy (the larger weight wins per token).
+    """
     if not group:
         raise ValueError("score_group needs at least one trace")
     events = sorted(group, key=group_order)
     first = events[0]
     ok = [e.trace for e in events if e.trace.ok]
-    advantages = [float(a) for a in algorithm.advantages(ok, state)] if ok else []
-    if len(advantages) != len(ok):
+    views = [branch_views(t) for t in ok]
+    targets = algorithm.targets(ok, views, state, refs or {}) if ok else []
+    if len(targets) != len(ok) or any(len(t) != len(v) for t, v in zip(targets, views)):
         raise ValueError(
-            f"algorithm {algorithm_id!r} returned {len(advantages)} advantages "
-            f"for {len(ok)} traces of group {first.trace.group_id}"
+            f"algorithm {algorithm_id!r} returned targets for {len(targets)} traces "
+            f"for {len(ok)} traces of group {first.trace.group_id} (one per branch each)"
         )
-    if not all(math.isfinite(a) for a in advantages):
-        raise ValueError(
-            f"algorithm {algorithm_id!r} returned a non-finite advantage for group "
-            f"{first.trace.group_id}: {advantages}"
+    samples = []
+    for trace, trace_views, trace_targets in zip(ok, views, targets, strict=True):
+        tool = (
+            env_token_masks(trace, ("tool",), tool_sft.tool_names) if tool_sft is not None else None
         )
-    samples = [
-        s
-        for t, a in zip(ok, advantages, strict=True)
-        for s in trace_samples(t, a, algorithm.channel)
-    ]
-    signal = any(np.any(arrays.f32(s.advantages) != 0) for s in samples)
+        for view, t in zip(trace_views, trace_targets, strict=True):
+            if tool is not None and tool[view.index].any():
+                extra = tool[view.index] * np.float32(tool_sft.alpha)  # type: ignore[union-attr]
+                ce = extra if t.ce is None else np.maximum(_per_token(t.ce, view, "ce"), extra)
+                t = Targets(t.advantages, ce, t.ref_weights, t.ref_logprobs)
+            samples.append(build_sample(view, t, algorithm_id))
     return SamplesScored(
         run=first.run,
         event_id=derive_id("scored", algorithm_id, first.trace.group_id),
@@ -125,7 +237,7 @@ def score_group(
         samples=samples,
         rewards=[float(t.reward) for t in ok],
         excluded=len(events) - len(ok),
-        zero_advantage=not signal,
+        zero_advantage=not any(has_signal(s) for s in samples),
     )
 
 

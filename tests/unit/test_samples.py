@@ -85,11 +85,14 @@ def test_shared_prefix_is_trained_once_across_branches() -> None:
 
 
 def test_ce_channel_marks_sampled_tokens_for_cross_entropy() -> None:
-    """The sft algorithm's samples carry sft_mask == mask and advantage 1.0 on them."""
-    scored = score_group("sft", create("sft"), [completed(single(), group_size=1)])
+    """The sft algorithm's samples are ce-only: sft_mask = the sampled tokens, weight 1, no rl."""
+    t = single()
+    scored = score_group("sft", create("sft"), [completed(t, group_size=1)])
     (s,) = scored.samples
-    assert s.sft_mask == s.mask
-    assert f32(s.advantages).tolist() == [0, 0, 0, 0, 1.0, 1.0, 1.0]
+    assert np.array_equal(mask(s.sft_mask), t.branch_tokens(t.branches[0])[1])
+    assert f32(s.ce_weights).tolist() == [0, 0, 0, 0, 1.0, 1.0, 1.0]
+    assert not mask(s.mask).any() and not f32(s.advantages).any()
+    assert s.ref_weights is None and s.algorithms == ["sft"]
     assert not scored.zero_advantage
 
 
