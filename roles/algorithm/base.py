@@ -126,8 +126,13 @@ class Algorithm:
                 f"algorithm {self.name!r} returned {len(adv)} advantages for {len(group)} traces"
             )
         if self.channel == "ce":
-            return [[Targets(ce=v.trainable * float(a)) for v in vs] for a, vs in zip(adv, views)]
-        return [[Targets(advantages=float(a)) for _ in vs] for a, vs in zip(adv, views)]
+            return [
+                [Targets(ce=v.trainable * float(a)) for v in vs]
+                for a, vs in zip(adv, views, strict=True)
+            ]
+        return [
+            [Targets(advantages=float(a)) for _ in vs] for a, vs in zip(adv, views, strict=True)
+        ]
 
     def score_spec(self, trace: Trace) -> ScoreSpec | None:
         """The model whose logprobs ``targets`` needs for ``trace``'s branches (None: none)."""

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from configs.orchestrator import POLICY
 from roles.algorithm.base import Algorithm, BranchView, Refs, ScoreSpec, Targets
 from roles.algorithm.builtin import GRPO
 from roles.algorithm.samples import env_token_masks
-from configs.orchestrator import POLICY
 from schemas import SamplesScored, Trace
 
 

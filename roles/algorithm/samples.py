@@ -208,7 +208,9 @@ def score_group(
     ok = [e.trace for e in events if e.trace.ok]
     views = [branch_views(t) for t in ok]
     targets = algorithm.targets(ok, views, state, refs or {}) if ok else []
-    if len(targets) != len(ok) or any(len(t) != len(v) for t, v in zip(targets, views)):
+    if len(targets) != len(ok) or any(
+        len(t) != len(v) for t, v in zip(targets, views, strict=False)
+    ):
         raise ValueError(
             f"algorithm {algorithm_id!r} returned targets for {len(targets)} traces "
             f"for {len(ok)} traces of group {first.trace.group_id} (one per branch each)"

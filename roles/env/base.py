@@ -12,12 +12,17 @@ without a model or a bus:
   user message), the env's feedback after each assistant turn
   (``env_response(messages, task, state) -> (new_messages, done)``), ``max_turns``, and
   ``reference_answer(messages, task)``: what a perfect policy would reply next (a
-  scripted teacher uses it).
+  scripted teacher uses it), and ``demonstration(task)``: a worked example as chat
+  messages, the hint opsd-style self-distillation prepends for its teacher pass.
 - ``Rubric``: named reward functions with weights. ``score`` gives ``rewards`` (each
   function), ``reward`` (the weighted sum divided by the sum of weights) and ``metrics``
   (the functions with weight 0, as in verifiers, plus extra metric functions).
 
-Messages are OpenAI-style dicts ``{"role": ..., "content": ...}``. The token-level
+An ``Environment`` also declares its ``members`` (multi-agent envs name the agents
+whose messages carry ``Message.member``; single-agent envs leave it empty).
+
+Messages are OpenAI-style dicts ``{"role": ..., "content": ...}`` (tool results add a
+``"name"``). The token-level
 rollout loop lives in ``roles.env.harness``; an env never sees tokens.
 
     env = make_env("reverse-text", {})            # roles.env.registry
@@ -176,6 +181,26 @@ class Harness:
         """
         raise NotImplementedError(f"{type(self).__name__} has no solver from messages")
 
+    def demonstration(self, task: dict[str, Any]) -> Messages | None:
+        """A worked example of ``task`` as chat messages, or None if the env has none.
+
+        opsd-style self-distillation prepends these messages to the conversation as a
+        hint, so the same model scores the student's tokens knowing how to solve the
+        task. The default is one user message ``"Example: <opening user content> ->
+        <reference answer>"`` built from ``initial_messages`` and ``reference_answer``;
+        None when the harness has no ``reference_answer``. Multi-turn envs whose first
+        reference answer is not the solution should override it.
+        """
+        opening = self.initial_messages(task)
+        users = [m for m in opening if m.get("role") == "user"]
+        if not users:
+            return None
+        try:
+            answer = self.reference_answer(opening, task)
+        except NotImplementedError:
+            return None
+        return [{"role": "user", "content": f"Example: {users[-1]['content']} -> {answer}"}]
+
 
 # -- rubric -----------------------------------------------------------------------------
 
@@ -241,12 +266,16 @@ class Environment:
         harness: Harness,
         rubric: Rubric,
         args: dict[str, Any] | None = None,
+        *,
+        members: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.taskset = taskset
         self.harness = harness
         self.rubric = rubric
         self.args = dict(args or {})
+        # Multi-agent envs name their members (the values of Message.member); () = one agent.
+        self.members = tuple(members)
 
     def __repr__(self) -> str:
         return f"Environment({self.name!r}, args={self.args})"
@@ -283,6 +312,9 @@ class Environment:
 
     def solve(self, messages: Messages) -> str:
         return self.harness.solve(messages)
+
+    def demonstration(self, task: dict[str, Any]) -> Messages | None:
+        return self.harness.demonstration(task)
 
     # rubric
     def score(self, messages: Messages, task: dict[str, Any], state: State) -> Score:

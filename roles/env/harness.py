@@ -14,6 +14,15 @@ exactly one message of the trace:
 - messages after the last generation (an env's closing remark) get no tokens: the model
   never saw them.
 
+Env-provided messages with tokens (the opening messages, and user/tool feedback in the
+loop) also record ``content_span`` = [start, end) of their content's tokens inside
+``token_ids`` (``Renderer.split_scaffold``): for the char tokenizer's
+``<|tool|>calc:46<|end|>`` that is just ``46``, not the role, name, colon or ``<|end|>``.
+It stays None where it cannot be known exactly: an opening message that also carries
+tokens the template added (a bos, a default system prompt), a template that does not
+place content verbatim, assistant messages (their ``sampled`` mask says what is theirs)
+and closing remarks (no tokens).
+
 So for every branch, concatenating its messages' ``token_ids`` is the full sequence the
 model saw last (final prompt + final completion), and ``token_ids``/``sampled``/
 ``logprobs`` have equal lengths per message.
@@ -126,7 +135,31 @@ class _Builder:
         return out
 
 
-_MESSAGE_FIELDS = {"name", "temperature", "policy_version", "model", "finish_reason"}
+_MESSAGE_FIELDS = {
+    "name",
+    "temperature",
+    "policy_version",
+    "model",
+    "finish_reason",
+    "content_span",
+}
+
+
+def scaffolded(renderer: Any, message: dict[str, Any]) -> tuple[list[int], tuple[int, int] | None]:
+    """(``message_tokens(message)``, [start, end) of its content tokens, or None).
+
+    The tokens are always exactly ``message_tokens`` (what ``continue_prompt`` puts in
+    the next prompt); the span is None when the chat template does not write the content
+    verbatim (it trims or escapes it) or the split disagrees with ``message_tokens``.
+    """
+    tokens = list(renderer.message_tokens(message))
+    try:
+        prefix, content, suffix = renderer.split_scaffold(message)
+    except ValueError:
+        return tokens, None
+    if [*prefix, *content, *suffix] != tokens:
+        return tokens, None
+    return tokens, (len(prefix), len(prefix) + len(content))
 
 
 def split_initial_prompt(
@@ -204,7 +237,16 @@ async def run_rollout(
         prompt = list(renderer.render_prompt(chat))
         pieces, gen_prefix = split_initial_prompt(renderer, chat, prompt)
         for m, toks in zip(chat, pieces, strict=True):
-            b.add(m["role"], str(m.get("content", "")), toks, name=m.get("name"))
+            rendered, span = scaffolded(renderer, m)
+            # A piece that also holds template extras (split_initial_prompt's fallback)
+            # has no exact span: its offsets would be off by the extras.
+            b.add(
+                m["role"],
+                str(m.get("content", "")),
+                toks,
+                name=m.get("name"),
+                content_span=span if toks == rendered else None,
+            )
         while True:
             request_id = derive_id(rollout_id, "turn", num_turns)
             t = clock()
@@ -262,11 +304,13 @@ async def run_rollout(
             closed = renderer.close_completion(completion)
             b.append_unsampled(last, closed[len(completion) :])
             for m in new:
+                toks, span = scaffolded(renderer, m)
                 b.add(
                     m["role"],
                     str(m.get("content", "")),
-                    renderer.message_tokens(m),
+                    toks,
                     name=m.get("name"),
+                    content_span=span,
                 )
             chat.extend(new)
             prompt = list(renderer.continue_prompt(prompt, completion, new))

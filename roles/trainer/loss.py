@@ -1,46 +1,89 @@
-"""The trainer's loss: importance-weighted policy gradient with a trust-region mask, plus SFT.
+"""The trainer's loss: a sum of three loss channels, each normalised by its own count.
 
 Pure torch functions over one micro-batch, unit-tested against finite differences
 (``tests/unit/test_loss.py``). Tensors are ``[B, T]`` and already *aligned*: position
 ``t`` holds the target token and the logits that predict it (the caller drops the
 first token of each sample and the last logit row, ``core.TrainerCore`` does).
 
-Which positions train, and how (``phase`` is the batch's phase):
+Channels and their positions (``positions(mb, phase)``; ``phase`` is the batch's):
 
-- **RL positions** (phase ``"rl"``, ``mask`` = 1 and ``sft_mask`` = 0). With
-  ``lp = log softmax(logits / T)[target]`` (T = the token's sampling temperature; 0,
-  greedy, counts as 1) and ``r = exp(lp - lp_inf)`` (``lp_inf`` = the inference
-  policy's logprob), a token is *kept* when ``1 - trust_region_low <= r <= 1 +
-  trust_region_high`` (r measured without gradient) and contributes
+- phase ``"sft"`` (warm-start batches): only **ce**, on ``mask | sft_mask``, weight 1.
+  No rl, no ref_kl. (Exactly the pre-channel behaviour: recorded runs replay bit for bit.)
+- phase ``"rl"``:
+
+  - **rl** on ``mask & ~sft_mask``, weighted by the advantage ``A_t``. A token marked
+    for cross-entropy is never also policy-gradient-trained ("ce wins").
+  - **ce** on ``sft_mask``, weighted by ``ce_weights`` (1 where the sample has none).
+  - **ref** (ref_kl) on ``ref_weights > 0``, with coefficient ``beta_t = ref_weights``.
+
+A position may sit in ce and ref, or in rl and ref, at once; each channel's term counts.
+
+Per-token losses. ``lp1`` = log softmax(logits)[target] (temperature 1), ``lpT`` = the
+same at the token's sampling temperature T (0, greedy, counts as 1), ``lp_inf`` = the
+inference policy's logprob of the token:
+
+- **rl**: with ``r = exp(lpT - lp_inf)``, a token is *kept* when ``1 - trust_region_low
+  <= r <= 1 + trust_region_high`` (r measured without gradient) and contributes
 
       loss_t = -(r * A_t) + kl_coef * (r - 1 - log r)
 
-  (d/dθ of ``r * A`` is ``r * A * ∇lp``: the importance-weighted policy gradient; the
+  (d/dθ of ``r * A`` is ``r * A * ∇lpT``: the importance-weighted policy gradient; the
   second term is the k3 estimator of KL(π_inf ‖ π_θ)). Masked tokens contribute 0 and
-  get exactly zero gradient, but stay in the normaliser.
-- **SFT positions** (phase ``"sft"``: every ``mask`` or ``sft_mask`` token; any phase:
-  ``sft_mask`` tokens). ``loss_t = -w_t * lp`` at temperature 1 (plain likelihood of
-  the data, whatever it was sampled at), with ``w_t = 1`` in phase ``"sft"`` and
-  ``w_t = A_t`` in phase ``"rl"`` (the algorithm puts its SFT weight alpha in the
-  advantage). No ratio, no trust region, no KL.
+  get exactly zero gradient, but stay in the channel's normaliser.
+- **ce**: ``loss_t = -w_t * lp1`` (plain likelihood of the data, whatever it was sampled
+  at: a teacher's or a tool's tokens). No ratio, no trust region, no KL.
+- **ref** (ref_kl): with ``ref_t`` the reference model's logprob of the token (scored at
+  temperature 1),
 
-The per-token losses are summed with weights ``1 / N`` (``normalize = "tokens"``: N =
-loss positions in the WHOLE batch) or ``1 / (n_seq * S)`` (``"sequences"``: each
-sequence's mean, averaged over the S sequences with a loss position in the whole
-batch), so summing the micro-batch losses gives exactly the loss of one big batch.
-``loss_denominator`` computes N or S over every micro-batch before the first backward.
+      loss_t = beta_t * rho_t * sg(lp1 - ref_t) * lp1
 
-Metrics (``LossStats``, summed over micro-batches then ``finalize``d): ``entropy`` =
-mean full-vocab entropy at the training temperature over loss positions;
-``mismatch_kl`` = mean k3 between inference and trainer logprobs and ``ratio_mean`` =
-mean r, both over RL positions (SFT tokens have no inference-policy logprob to compare:
-a teacher's or a tool's); ``masked_fraction`` = trust-region-masked / RL positions.
+  where ``sg`` stops the gradient and ``rho_t = sg(min(exp(lpT - lp_inf), 1 +
+  trust_region_high))`` on sampled tokens (``mask`` = 1), 1 elsewhere. Its gradient
+  ``beta * rho * (lp1 - ref) * ∇lp1`` is the per-token, importance-weighted
+  score-function gradient of the reverse KL(π ‖ π_ref) = E_π[log π - log π_ref] (the
+  ``E_π[∇ log π]`` term vanishes): descending it pulls the policy toward the reference
+  (a token the policy likes more than the reference, ``lp1 > ref``, loses probability).
+  ``rho`` corrects for the tokens having been sampled by the (possibly stale) inference
+  policy; the clamp keeps one stale sample from blowing up. On tokens that were not
+  sampled (tool outputs, teacher tokens) there is no sampling policy to correct for.
+
+Normalisation (``cfg.loss.normalize``), per channel c with positions P_c:
+
+- ``"tokens"``: ``L = sum_c (1 / N_c) * sum_{t in P_c} loss_c(t)``, N_c = |P_c| over the
+  WHOLE batch (every micro-batch);
+- ``"sequences"``: per channel, each sequence's mean over its P_c positions, averaged over
+  the S_c sequences of the whole batch that have a P_c position.
+
+So adding tokens to one channel never changes another channel's contribution, and
+summing the micro-batch losses gives exactly the loss of one big batch.
+``loss_denominators`` computes every N_c (or S_c) over all micro-batches before the
+first backward.
+
+Metrics (``LossStats``, summed over micro-batches then ``finalize``d):
+
+- ``loss`` and its per-channel parts ``loss_rl``, ``loss_ce``, ``loss_ref`` (each
+  channel's normalised contribution; 0.0 for an empty channel);
+- ``entropy``: mean full-vocab entropy over all loss positions, at the temperature ``lpT``
+  uses there (the sampling temperature on rl and sampled ref positions, 1 elsewhere);
+- over rl positions: ``mismatch_kl`` (mean k3 between inference and trainer logprobs),
+  ``ratio_mean`` (mean r) and ``masked_fraction`` (trust-region-masked / rl positions);
+  ce and ref tokens have no ratio of interest (a teacher's or a tool's tokens);
+- ``loss_tokens`` (positions in any channel), ``rl_tokens``, ``ce_tokens``, ``ref_tokens``;
+- ``ce_nll``: mean ``-lp1`` over ce positions, unweighted (the NLL of the tool-output /
+  SFT tokens);
+- ``ref_kl``: mean over ref positions of the k3 estimator ``exp(ref - lp1) - 1 - (ref -
+  lp1)`` (>= 0), an estimate of KL(π ‖ π_ref).
+
+``ce_nll`` and ``ref_kl`` are emitted only when their channel has tokens in the batch: a
+0.0 would read as a perfect fit, a missing value is a gap in the curve.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -48,6 +91,8 @@ from configs import LossConfig
 
 Phase = Literal["rl", "sft"]
 PHASES = ("rl", "sft")
+CHANNELS = ("rl", "ce", "ref")
+NORMALIZE = ("tokens", "sequences")
 # Metrics clamp the log-ratio so one wild token cannot turn a mean into inf.
 _METRIC_LOG_RATIO_CLAMP = 20.0
 
@@ -58,33 +103,60 @@ class LossBatch:
 
     targets: torch.Tensor  # int64: the token each position predicts
     mask: torch.Tensor  # bool: sampled tokens to train on
-    sft_mask: torch.Tensor  # bool: tokens trained by (weighted) cross-entropy
+    sft_mask: torch.Tensor  # bool: the ce channel's positions
     inference_logprobs: torch.Tensor  # float32
     temperatures: torch.Tensor  # float32; 0 (greedy) is treated as 1
     advantages: torch.Tensor  # float32
+    ce_weights: torch.Tensor  # float32: ce weight of each position (phase "rl")
+    ref_logprobs: torch.Tensor  # float32: the reference model's logprob of each target
+    ref_weights: torch.Tensor  # float32: ref_kl coefficient beta; > 0 = in the ref channel
 
     def to(self, device: str | torch.device) -> LossBatch:
         return LossBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def positions(mb: LossBatch, phase: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rl positions, sft positions, sft weights) of a micro-batch in ``phase``."""
+class Channel(NamedTuple):
+    """One loss channel of a micro-batch: where it trains, and its per-token weight."""
+
+    positions: torch.Tensor  # bool [B, T]
+    weights: torch.Tensor  # float [B, T]: A_t (rl), w_t (ce), beta_t (ref)
+
+
+def positions(mb: LossBatch, phase: str) -> dict[str, Channel]:
+    """Each channel's positions and weights in ``phase``, keyed by ``CHANNELS`` in order."""
     if phase == "sft":
-        sft = mb.mask | mb.sft_mask
-        return torch.zeros_like(sft), sft, torch.ones_like(mb.advantages)
+        ce = mb.mask | mb.sft_mask
+        nowhere, zeros = torch.zeros_like(ce), torch.zeros_like(mb.advantages)
+        return {
+            "rl": Channel(nowhere, zeros),
+            "ce": Channel(ce, torch.ones_like(mb.advantages)),
+            "ref": Channel(nowhere, zeros),
+        }
     if phase == "rl":
-        return mb.mask & ~mb.sft_mask, mb.sft_mask, mb.advantages
+        return {
+            "rl": Channel(mb.mask & ~mb.sft_mask, mb.advantages),
+            "ce": Channel(mb.sft_mask, mb.ce_weights),
+            "ref": Channel(mb.ref_weights > 0, mb.ref_weights),
+        }
     raise ValueError(f"unknown batch phase {phase!r}; expected one of {PHASES}")
 
 
-def loss_denominator(mbs: list[LossBatch], phase: str, normalize: str) -> int:
-    """N (loss positions) or S (sequences with a loss position) over the whole batch."""
-    total = 0
+def _check_normalize(normalize: str) -> None:
+    if normalize not in NORMALIZE:
+        raise ValueError(f"unknown loss normalize {normalize!r}; expected one of {NORMALIZE}")
+
+
+def loss_denominators(mbs: list[LossBatch], phase: str, normalize: str) -> dict[str, int]:
+    """Per channel: N_c (its positions) or S_c (sequences with one) over the whole batch."""
+    _check_normalize(normalize)
+    totals = dict.fromkeys(CHANNELS, 0)
     for mb in mbs:
-        rl, sft, _ = positions(mb, phase)
-        per_row = (rl | sft).sum(dim=1)
-        total += int(per_row.sum()) if normalize == "tokens" else int((per_row > 0).sum())
-    return total
+        for name, channel in positions(mb, phase).items():
+            per_row = channel.positions.sum(dim=1)
+            totals[name] += (
+                int(per_row.sum()) if normalize == "tokens" else int((per_row > 0).sum())
+            )
+    return totals
 
 
 def token_logprobs(
@@ -106,13 +178,19 @@ class LossStats:
     """Sums over loss positions; add micro-batches with ``+``, then ``finalize``."""
 
     loss: float = 0.0
+    loss_rl: float = 0.0
+    loss_ce: float = 0.0
+    loss_ref: float = 0.0
     loss_tokens: int = 0
     rl_tokens: int = 0
-    sft_tokens: int = 0
+    ce_tokens: int = 0
+    ref_tokens: int = 0
     masked: int = 0
     entropy_sum: float = 0.0
     mismatch_kl_sum: float = 0.0
     ratio_sum: float = 0.0
+    ce_nll_sum: float = 0.0
+    ref_kl_sum: float = 0.0
 
     def __add__(self, other: LossStats) -> LossStats:
         return LossStats(
@@ -121,68 +199,150 @@ class LossStats:
 
     def finalize(self) -> dict[str, float]:
         n, rl = max(self.loss_tokens, 1), max(self.rl_tokens, 1)
-        return {
+        out = {
             "loss": self.loss,
+            "loss_rl": self.loss_rl,
+            "loss_ce": self.loss_ce,
+            "loss_ref": self.loss_ref,
             "entropy": self.entropy_sum / n,
             "mismatch_kl": self.mismatch_kl_sum / rl,
             "ratio_mean": self.ratio_sum / rl if self.rl_tokens else 1.0,
             "masked_fraction": self.masked / rl,
             "loss_tokens": float(self.loss_tokens),
             "rl_tokens": float(self.rl_tokens),
-            "sft_tokens": float(self.sft_tokens),
+            "ce_tokens": float(self.ce_tokens),
+            "ref_tokens": float(self.ref_tokens),
         }
+        # Only when measured: 0.0 would read as a perfect fit (see the module docstring).
+        if self.ce_tokens:
+            out["ce_nll"] = self.ce_nll_sum / self.ce_tokens
+        if self.ref_tokens:
+            out["ref_kl"] = self.ref_kl_sum / self.ref_tokens
+        return out
+
+
+def _normalised_sum(
+    per_token: torch.Tensor, where: torch.Tensor, normalize: str, denominator: int
+) -> torch.Tensor:
+    """One channel's share of the batch loss: ``per_token`` at ``where``, normalised."""
+    if normalize == "tokens":
+        weights = torch.full_like(per_token, 1.0 / max(denominator, 1))
+    else:
+        per_row = where.sum(dim=1, keepdim=True).clamp(min=1).to(per_token.dtype)
+        weights = (1.0 / (per_row * max(denominator, 1))).expand_as(per_token)
+    return torch.where(where, per_token * weights, torch.zeros_like(per_token)).sum()
+
+
+def _logprobs(
+    logits: torch.Tensor, mb: LossBatch, at_t: torch.Tensor, at_1: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lpT, lp1, entropy): lpT at the sampling temperature on ``at_t``, 1 elsewhere.
+
+    One full-vocab log-softmax serves both wherever the temperature is 1 (or greedy);
+    only the ``at_1`` positions that are also sampled at another temperature get a
+    second one, on their rows alone (a second ``[B, T, V]`` would double the memory).
+    """
+    ones = torch.ones_like(mb.temperatures)
+    temps = torch.where(at_t, mb.temperatures, ones)
+    lp_t, entropy = token_logprobs(logits, mb.targets, temps)
+    redo = at_1 & at_t & (temps > 0) & (temps != 1)
+    if not bool(redo.any()):
+        return lp_t, lp_t, entropy
+    lp_redo, _ = token_logprobs(logits[redo], mb.targets[redo], ones[redo])
+    return lp_t, lp_t.masked_scatter(redo, lp_redo), entropy
 
 
 def policy_loss(
-    logits: torch.Tensor, mb: LossBatch, cfg: LossConfig, phase: str, denominator: int
+    logits: torch.Tensor,
+    mb: LossBatch,
+    cfg: LossConfig,
+    phase: str,
+    denominators: Mapping[str, int],
 ) -> tuple[torch.Tensor, LossStats]:
     """This micro-batch's share of the batch loss (see the module docstring) and its stats.
 
-    ``logits`` is ``[B, T, V]`` aligned with ``mb``; ``denominator`` is
-    ``loss_denominator`` over the whole batch.
+    ``logits`` is ``[B, T, V]`` aligned with ``mb``; ``denominators`` is
+    ``loss_denominators`` over the whole batch.
     """
-    rl, sft, sft_weight = positions(mb, phase)
-    # SFT positions train at temperature 1: the data's likelihood under the model itself.
-    temps = torch.where(rl, mb.temperatures, torch.ones_like(mb.temperatures))
-    lp, entropy = token_logprobs(logits, mb.targets, temps)
-    loss_pos = rl | sft
+    _check_normalize(cfg.normalize)
+    ch = positions(mb, phase)
+    rl, ce, ref = ch["rl"].positions, ch["ce"].positions, ch["ref"].positions
+    sampled_ref = ref & mb.mask
+    lp_t, lp1, entropy = _logprobs(logits, mb, rl | sampled_ref, ce | ref)
+    dtype = lp_t.dtype
+    loss_pos = rl | ce | ref
 
-    log_ratio = lp - mb.inference_logprobs.to(lp.dtype)
-    with torch.no_grad():
-        ratio_seen = torch.exp(log_ratio)
-        kept = (
-            rl
-            & (ratio_seen >= 1.0 - cfg.trust_region_low)
-            & (ratio_seen <= 1.0 + cfg.trust_region_high)
-        )
-    # exp only where kept: a masked token's huge ratio must not turn into inf * 0 = nan
-    # in the backward pass (torch.where's backward selects, it never multiplies).
-    safe_log_ratio = torch.where(kept, log_ratio, torch.zeros_like(log_ratio))
-    ratio = torch.exp(safe_log_ratio)
-    rl_term = -(ratio * mb.advantages.to(lp.dtype))
-    if cfg.kl_coef > 0:
-        rl_term = rl_term + cfg.kl_coef * (ratio - 1.0 - safe_log_ratio)
-    per_token = torch.where(kept, rl_term, torch.zeros_like(rl_term))
-    per_token = per_token + torch.where(sft, -sft_weight.to(lp.dtype) * lp, torch.zeros_like(lp))
+    log_ratio = lp_t - mb.inference_logprobs.to(dtype)
+    parts: dict[str, torch.Tensor] = {}
+    masked = 0
+    # An empty channel is left out of the graph altogether: a batch without ce/ref tokens
+    # computes exactly what the single-channel loss did, bit for bit.
+    if bool(rl.any()):
+        with torch.no_grad():
+            ratio_seen = torch.exp(log_ratio)
+            kept = (
+                rl
+                & (ratio_seen >= 1.0 - cfg.trust_region_low)
+                & (ratio_seen <= 1.0 + cfg.trust_region_high)
+            )
+            masked = int((rl & ~kept).sum())
+        # exp only where kept: a masked token's huge ratio must not turn into inf * 0 = nan
+        # in the backward pass (torch.where's backward selects, it never multiplies).
+        safe_log_ratio = torch.where(kept, log_ratio, torch.zeros_like(log_ratio))
+        ratio = torch.exp(safe_log_ratio)
+        rl_term = -(ratio * ch["rl"].weights.to(dtype))
+        if cfg.kl_coef > 0:
+            rl_term = rl_term + cfg.kl_coef * (ratio - 1.0 - safe_log_ratio)
+        per_token = torch.where(kept, rl_term, torch.zeros_like(rl_term))
+        parts["rl"] = _normalised_sum(per_token, rl, cfg.normalize, denominators["rl"])
+    if bool(ce.any()):
+        per_token = -ch["ce"].weights.to(dtype) * lp1
+        parts["ce"] = _normalised_sum(per_token, ce, cfg.normalize, denominators["ce"])
+    if bool(ref.any()):
+        with torch.no_grad():
+            # Capped in log space: exp of a stale token's huge log-ratio is inf, not a number.
+            cap = math.log1p(cfg.trust_region_high)
+            rho = torch.where(
+                sampled_ref, torch.exp(log_ratio.detach().clamp(max=cap)), torch.ones_like(lp_t)
+            )
+            pull = ch["ref"].weights.to(dtype) * rho * (lp1.detach() - mb.ref_logprobs.to(dtype))
+        parts["ref"] = _normalised_sum(pull * lp1, ref, cfg.normalize, denominators["ref"])
 
-    if cfg.normalize == "tokens":
-        weights = torch.full_like(lp, 1.0 / max(denominator, 1))
-    else:
-        per_row = loss_pos.sum(dim=1, keepdim=True).clamp(min=1).to(lp.dtype)
-        weights = (1.0 / (per_row * max(denominator, 1))).expand_as(lp)
-    loss = torch.where(loss_pos, per_token * weights, torch.zeros_like(lp)).sum()
+    if parts:
+        loss = _total(parts)
+    else:  # nothing to train here: a zero that still backpropagates (to zeros)
+        loss = torch.where(loss_pos, lp_t, torch.zeros_like(lp_t)).sum()
 
     with torch.no_grad():
         clamped = log_ratio.detach().clamp(-_METRIC_LOG_RATIO_CLAMP, _METRIC_LOG_RATIO_CLAMP)
         k3 = torch.exp(clamped) - 1.0 - clamped
+        ref_gap = (mb.ref_logprobs.to(dtype) - lp1.detach()).clamp(
+            -_METRIC_LOG_RATIO_CLAMP, _METRIC_LOG_RATIO_CLAMP
+        )
+        ref_k3 = torch.exp(ref_gap) - 1.0 - ref_gap
         stats = LossStats(
             loss=float(loss.detach()),
+            loss_rl=float(parts["rl"].detach()) if "rl" in parts else 0.0,
+            loss_ce=float(parts["ce"].detach()) if "ce" in parts else 0.0,
+            loss_ref=float(parts["ref"].detach()) if "ref" in parts else 0.0,
             loss_tokens=int(loss_pos.sum()),
             rl_tokens=int(rl.sum()),
-            sft_tokens=int(sft.sum()),
-            masked=int((rl & ~kept).sum()),
+            ce_tokens=int(ce.sum()),
+            ref_tokens=int(ref.sum()),
+            masked=masked,
             entropy_sum=float(entropy[loss_pos].double().sum()),
             mismatch_kl_sum=float(k3[rl].double().sum()),
             ratio_sum=float(torch.exp(clamped)[rl].double().sum()),
+            ce_nll_sum=float(-lp1.detach()[ce].double().sum()),
+            ref_kl_sum=float(ref_k3[ref].double().sum()),
         )
     return loss, stats
+
+
+def _total(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The channels' contributions added in ``CHANNELS`` order (a lone one is returned as is)."""
+    terms = [parts[name] for name in CHANNELS if name in parts]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total

@@ -16,7 +16,7 @@ from roles.env.registry import UnknownEnv, builtin_names, env_key, make_env
 from roles.model.render import Renderer
 from roles.model.tokenizer import ALPHABET, build_tokenizer
 
-ENV_IDS = ["reverse-text", "alphabet-sort", "examples.word_count_env:make_env"]
+ENV_IDS = ["reverse-text", "alphabet-sort", "tool-calc", "examples.word_count_env:make_env"]
 
 
 def chat(env: Environment, task: dict, *answers: str) -> list[dict]:
@@ -190,7 +190,7 @@ def test_taskset_same_in_another_process() -> None:
     code = (
         "import json; from roles.env.registry import make_env; "
         "print(json.dumps([[make_env(e, {}).task(s, i) for i in range(10)] "
-        "for e in ('reverse-text', 'alphabet-sort') for s in ('train', 'eval')]))"
+        "for e in ('reverse-text', 'alphabet-sort', 'tool-calc') for s in ('train', 'eval')]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
@@ -198,7 +198,7 @@ def test_taskset_same_in_another_process() -> None:
     )  # fmt: skip
     here = [
         [make_env(e, {}).task(s, i) for i in range(10)]
-        for e in ("reverse-text", "alphabet-sort")
+        for e in ("reverse-text", "alphabet-sort", "tool-calc")
         for s in ("train", "eval")
     ]
     assert json.loads(out.stdout) == here
@@ -235,12 +235,13 @@ def test_split_of_key_fraction() -> None:
 
 
 def test_prompts_fit_the_tiny_model() -> None:
-    """Prompts use the char tokenizer's alphabet; reverse-text prompt+answer < 60 tokens and a
-    full alphabet-sort conversation stays well inside 256 positions."""
+    """Prompts use the char tokenizer's alphabet; reverse-text prompt+answer < 60 tokens, a
+    whole tool-calc episode < 60 and a full alphabet-sort conversation stays well inside 256
+    positions."""
     tok = build_tokenizer()
     r = Renderer(tok)
     unk = tok.unk_token_id
-    for env_id, limit in (("reverse-text", 60), ("alphabet-sort", 200)):
+    for env_id, limit in (("reverse-text", 60), ("alphabet-sort", 200), ("tool-calc", 60)):
         env = make_env(env_id, {})
         worst = 0
         for i in range(300):
@@ -276,7 +277,7 @@ def test_rubric_weighted_mean_and_zero_weight_metrics() -> None:
 
 def test_registry_builtins_and_unknown_name() -> None:
     """Built-ins load by name; an unknown name's error lists the built-ins."""
-    assert builtin_names() == ["alphabet-sort", "reverse-text"]
+    assert builtin_names() == ["alphabet-sort", "reverse-text", "tool-calc"]
     assert make_env("alphabet-sort", {"max_turns": 2}).max_turns == 2
     with pytest.raises(UnknownEnv) as e:
         make_env("reverse-txt", {})
@@ -331,3 +332,27 @@ def test_custom_env_from_parts() -> None:
     task = env.task("eval", 3)
     assert env.initial_messages(task) == [{"role": "user", "content": str(task["n"])}]
     assert env.score(perfect_chat(env, task), task, {}).reward == 1.0
+
+
+def test_default_demonstration_shows_the_reference_answer() -> None:
+    """Harness.demonstration defaults to one hint message "Example: <user> -> <reference>"
+    (what opsd prepends); None for a harness with no reference answer."""
+    env = make_env("reverse-text", {})
+    assert env.demonstration({"text": "hello"}) == [
+        {"role": "user", "content": "Example: hello -> olleh"}
+    ]
+
+    class NoReference(Harness):
+        def user_prompt(self, task):  # type: ignore[no-untyped-def]
+            return "hi"
+
+    bare = Environment("bare", env.taskset, NoReference(None), env.rubric)
+    assert bare.demonstration({"text": "abc"}) is None
+
+
+def test_environment_members() -> None:
+    """Single-agent envs declare no members; multi-agent envs pass theirs to the constructor."""
+    env = make_env("reverse-text", {})
+    assert env.members == ()
+    duo = Environment("duo", env.taskset, env.harness, env.rubric, members=("alice", "bob"))
+    assert duo.members == ("alice", "bob")

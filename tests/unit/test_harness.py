@@ -217,6 +217,73 @@ async def test_env_closing_messages_carry_no_tokens() -> None:
     assert trace.reward == 5.0  # the rubric saw the closing remark
 
 
+class Spanned(Harness):
+    """A named tool reply (and an empty one), user feedback, then a closing remark ending it."""
+
+    max_turns = 5
+
+    def user_prompt(self, task):  # type: ignore[no-untyped-def]
+        return "add 2 and 3"
+
+    def env_response(self, messages, task, state):  # type: ignore[no-untyped-def]
+        n = sum(m["role"] == "assistant" for m in messages)
+        if n == 1:
+            return [{"role": "tool", "name": "calc", "content": "5"},
+                    {"role": "tool", "name": "calc", "content": ""}], False  # fmt: skip
+        if n == 2:
+            return [{"role": "user", "content": "Say it: 5"}], False
+        return [{"role": "user", "content": "Bye."}], True
+
+
+def content_of(message) -> str:  # type: ignore[no-untyped-def]
+    start, end = message.content_span
+    return TOK.decode(i32(message.token_ids)[start:end].tolist(), skip_special_tokens=False)
+
+
+async def test_env_messages_record_their_content_span() -> None:
+    """Opening and feedback messages record [start, end) of their content tokens: decoding it
+    gives the content, and for a named tool message it excludes role, name, colon and <|end|>;
+    assistant messages and closing remarks (no tokens) record none."""
+    env = Environment("spanned", make_env("reverse-text", {}).taskset, Spanned("Be brief."),
+                      Rubric({"n": lambda m, t, s: 1.0}))  # fmt: skip
+    gen = FakeGenerate(("calc 2+3", "stop"), ("5", "stop"), ("5", "stop"))
+    trace = await run_rollout(env, TaskRef(index=0, data={}), gen, R, SAMPLING, rollout_id="r")
+    assert trace.ok, trace.errors
+    check_invariants(trace, gen.calls[-1]["prompt"] + gen.completions[-1])
+    roles = ["system", "user", "assistant", "tool", "tool", "assistant", "user", "assistant", "user"]  # fmt: skip
+    assert [m.role for m in trace.messages] == roles
+    for m in trace.messages:
+        if m.role == "assistant" or not m.token_ids:
+            assert m.content_span is None, m
+        else:
+            assert content_of(m) == m.content, m
+    tool, empty = trace.messages[3], trace.messages[4]
+    start, end = tool.content_span
+    ids = i32(tool.token_ids).tolist()
+    assert TOK.decode(ids[:start], skip_special_tokens=False) == "<|tool|>calc:"
+    assert TOK.decode(ids[end:], skip_special_tokens=False) == "<|end|>"
+    assert end - start == 1 and empty.content_span == (start, start)
+    assert trace.messages[0].content_span == (1, 1 + len("Be brief."))
+
+
+async def test_opening_span_skipped_when_the_template_adds_tokens() -> None:
+    """An opening message whose tokens include template extras (a bos) gets no span; the
+    others keep an exact one."""
+
+    class BosRenderer(Renderer):
+        def render_prompt(self, messages):  # type: ignore[no-untyped-def]
+            return [TOK.bos_token_id, *super().render_prompt(messages)]
+
+    env = make_env("reverse-text", {})
+    gen = FakeGenerate(("olleh", "stop"))
+    trace = await run_rollout(env, task_ref(env, data={"text": "hello"}), gen, BosRenderer(TOK),
+                              SAMPLING, rollout_id="r")  # fmt: skip
+    check_invariants(trace, gen.calls[0]["prompt"] + gen.completions[0])
+    system, user, _ = trace.messages
+    assert i32(system.token_ids)[0] == TOK.bos_token_id and system.content_span is None
+    assert content_of(user) == "hello"
+
+
 class Boom(Harness):
     max_turns = 2
 

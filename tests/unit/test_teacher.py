@@ -17,7 +17,7 @@ def prompt_text(messages: list[dict[str, str]]) -> str:
     return TOK.decode(R.render_prompt(messages), skip_special_tokens=False)
 
 
-@pytest.mark.parametrize("env_id", ["reverse-text", "alphabet-sort"])
+@pytest.mark.parametrize("env_id", ["reverse-text", "alphabet-sort", "tool-calc"])
 def test_teacher_solves_every_turn_from_the_prompt_alone(env_id: str) -> None:
     """For held-out tasks, solve(parse(prompt tokens)) equals the env's reference answer, every
     turn, and the rubric gives the full reward to the teacher's conversation."""
@@ -28,7 +28,9 @@ def test_teacher_solves_every_turn_from_the_prompt_alone(env_id: str) -> None:
         state = env.init_state(task)
         for _ in range(env.max_turns):
             seen = parse_conversation(prompt_text(messages))
-            assert [m["content"] for m in seen] == [m["content"] for m in messages]
+            assert [(m["role"], m["content"], m.get("name")) for m in seen] == [
+                (m["role"], m["content"], m.get("name")) for m in messages
+            ]
             answer = env.solve(seen)
             assert answer == env.reference_answer(messages, task)
             messages = [*messages, {"role": "assistant", "content": answer}]

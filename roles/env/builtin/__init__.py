@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from roles.env.base import Environment
-from roles.env.builtin import alphabet_sort, reverse_text
+from roles.env.builtin import alphabet_sort, calculator, reverse_text
 
 BUILTINS: dict[str, Callable[..., Environment]] = {
     "reverse-text": reverse_text.make_env,
     "alphabet-sort": alphabet_sort.make_env,
+    "tool-calc": calculator.make_env,
 }
