@@ -56,6 +56,7 @@ class Subscription:
     batch: int = 64
     fetch_timeout_s: float = 1.0
     deliver_new: bool = False  # start at new messages instead of the start of the log
+    start_seq: int | None = None  # start at this stream sequence (a worker attached mid-run)
     max_ack_pending: int = 1000
     types: tuple[type, ...] = field(init=False)
 
@@ -78,11 +79,15 @@ class Consumer:
 
     def config(self) -> ConsumerConfig:
         s = self.bus.settings
+        policy = DeliverPolicy.NEW if self.sub.deliver_new else DeliverPolicy.ALL
+        if self.sub.start_seq is not None and self.sub.start_seq > 1:
+            policy = DeliverPolicy.BY_START_SEQUENCE
         return ConsumerConfig(
             durable_name=self.sub.durable,
             filter_subjects=[filter_subject(self.bus.run, t, k) for t, k in self.sub.topics],
             ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.NEW if self.sub.deliver_new else DeliverPolicy.ALL,
+            deliver_policy=policy,
+            opt_start_seq=self.sub.start_seq if policy == DeliverPolicy.BY_START_SEQUENCE else None,
             ack_wait=s.ack_wait_s,
             max_deliver=-1,  # we count deliveries ourselves so the last one is dead-lettered
             max_ack_pending=self.sub.max_ack_pending,

@@ -9,6 +9,13 @@ attached mid-run starts from the beginning of the log), buffers traces per group
 ``group_size`` distinct rollouts arrived, and publishes one ``SamplesScored`` per group
 with the id ``derive_id("scored", id, group_id)``: a re-publish is deduplicated.
 
+A worker attached to a live run (``rlbus algorithm attach``) may start at a later
+sequence (``from_seq``: the attach event, unless ``--from-start``), and stops by itself
+when an ``algorithm.detached`` event for its id appears. Distillation algorithms get
+their reference logprobs from the inference role first (``roles/algorithm/scoring.py``);
+every worker adds the env's tool-output cross-entropy when the env's config asks for it
+(``[orchestrator.train.env.sft]``).
+
 The worker keeps no state the log cannot rebuild. At start it folds over the log with
 ordered consumers (NATS_NOTES #11): first its own ``samples.scored.<id>`` (which groups
 are done, and the state of a stateful algorithm), then ``trace.completed.*`` (the traces
@@ -27,13 +34,14 @@ from typing import Any
 
 from bus.consumer import Delivery, Subscription
 from bus.errors import PublishError
-from bus.reader import read_log
+from bus.reader import last_seq, read_log
 from bus.runtime import Bus
-from bus.subjects import Topic, check_token, durable_name
+from bus.subjects import Topic, check_token, durable_name, token_for
 from configs import RunConfig
 from roles.algorithm.base import Algorithm
 from roles.algorithm.registry import create
-from roles.algorithm.samples import GroupBuffer, score_group
+from roles.algorithm.samples import GroupBuffer, ToolSft, score_group
+from roles.algorithm.scoring import RefScorer
 from roles.base import Role, serve_role
 from roles.context import RoleContext
 from schemas import Event, MetricsReported, SamplesScored, TraceCompleted
@@ -45,6 +53,17 @@ def algorithm_spec(cfg: RunConfig, algorithm_id: str) -> tuple[str, dict[str, An
         if spec.id == algorithm_id:
             return spec.name or spec.id, dict(spec.options)
     return algorithm_id, {}
+
+
+def tool_sft_rules(cfg: RunConfig) -> dict[str, ToolSft]:
+    """Env key -> its tool-output SFT rule, for envs with ``sft.on_tool_outputs``."""
+    return {
+        token_for(e.id): ToolSft(
+            e.sft.alpha, None if e.sft.tool_names is None else tuple(e.sft.tool_names)
+        )
+        for e in cfg.orchestrator.train.env
+        if e.sft.on_tool_outputs
+    }
 
 
 @dataclass
@@ -70,10 +89,18 @@ class AlgorithmWorker(Role):
         algorithm: Algorithm,
         metrics_interval_s: float = 10.0,
         heartbeat_interval_s: float = 2.0,
+        *,
+        scorer: RefScorer | None = None,
+        tool_sft: dict[str, ToolSft] | None = None,
+        from_seq: int = 1,
     ):
         super().__init__(bus, instance, heartbeat_interval_s)
         self.name = check_token(name, "algorithm id")
         self.algorithm = algorithm
+        self.scorer = scorer
+        self.tool_sft = dict(tool_sft or {})
+        self.from_seq = max(1, from_seq)
+        self.detach_floor = 0  # newest algorithm.detached seq for our id when we started
         self.metrics_interval_s = metrics_interval_s
         self.buffer = GroupBuffer()
         self.state: Any = algorithm.initial_state()
@@ -91,14 +118,25 @@ class AlgorithmWorker(Role):
                 [(Topic.TRACE_COMPLETED, None)],
                 self.on_trace,
                 batch=32,
+                start_seq=self.from_seq,
             )
         ]
 
     async def setup(self) -> None:
+        self.detach_floor = await last_seq(self.bus, Topic.ALGORITHM_DETACHED, self.name)
         await self.catch_up()
 
     def background(self) -> list[Awaitable[Any]]:
-        return [self._report_metrics()]
+        return [self._report_metrics(), self._watch_detach()]
+
+    async def _watch_detach(self, interval_s: float = 1.0) -> None:
+        """Stop the worker when ``rlbus algorithm detach`` names it."""
+        while not self.stop_event.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), interval_s)
+            if await last_seq(self.bus, Topic.ALGORITHM_DETACHED, self.name) > self.detach_floor:
+                self.log.info("algorithm.detached")
+                self.stop_event.set()
 
     async def status(self) -> dict[str, object]:
         out = await super().status()
@@ -120,7 +158,9 @@ class AlgorithmWorker(Role):
             self._fold(scored)
             folded += 1
         traces = 0
-        async for event in read_log(self.bus, [(Topic.TRACE_COMPLETED, None)], (TraceCompleted,)):
+        async for event in read_log(
+            self.bus, [(Topic.TRACE_COMPLETED, None)], (TraceCompleted,), from_seq=self.from_seq
+        ):
             traces += 1
             await self._add(event)
         self.log.info(
@@ -143,7 +183,13 @@ class AlgorithmWorker(Role):
         group = self.buffer.add(event)
         if group is None:
             return
-        scored = score_group(self.name, self.algorithm, group, self.state)
+        refs = None
+        if self.scorer is not None:
+            ok = [e.trace for e in group if e.trace.ok]
+            refs = await self.scorer.refs(self.algorithm, self.name, ok)
+        scored = score_group(
+            self.name, self.algorithm, group, self.state, refs, self.tool_sft.get(event.env)
+        )
         await self.bus.publish(scored)
         self._fold(scored)
         self.scored_total += 1
@@ -196,10 +242,45 @@ class AlgorithmWorker(Role):
                 self.log.warning("metrics.publish_failed", error=str(e))
 
 
-async def main(ctx: RoleContext, name: str) -> None:
-    """Entry point of ``rlbus role algorithm --name <id>``."""
+def needs_scorer(algorithm: Algorithm) -> bool:
+    return type(algorithm).score_spec is not Algorithm.score_spec
+
+
+def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
+    """The inference client, the run's renderer and the run's envs, for distillation."""
+    from roles.clients import InferenceClient
+    from roles.env.registry import make_env
+    from roles.env.server import load_renderer
+
+    specs = {token_for(e.id): e for e in ctx.cfg.orchestrator.train.env}
+    envs: dict[str, Any] = {}
+
+    def env_for(key: str) -> Any:
+        if key not in envs:
+            spec = specs.get(key)
+            envs[key] = make_env(spec.id if spec else key, dict(spec.args) if spec else {})
+        return envs[key]
+
+    timeout = ctx.cfg.inference.request_timeout_s
+    return RefScorer(InferenceClient(bus, timeout_s=timeout), load_renderer(ctx), env_for)
+
+
+async def serve_worker(
+    ctx: RoleContext, name: str, registered: str, options: dict[str, Any], from_seq: int = 1
+) -> None:
+    """Run one worker until SIGTERM or its detach (``rlbus role algorithm`` and ``attach``)."""
     check_token(name, "algorithm id")
-    registered, options = algorithm_spec(ctx.cfg, name)
     algorithm = create(registered, options)  # bad name or options: fail before connecting
     bus = await ctx.connect()
-    await serve_role(AlgorithmWorker(bus, ctx.instance, name, algorithm))
+    scorer = make_scorer(ctx, bus) if needs_scorer(algorithm) else None
+    worker = AlgorithmWorker(
+        bus, ctx.instance, name, algorithm,
+        scorer=scorer, tool_sft=tool_sft_rules(ctx.cfg), from_seq=from_seq,
+    )  # fmt: skip
+    await serve_role(worker)
+
+
+async def main(ctx: RoleContext, name: str) -> None:
+    """Entry point of ``rlbus role algorithm --name <id>``."""
+    registered, options = algorithm_spec(ctx.cfg, name)
+    await serve_worker(ctx, name, registered, options)

@@ -22,8 +22,8 @@ An ``Environment`` also declares its ``members`` (multi-agent envs name the agen
 whose messages carry ``Message.member``; single-agent envs leave it empty).
 
 Messages are OpenAI-style dicts ``{"role": ..., "content": ...}`` (tool results add a
-``"name"``). The token-level
-rollout loop lives in ``roles.env.harness``; an env never sees tokens.
+``"name"``). The token-level rollout loop lives in ``roles.env.harness``; an env never
+sees tokens.
 
     env = make_env("reverse-text", {})            # roles.env.registry
     task = env.task("train", 0)
