@@ -105,6 +105,11 @@ class Algorithm:
     channel: ClassVar[str] = "rl"  # where the default ``targets`` puts ``advantages``
     channels: ClassVar[tuple[str, ...]] = ("rl",)  # every channel it may emit
     needs_members: ClassVar[bool] = False  # only for envs whose traces name members
+    needs_demonstration: ClassVar[bool] = False  # only for envs with a demonstration
+
+    def models(self) -> list[str]:
+        """Keys of ``orchestrator.models`` this algorithm scores with (checked at start)."""
+        return []
 
     def __init__(self, **options: Any) -> None:
         # Subclasses with options declare them as keyword arguments; reaching here with

@@ -85,6 +85,9 @@ class OPD(Algorithm):
             raise ValueError(f"opd: beta must be > 0, got {beta}")
         self.reference, self.beta = reference, float(beta)
 
+    def models(self) -> list[str]:
+        return [self.reference]
+
     def score_spec(self, trace: Trace) -> ScoreSpec:
         return ScoreSpec(model=self.reference)
 
@@ -99,6 +102,7 @@ class OPSD(Algorithm):
 
     name = "opsd"
     channels = ("ref_kl",)
+    needs_demonstration = True
 
     def __init__(self, beta: float = 1.0, model: str = POLICY) -> None:
         super().__init__()

@@ -34,8 +34,11 @@ def up(
     """Start a run: embedded NATS, every role as a process, a live view; Ctrl-C drains."""
     from configs import ConfigError, dump_toml, load_config
 
+    from roles.algorithm.checks import check_routing
+
     try:
         cfg = load_config(config, overrides or [])
+        check_routing(cfg)
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -139,7 +139,7 @@ class Decider:
                     step=step,
                     samples=samples,
                     policy_version=s.trainer_version,
-                    sources=sorted({q.source for q in taken}),
+                    sources=sorted({x for q in taken for x in q.sources}),
                     num_tokens=sum(len(x) for x in samples),
                     dropped_stale=s.dropped_stale,
                     skipped_zero_advantage=s.skipped_zero,

@@ -23,6 +23,8 @@ from roles.context import RoleContext, read_run_started
 from roles.orchestrator.policy import decide, trains_on
 from roles.orchestrator.state import OrchestratorState
 from schemas import (
+    AlgorithmAttached,
+    AlgorithmDetached,
     BatchAssembled,
     EvalCompleted,
     MetricsReported,
@@ -38,6 +40,7 @@ from schemas import (
 READS = (
     Topic.RUN_STARTED, Topic.RUN_STOPPED, Topic.TASK_REQUESTED, Topic.SAMPLES_SCORED,
     Topic.BATCH_ASSEMBLED, Topic.WEIGHTS_PUBLISHED, Topic.EVAL_COMPLETED,
+    Topic.ALGORITHM_ATTACHED, Topic.ALGORITHM_DETACHED,
 )  # fmt: skip
 TYPES = (
     RunStarted,
@@ -48,6 +51,8 @@ TYPES = (
     WeightsPublished,
     EvalCompleted,
     MetricsReported,
+    AlgorithmAttached,
+    AlgorithmDetached,
 )
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from roles.orchestrator.merge import merge_scored
 from schemas import (
+    AlgorithmAttached,
+    AlgorithmDetached,
     BatchAssembled,
     EvalCompleted,
     Event,
@@ -30,14 +33,15 @@ class Group:
     """A train group dispatched and not yet fully scored."""
 
     request: TaskRequested
-    waiting_for: set[str]  # algorithm names whose samples this group still needs
+    waiting_for: set[str]  # algorithm ids whose samples this group still needs
+    received: dict[str, SamplesScored] = field(default_factory=dict)  # by algorithm id
 
 
 @dataclass
 class Queued:
     sample: Sample
     group_id: str
-    source: str  # SamplesScored event id
+    sources: tuple[str, ...]  # the SamplesScored event ids merged into it
     group_reward: float  # mean reward of its group (for metrics)
 
 
@@ -51,7 +55,8 @@ class EvalRound:
 
 @dataclass
 class OrchestratorState:
-    # which algorithms' samples train an env's groups: {"rl": {env: {...}}, "sft": {env: {...}}}
+    # which algorithms' samples train an env's groups: {"rl": {env: {...}}, "sft": {env: {...}}};
+    # starts from the config, then algorithm.attached/detached events change it
     trains_on: dict[str, dict[str, set[str]]]
     started: RunStarted | None = None
     stopped: RunStopped | None = None
@@ -98,6 +103,18 @@ class OrchestratorState:
                 self.eval_requests[event.event_id] = event.policy_version
             case SamplesScored():
                 self._on_scored(event, skip_zero)
+            case AlgorithmAttached(shadow=False):
+                for env, ids in self.trains_on["rl"].items():
+                    if not event.envs or env in event.envs:
+                        ids.add(event.algorithm)
+            case AlgorithmDetached():
+                for ids in self.trains_on["rl"].values():
+                    ids.discard(event.algorithm)
+                for gid, group in list(self.groups.items()):
+                    if event.algorithm in group.waiting_for and group.request.phase == "rl":
+                        group.waiting_for.discard(event.algorithm)
+                        if not group.waiting_for:
+                            self._complete(gid, skip_zero)
             case BatchAssembled():
                 self.assembled = max(self.assembled, event.step)
                 self.dropped_stale = self.skipped_zero = 0  # counters are "since the last batch"
@@ -120,17 +137,27 @@ class OrchestratorState:
         if group is None or event.algorithm not in group.waiting_for:
             return  # a shadow algorithm, or a group that is not ours to train
         group.waiting_for.discard(event.algorithm)
+        group.received[event.algorithm] = event
         if not group.waiting_for:
-            del self.groups[event.group_id]
-        self.errored_rollouts += event.excluded
+            self._complete(event.group_id, skip_zero)
+
+    def _complete(self, group_id: str, skip_zero: bool) -> None:
+        """Every algorithm the group waited for has scored it: queue its merged samples."""
+        group = self.groups.pop(group_id)
+        events = [group.received[a] for a in sorted(group.received)]
+        if not events:
+            return  # its only algorithm was detached before scoring it
+        first = events[0]  # every algorithm saw the same traces
+        self.errored_rollouts += first.excluded
         phase = group.request.phase
-        if phase == "rl" and event.zero_advantage and skip_zero:
+        if phase == "rl" and skip_zero and all(e.zero_advantage for e in events):
             self.skipped_zero += 1
             self.total_skipped_zero += 1
             self.no_signal_streak += 1
             return
         if phase == "rl":
             self.no_signal_streak = 0
-        mean = sum(event.rewards) / len(event.rewards) if event.rewards else 0.0
-        for s in event.samples:
-            self.queues[phase].append(Queued(s, event.group_id, event.event_id, mean))
+        mean = sum(first.rewards) / len(first.rewards) if first.rewards else 0.0
+        sources = tuple(e.event_id for e in events)
+        for s in merge_scored(events):
+            self.queues[phase].append(Queued(s, group_id, sources, mean))

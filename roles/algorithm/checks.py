@@ -1,0 +1,93 @@
+"""Start-time checks of which algorithm runs on which env (``rlbus up``, workers, attach).
+
+    problems = routing_problems(cfg)      # [] or one message per problem, naming the key
+
+Each algorithm is built with its options (a typo fails here, not mid-run), then checked
+against every env it scores: ``rae`` needs an env whose traces name members, ``opd``
+needs its reference model declared in ``orchestrator.models``, ``opsd`` needs an env
+that can give a demonstration. Envs are built with their args (cheap, no model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bus.subjects import token_for
+from configs import ConfigError, RunConfig
+from configs.orchestrator import POLICY, EnvConfig
+from roles.algorithm.base import Algorithm
+from roles.algorithm.registry import create
+
+
+def _env_problems(
+    where: str, algorithm: Algorithm, envs: Sequence[tuple[int, EnvConfig]]
+) -> list[str]:
+    from roles.env.registry import make_env
+
+    out = []
+    for i, spec in envs:
+        env = make_env(spec.id, dict(spec.args))
+        env_where = f"`orchestrator.train.env.{i}` ({spec.id!r})"
+        if algorithm.needs_members and not env.members:
+            out.append(
+                f"{where} ({algorithm.name}) needs multi-agent traces, but {env_where} "
+                "declares no members"
+            )
+        if algorithm.needs_demonstration and not env.demonstration(env.task("train", 0)):
+            out.append(
+                f"{where} ({algorithm.name}) needs a demonstration to hint with, but "
+                f"{env_where} gives none (implement Harness.demonstration)"
+            )
+    return out
+
+
+def algorithm_problems(
+    cfg: RunConfig, where: str, name: str, options: dict[str, Any], env_ids: Sequence[str]
+) -> list[str]:
+    """Problems of running algorithm ``name`` with ``options`` on the envs ``env_ids``
+    (config ids or env keys; empty = every env)."""
+    try:
+        algorithm = create(name, options)
+    except ValueError as e:
+        return [f"{where}: {e}"]
+    problems = []
+    models = cfg.orchestrator.models
+    for key in algorithm.models():
+        if key != POLICY and key not in models:
+            problems.append(
+                f"{where} ({algorithm.name}) scores with model {key!r}, which is not a key of "
+                f"`orchestrator.models` (declared: {sorted(models) or 'none'}); declare "
+                f'`[orchestrator.models.{key}]` with kind = "reference"'
+            )
+    envs = [
+        (i, e)
+        for i, e in enumerate(cfg.orchestrator.train.env)
+        if not env_ids or e.id in env_ids or token_for(e.id) in env_ids
+    ]
+    return problems + _env_problems(where, algorithm, envs)
+
+
+def routing_problems(cfg: RunConfig) -> list[str]:
+    """Every algorithm of the config checked against the envs it scores."""
+    o = cfg.orchestrator
+    problems = []
+    for i, a in enumerate(o.algorithms):
+        routed = [] if a.shadow else [e.id for e in o.train.env if a.id in (e.algorithms or [a.id])]
+        if not a.shadow and not routed:
+            continue  # declared but no env trains on it: nothing runs it on an env
+        where = f"`orchestrator.algorithms.{i}`"
+        problems += algorithm_problems(cfg, where, a.name or a.id, dict(a.options), routed)
+    if o.warmup.steps > 0:
+        for name in o.warmup.algorithms:
+            if name in {a.id for a in o.algorithms}:
+                continue  # checked above
+            problems += algorithm_problems(cfg, "`orchestrator.warmup.algorithms`", name, {}, [])
+    return problems
+
+
+def check_routing(cfg: RunConfig) -> None:
+    """Raise ``ConfigError`` listing every routing problem."""
+    problems = routing_problems(cfg)
+    if problems:
+        raise ConfigError("invalid algorithm routing:\n  - " + "\n  - ".join(problems))
