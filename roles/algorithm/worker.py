@@ -93,6 +93,7 @@ class AlgorithmWorker(Role):
         scorer: RefScorer | None = None,
         tool_sft: dict[str, ToolSft] | None = None,
         from_seq: int = 1,
+        exit_when_done: bool = False,
     ):
         super().__init__(bus, instance, heartbeat_interval_s)
         self.name = check_token(name, "algorithm id")
@@ -101,6 +102,7 @@ class AlgorithmWorker(Role):
         self.tool_sft = dict(tool_sft or {})
         self.from_seq = max(1, from_seq)
         self.detach_floor = 0  # newest algorithm.detached seq for our id when we started
+        self.exit_when_done = exit_when_done  # attached by hand: exit once the run stopped
         self.metrics_interval_s = metrics_interval_s
         self.buffer = GroupBuffer()
         self.state: Any = algorithm.initial_state()
@@ -127,16 +129,21 @@ class AlgorithmWorker(Role):
         await self.catch_up()
 
     def background(self) -> list[Awaitable[Any]]:
-        return [self._report_metrics(), self._watch_detach()]
+        return [self._report_metrics(), self._watch_end()]
 
-    async def _watch_detach(self, interval_s: float = 1.0) -> None:
-        """Stop the worker when ``rlbus algorithm detach`` names it."""
+    async def _watch_end(self, interval_s: float = 1.0) -> None:
+        """Stop when ``rlbus algorithm detach`` names this worker, or (``exit_when_done``)
+        once the run has stopped and every stored trace is scored."""
         while not self.stop_event.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop_event.wait(), interval_s)
             if await last_seq(self.bus, Topic.ALGORITHM_DETACHED, self.name) > self.detach_floor:
                 self.log.info("algorithm.detached")
                 self.stop_event.set()
+            elif self.exit_when_done and await last_seq(self.bus, Topic.RUN_STOPPED) > 0:
+                if all([await c.pending() == 0 for c in self.consumers]):
+                    self.log.info("algorithm.done", scored=self.scored_total)
+                    self.stop_event.set()
 
     async def status(self) -> dict[str, object]:
         out = await super().status()
@@ -266,7 +273,12 @@ def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
 
 
 async def serve_worker(
-    ctx: RoleContext, name: str, registered: str, options: dict[str, Any], from_seq: int = 1
+    ctx: RoleContext,
+    name: str,
+    registered: str,
+    options: dict[str, Any],
+    from_seq: int = 1,
+    exit_when_done: bool = False,
 ) -> None:
     """Run one worker until SIGTERM or its detach (``rlbus role algorithm`` and ``attach``)."""
     check_token(name, "algorithm id")
@@ -276,6 +288,7 @@ async def serve_worker(
     worker = AlgorithmWorker(
         bus, ctx.instance, name, algorithm,
         scorer=scorer, tool_sft=tool_sft_rules(ctx.cfg), from_seq=from_seq,
+        exit_when_done=exit_when_done,
     )  # fmt: skip
     await serve_role(worker)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from roles.cli import core, model, role
+from roles.cli import algorithm, core, model, role
 from roles.cli.lake import lake_app, sql
 from roles.cli.replay import export, import_run, plot, replay_app, trace
 from roles.cli.rollout import rollout
@@ -42,6 +42,7 @@ def _setup() -> None:
 
 app.add_typer(role.app, name="role")
 app.add_typer(model.app, name="model")
+app.add_typer(algorithm.app, name="algorithm")
 
 
 def main() -> None:

@@ -33,7 +33,6 @@ def up(
 ) -> None:
     """Start a run: embedded NATS, every role as a process, a live view; Ctrl-C drains."""
     from configs import ConfigError, dump_toml, load_config
-
     from roles.algorithm.checks import check_routing
 
     try:
@@ -101,6 +100,7 @@ def status(
 
         from bus.registry import is_alive, list_roles
         from bus.runtime import Bus
+        from roles.context import read_run_started
 
         bus = await Bus.connect(url, run=run or "status", producer="cli")
         try:
@@ -126,6 +126,12 @@ def status(
                     "" if hb.pending is None else str(hb.pending), hb.consumer or "", f"{hb.host}:{hb.pid}",
                 )  # fmt: skip
             Console().print(table)
+            started = await read_run_started(bus)
+            if started is not None:
+                from configs import resolve
+                from roles.cli.algorithm import algorithm_rich_table
+
+                Console().print(await algorithm_rich_table(bus, resolve(started.config)))
         finally:
             await bus.close()
 

@@ -1,0 +1,200 @@
+"""``rlbus algorithm attach|detach|list``: algorithm workers on a live run.
+
+    rlbus algorithm attach max_rl --run R --shadow --from-start   # compare on the same rollouts
+    rlbus algorithm attach rloo --run R --env reverse-text        # train on it from now on
+    rlbus algorithm detach rloo --run R
+    rlbus algorithm list --run R
+
+``attach`` publishes ``algorithm.attached`` (the routing change is an event on the log,
+so the orchestrator, a restart and a replay all see it) and then runs the worker in the
+foreground until Ctrl-C or ``detach``. Attaching an id that is already attached resumes
+its worker (same consumer, same routing). Without ``--from-start`` the worker scores
+traces stored from the attach on; with it, the whole log first.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from roles.cli.common import run_async, server_for
+
+app = typer.Typer(help="Attach, detach and list algorithm workers of a run.", no_args_is_help=True)
+
+RUN = typer.Option(..., "--run", "-r", help="Run id.")
+URL = typer.Option(None, "--nats-url", help="NATS URL (default: the run's embedded server).")
+
+
+def _options(pairs: list[str]) -> dict[str, object]:
+    """``--option beta=0.5`` pairs as a dict; values parse as TOML (numbers, bools, lists)."""
+    import tomllib
+
+    out: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"--option {pair!r}: expected key=value")
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value  # a bare word: a string
+    return out
+
+
+@app.command("attach")
+def attach(
+    name: str = typer.Argument(..., help="Registered algorithm name or pkg.module:Class."),
+    run: str = RUN,
+    nats_url: str | None = URL,
+    env: list[str] = typer.Option(None, "--env", "-e", help="Train on these envs only (default: all)."),
+    shadow: bool = typer.Option(False, "--shadow", help="Score only: samples go to the log and the lake, never to training."),
+    from_start: bool = typer.Option(False, "--from-start", help="Score every trace of the log, not only new ones."),
+    algorithm_id: str | None = typer.Option(None, "--id", help="Worker id (default: the name's last part)."),
+    option: list[str] = typer.Option(None, "--option", "-o", help="Algorithm option key=value (repeatable)."),
+) -> None:  # fmt: skip
+    """Attach an algorithm worker to a live run and run it here until Ctrl-C or detach."""
+    from bus.log import configure
+    from bus.subjects import check_token, token_for
+    from roles.context import role_context
+
+    wid = algorithm_id or token_for(name.rsplit(":", 1)[-1])
+    check_token(wid, "algorithm id")
+    options = _options(option or [])
+    with server_for(run, nats_url) as url:
+        ctx = run_async(role_context(run, url, "algorithm", None, wid))
+        configure(run=run, role="algorithm", instance=ctx.instance)
+        from_seq = run_async(
+            _publish_attach(ctx, wid, name, options, env or [], shadow, from_start)
+        )
+        typer.echo(
+            f"attached {wid} ({name}, {'shadow' if shadow else 'training'}) to {run}; "
+            f"scoring traces from seq {from_seq}. Ctrl-C stops this worker (it stays attached); "
+            f"`rlbus algorithm detach {wid} --run {run}` detaches it.",
+            err=True,
+        )
+        from roles.algorithm.worker import serve_worker
+
+        run_async(serve_worker(ctx, wid, name, options, from_seq, exit_when_done=True))
+
+
+async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> int:  # type: ignore[no-untyped-def]
+    """Publish the attach event (or find the standing one); returns the worker's first seq."""
+    from bus.subjects import token_for
+    from roles.algorithm.attachments import attachment_events, current
+    from roles.algorithm.checks import algorithm_problems
+    from schemas import AlgorithmAttached
+
+    cfg = ctx.cfg
+    keys = {token_for(e.id): e.id for e in cfg.orchestrator.train.env}
+    env_keys = []
+    for e in envs:
+        key = token_for(e)
+        if key not in keys:
+            raise typer.BadParameter(
+                f"--env {e!r} is not an env of this run ({sorted(keys.values())})"
+            )
+        env_keys.append(key)
+    bus = await ctx.connect()
+    try:
+        standing = current(await attachment_events(bus)).get(wid)
+        if standing is not None:
+            if (standing.name, standing.options, standing.shadow) != (name, options, shadow):
+                raise typer.BadParameter(
+                    f"{wid!r} is attached as {standing.name} {standing.options} "
+                    f"(shadow={standing.shadow}); detach it first or pick another --id"
+                )
+            return standing.from_seq  # resume the standing attachment
+        if any(a.id == wid and not a.shadow for a in cfg.orchestrator.algorithms):
+            raise typer.BadParameter(
+                f"{wid!r} is a training algorithm of the config; pick another --id"
+            )
+        problems = algorithm_problems(cfg, f"attach {wid}", name, options, env_keys)
+        if problems:
+            raise typer.BadParameter("; ".join(problems))
+        # Not from the start: from the next stored event on (the attach event itself).
+        from_seq = 1 if from_start else (await bus.js.stream_info(bus.stream)).state.last_seq + 1
+        await bus.publish(
+            AlgorithmAttached(
+                run=ctx.run,
+                algorithm=wid,
+                name=name,
+                options=options,
+                envs=env_keys,
+                shadow=shadow,
+                from_seq=from_seq,
+            )  # fmt: skip
+        )
+        return from_seq
+    finally:
+        await bus.close()
+
+
+@app.command("detach")
+def detach(
+    algorithm_id: str = typer.Argument(..., help="The attached worker's id."),
+    run: str = RUN,
+    nats_url: str | None = URL,
+) -> None:
+    """Stop training on an algorithm's samples; its worker stops by itself."""
+
+    async def main(url: str) -> None:
+        from roles.algorithm.attachments import attachment_events, routing
+        from roles.context import role_context
+        from schemas import AlgorithmAttached, AlgorithmDetached
+
+        ctx = await role_context(run, url, "cli", None)
+        bus = await ctx.connect()
+        try:
+            events = await attachment_events(bus)
+            route = routing(ctx.cfg, events)
+            known = {a.id for a in ctx.cfg.orchestrator.algorithms} | {
+                e.algorithm for e in events if isinstance(e, AlgorithmAttached)
+            }
+            if algorithm_id not in known:
+                raise typer.BadParameter(f"{algorithm_id!r} is not an algorithm of run {run!r}")
+            orphaned = [env for env, ids in route.items() if ids == {algorithm_id}]
+            if orphaned:
+                raise typer.BadParameter(
+                    f"{algorithm_id!r} is the only training algorithm of {orphaned}: attach "
+                    "another one first, or the run would stall"
+                )
+            await bus.publish(AlgorithmDetached(run=run, algorithm=algorithm_id))
+            typer.echo(f"detached {algorithm_id} from {run}")
+        finally:
+            await bus.close()
+
+    with server_for(run, nats_url) as url:
+        run_async(main(url))
+
+
+@app.command("list")
+def list_algorithms(run: str = RUN, nats_url: str | None = URL) -> None:
+    """Every algorithm of the run: config or attached, training or shadow, envs and lag."""
+    from rich.console import Console
+
+    async def main(url: str) -> None:
+        from roles.context import role_context
+
+        ctx = await role_context(run, url, "cli", None)
+        bus = await ctx.connect()
+        try:
+            Console().print(await algorithm_rich_table(bus, ctx.cfg))
+        finally:
+            await bus.close()
+
+    with server_for(run, nats_url) as url:
+        run_async(main(url))
+
+
+async def algorithm_rich_table(bus, cfg):  # type: ignore[no-untyped-def]
+    """The algorithms table of ``list`` and ``rlbus status``."""
+    from rich.table import Table
+
+    from roles.algorithm.attachments import algorithm_table
+
+    table = Table("algorithm", "name", "source", "mode", "envs", "lag", title="algorithms")
+    for row in await algorithm_table(bus, cfg):
+        table.add_row(
+            row.id, row.name, row.source, "shadow" if row.shadow else "train",
+            ", ".join(row.envs) or "-", "-" if row.lag is None else str(row.lag),
+        )  # fmt: skip
+    return table
