@@ -53,6 +53,7 @@ class RunTables:
     eval: pl.LazyFrame
     weights: pl.LazyFrame
     dead_letters: pl.LazyFrame
+    algorithms: pl.LazyFrame
 
     @property
     def train_metrics(self) -> pl.LazyFrame:

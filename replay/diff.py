@@ -80,6 +80,10 @@ class Mismatch:
         return f"step {self.step}: {self.name} differs: recorded {rec}, replayed {rep}{diff}"
 
 
+# Metrics a newer trainer reports under another name (old name -> new name).
+RENAMED = {"sft_tokens": "ce_tokens"}
+
+
 def diff_step(recorded: StepRecord, replayed: StepRecord) -> list[Mismatch]:
     """Every deterministic difference of one step: metrics in recorded order, then the digest.
 
@@ -91,7 +95,7 @@ def diff_step(recorded: StepRecord, replayed: StepRecord) -> list[Mismatch]:
     for name, value in recorded.metrics.items():
         if is_timing(name):
             continue
-        other = replayed.metrics.get(name)
+        other = replayed.metrics.get(RENAMED.get(name, name))
         if not same_float(value, other):
             out.append(Mismatch(recorded.step, name, float(value), other))
     if recorded.digest is not None and recorded.digest != replayed.digest:

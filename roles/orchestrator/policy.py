@@ -187,6 +187,7 @@ class Decider:
                 max_turns=env.max_turns,
                 args=dict(env.args),
                 phase=phase,
+                algorithms=sorted(s.trains_on[phase].get(token_for(env.id), ())),
             )  # fmt: skip
         )
         return group_size

@@ -93,7 +93,9 @@ class OrchestratorState:
                 self.stopped = event
             case TaskRequested(task=task) if task.split == "train":
                 self.dispatched += 1
-                algorithms = set(self.trains_on[event.phase].get(event.env, ()))
+                algorithms = set(event.algorithms) or set(
+                    self.trains_on[event.phase].get(event.env, ())
+                )
                 self.groups[event.group_id] = Group(event, waiting_for=algorithms)
             case TaskRequested():
                 round_ = self.eval_rounds.setdefault(

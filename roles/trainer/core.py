@@ -38,7 +38,7 @@ import torch
 from configs import RunConfig
 from roles.model.loading import load_model, resolve_device
 from roles.model.weights import digest, load_state_bytes, state_dict_to_bytes
-from roles.trainer.loss import LossStats, loss_denominator, policy_loss
+from roles.trainer.loss import LossStats, loss_denominators, policy_loss
 from roles.trainer.packing import collate, pack
 from schemas import BatchAssembled, stable_seed
 
@@ -134,7 +134,8 @@ class TrainerCore:
         samples = batch.samples
         groups = pack([len(s) for s in samples], cfg.seq_len, cfg.micro_batch_size)
         mbs = [collate(samples, g, self.pad_id) for g in groups]
-        denominator = loss_denominator([mb.loss for mb in mbs], batch.phase, cfg.loss.normalize)
+        # Per channel, over every micro-batch before the first backward (see trainer.loss).
+        denominators = loss_denominators([mb.loss for mb in mbs], batch.phase, cfg.loss.normalize)
         stats = LossStats()
         with self._deterministic(batch.step):
             self.optimizer.zero_grad(set_to_none=True)
@@ -143,7 +144,7 @@ class TrainerCore:
                     continue  # one-token samples predict nothing
                 logits = self.model(input_ids=mb.input_ids.to(self.device), use_cache=False).logits
                 loss, s = policy_loss(
-                    logits[:, :-1], mb.loss.to(self.device), cfg.loss, batch.phase, denominator
+                    logits[:, :-1], mb.loss.to(self.device), cfg.loss, batch.phase, denominators
                 )
                 if s.loss_tokens:
                     loss.backward()

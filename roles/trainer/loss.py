@@ -62,7 +62,9 @@ first backward.
 Metrics (``LossStats``, summed over micro-batches then ``finalize``d):
 
 - ``loss`` and its per-channel parts ``loss_rl``, ``loss_ce``, ``loss_ref`` (each
-  channel's normalised contribution; 0.0 for an empty channel);
+  channel's normalised contribution; 0.0 for an empty channel). ``loss_ref`` is a
+  surrogate: its gradient is the point, its value (``sum beta*rho*(lp1-ref)*lp1``) has
+  no meaning of its own; ``ref_kl`` is the number to watch;
 - ``entropy``: mean full-vocab entropy over all loss positions, at the temperature ``lpT``
   uses there (the sampling temperature on rl and sampled ref positions, 1 elsewhere);
 - over rl positions: ``mismatch_kl`` (mean k3 between inference and trainer logprobs),

@@ -12,6 +12,11 @@ sequence than the one that was sampled).
 ``[B, L-1]``: position ``t`` of the loss batch is token ``t+1`` of the sample, predicted
 by the logits at ``t``. The first token of a sample is never trained. Right padding
 needs no attention mask in a causal model: real tokens never attend to later pads.
+The loss channels' arrays (``roles.trainer.loss``) default to "not in the channel":
+``ce_weights`` is the sample's own array, else 1 on its ``sft_mask`` positions, else 0;
+``ref_logprobs`` and ``ref_weights`` are 0 where the sample has none (a sample with
+``ref_weights`` but no ``ref_logprobs`` is an error: it has nothing to be pulled toward).
+Every per-token array must have one entry per token.
 
     groups = pack([len(s) for s in batch.samples], seq_len=2048)
     mbs = [collate(batch.samples, g, pad_id=0) for g in groups]
@@ -48,6 +53,13 @@ def pack(lengths: Sequence[int], seq_len: int, max_rows: int | None = None) -> l
     return bins
 
 
+# Sample.arrays() keys with one entry per token (the optional ones checked when present).
+_PER_TOKEN = (
+    "mask", "logprobs", "temperatures", "advantages",
+    "sft_mask", "ce_weights", "ref_logprobs", "ref_weights",
+)  # fmt: skip
+
+
 @dataclass
 class MicroBatch:
     indices: list[int]  # positions of its samples in the batch
@@ -72,13 +84,18 @@ def collate(samples: Sequence[Sample], indices: Sequence[int], pad_id: int = 0) 
     lp = np.zeros((b, t), dtype=np.float32)
     temps = np.ones((b, t), dtype=np.float32)
     adv = np.zeros((b, t), dtype=np.float32)
+    ce_w = np.zeros((b, t), dtype=np.float32)
+    ref_lp = np.zeros((b, t), dtype=np.float32)
+    ref_w = np.zeros((b, t), dtype=np.float32)
     for k, (r, n) in enumerate(zip(rows, lengths, strict=True)):
-        for name in ("mask", "logprobs", "temperatures", "advantages"):
-            if len(r[name]) != n:
+        rollout_id = samples[indices[k]].rollout_id
+        for name in _PER_TOKEN:
+            if name in r and len(r[name]) != n:
                 raise ValueError(
-                    f"sample {samples[indices[k]].rollout_id}: {name} has {len(r[name])} "
-                    f"entries for {n} tokens"
+                    f"sample {rollout_id}: {name} has {len(r[name])} entries for {n} tokens"
                 )
+        if "ref_weights" in r and "ref_logprobs" not in r and bool((r["ref_weights"] > 0).any()):
+            raise ValueError(f"sample {rollout_id}: ref_weights without ref_logprobs")
         ids[k, :n] = r["token_ids"]
         if n < 2:
             continue
@@ -88,6 +105,14 @@ def collate(samples: Sequence[Sample], indices: Sequence[int], pad_id: int = 0) 
         lp[k, : n - 1] = r["logprobs"][1:]
         temps[k, : n - 1] = r["temperatures"][1:]
         adv[k, : n - 1] = r["advantages"][1:]
+        if "ce_weights" in r:
+            ce_w[k, : n - 1] = r["ce_weights"][1:]
+        elif "sft_mask" in r:
+            ce_w[k, : n - 1] = r["sft_mask"][1:]  # no weights: 1 on every ce position
+        if "ref_logprobs" in r:
+            ref_lp[k, : n - 1] = r["ref_logprobs"][1:]
+        if "ref_weights" in r:
+            ref_w[k, : n - 1] = r["ref_weights"][1:]
     input_ids = torch.from_numpy(ids)
     loss = LossBatch(
         targets=input_ids[:, 1:].clone(),
@@ -96,5 +121,8 @@ def collate(samples: Sequence[Sample], indices: Sequence[int], pad_id: int = 0) 
         inference_logprobs=torch.from_numpy(lp),
         temperatures=torch.from_numpy(temps),
         advantages=torch.from_numpy(adv),
+        ce_weights=torch.from_numpy(ce_w),
+        ref_logprobs=torch.from_numpy(ref_lp),
+        ref_weights=torch.from_numpy(ref_w),
     )
     return MicroBatch(list(indices), input_ids, loss, lengths)

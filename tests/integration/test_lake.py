@@ -26,9 +26,9 @@ from tests.samples import every_event, trace
 pytestmark = pytest.mark.nats
 
 FIRST = {
-    "events": 10, "runs": 2, "tasks": 1, "rollouts": 2, "rollout_tokens": 2, "samples": 1,
+    "events": 12, "runs": 2, "tasks": 1, "rollouts": 2, "rollout_tokens": 2, "samples": 1,
     "sample_tokens": 1, "batches": 1, "batch_samples": 2, "metrics": 2, "eval": 0, "weights": 1,
-    "dead_letters": 1,
+    "dead_letters": 1, "algorithms": 2,
 }  # fmt: skip
 
 
@@ -64,13 +64,13 @@ async def test_sync_is_incremental_and_idempotent(bus: Bus, tmp_path: Path) -> N
     lake = lake_dir(tmp_path, bus.run)
     await bus.publish_many(every_event(bus.run))
     first = await sync_run(bus, lake)
-    assert (first.start_seq, first.last_seq, first.events) == (1, 10, 10)
+    assert (first.start_seq, first.last_seq, first.events) == (1, 12, 12)
     assert first.rows == {t: n for t, n in FIRST.items() if n}
     assert counts(tmp_path, bus.run) == FIRST
     files = n_parts(lake)
 
     again = await sync_run(bus, lake)
-    assert (again.events, again.rows, again.start_seq) == (0, {}, 11)
+    assert (again.events, again.rows, again.start_seq) == (0, {}, 13)
     assert n_parts(lake) == files and counts(tmp_path, bus.run) == FIRST
 
     await bus.publish_many(traces(bus.run, 3))
@@ -162,7 +162,7 @@ async def test_crash_leftovers_are_repaired(bus: Bus, tmp_path: Path) -> None:
     repair(lake)
     assert len(parts(lake, "rollouts")) == 1
     assert counts(tmp_path, bus.run) == expected
-    assert load_state(lake)["tables"]["rollouts"] == 12
+    assert load_state(lake)["tables"]["rollouts"] == len(every_event()) + 2
 
 
 async def test_reader_from_time_filtered_and_following(bus: Bus) -> None:
@@ -201,7 +201,7 @@ async def test_open_run_syncs_through_a_server(
     """open_run(sync=True) syncs first (here from async code, on its own thread)."""
     await bus.publish_many(every_event(bus.run))
     tables = replay.open_run(bus.run, tmp_path, sync=True, nats_url=nats_server.url)
-    assert tables.synced is not None and tables.synced.events == 10
+    assert tables.synced is not None and tables.synced.events == 12
     assert tables.rollouts.collect().height == 2
     assert tables.rollouts.select("batch_step").collect().to_series().to_list() == [3, 3]
     assert replay.open_run(bus.run, tmp_path, nats_url=nats_server.url).synced.events == 0  # type: ignore[union-attr]
@@ -226,9 +226,9 @@ async def test_live_lake_role_follows_the_run(
             await asyncio.sleep(0.05)
 
     await bus.publish_many(every_event(bus.run))
-    await asyncio.wait_for(synced_to(10), 10)
-    await bus.publish_many(traces(bus.run, 2))
     await asyncio.wait_for(synced_to(12), 10)
+    await bus.publish_many(traces(bus.run, 2))
+    await asyncio.wait_for(synced_to(14), 10)
     stop.set()
     await asyncio.wait_for(task, 10)
     assert counts(tmp_path, bus.run)["rollouts"] == 4

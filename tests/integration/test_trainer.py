@@ -165,7 +165,7 @@ async def test_trainer_publishes_weights_per_batch_and_resumes(
         ("trainer", s, s) for s in (1, 2, 3, 4)
     ]
     assert all({"loss", "grad_norm", "entropy", "lr", "wait_s"} <= m.values.keys() for m in metrics)
-    assert metrics[0].values["sft_tokens"] > 0 and metrics[1].values["rl_tokens"] > 0
+    assert metrics[0].values["ce_tokens"] > 0 and metrics[1].values["rl_tokens"] > 0
     # Steps 1-3 came through the durable consumer, step 4 through the restart's catch-up.
     assert all(m.values["wait_s"] > 0 for m in metrics[:3]) and metrics[3].values["wait_s"] == 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -72,6 +73,25 @@ def test_collate_shifts_targets_and_per_token_arrays_by_one() -> None:
     np.testing.assert_allclose(loss.inference_logprobs[0].numpy(), [-0.1, -0.2, -0.3], rtol=1e-6)
     assert loss.advantages[1, 0] == 20.0 and loss.advantages[1, 1] == 0.0
     assert loss.temperatures.dtype == torch.float32
+    # channel defaults: ce weight 1 on the sample's sft_mask, nothing in the ref channel
+    assert loss.ce_weights.tolist() == [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+    assert not loss.ref_weights.any() and not loss.ref_logprobs.any()
+    assert loss.ce_weights.dtype == loss.ref_weights.dtype == torch.float32
+
+
+def test_collate_aligns_channel_arrays_like_the_others() -> None:
+    """ce_weights, ref_logprobs and ref_weights are shifted by one and zero-padded."""
+    with_channels = msgspec.structs.replace(
+        _sample([30, 31, 32, 33], sft=True),
+        ce_weights=pack_f32([9.0, 0.5, 0.25, 0.125]),
+        ref_logprobs=pack_f32([-9.0, -1.0, -2.0, -3.0]),
+        ref_weights=pack_f32([9.0, 0.0, 0.1, 0.2]),
+    )
+    plain = _sample([40, 41])
+    loss = collate([with_channels, plain], [0, 1]).loss
+    assert loss.ce_weights.tolist() == [[0.5, 0.25, 0.125], [0.0, 0.0, 0.0]]
+    assert loss.ref_logprobs.tolist() == [[-1.0, -2.0, -3.0], [0.0, 0.0, 0.0]]
+    np.testing.assert_allclose(loss.ref_weights.numpy(), [[0.0, 0.1, 0.2], [0, 0, 0]], rtol=1e-6)
 
 
 def test_collate_rejects_misaligned_arrays() -> None:
@@ -82,4 +102,22 @@ def test_collate_rejects_misaligned_arrays() -> None:
         temperatures=pack_f32([1, 1, 1]), advantages=pack_f32([0, 0, 0]),
     )  # fmt: skip
     with pytest.raises(ValueError, match="mask has 2 entries for 3 tokens"):
+        collate([bad], [0])
+
+
+@pytest.mark.parametrize("name", ["sft_mask", "ce_weights", "ref_logprobs", "ref_weights"])
+def test_collate_rejects_misaligned_channel_arrays(name: str) -> None:
+    """The optional channel arrays are length-checked too."""
+    value = pack_mask([1, 1]) if name == "sft_mask" else pack_f32([0.5, 0.5])
+    bad = msgspec.structs.replace(_sample([1, 2, 3]), **{name: value})
+    if name == "ref_weights":
+        bad = msgspec.structs.replace(bad, ref_logprobs=pack_f32([0, 0, 0]))
+    with pytest.raises(ValueError, match=f"{name} has 2 entries for 3 tokens"):
+        collate([bad], [0])
+
+
+def test_collate_rejects_ref_weights_without_reference_logprobs() -> None:
+    """A ref_kl weight with nothing to pull toward is an error, not a pull toward logprob 0."""
+    bad = msgspec.structs.replace(_sample([1, 2, 3]), ref_weights=pack_f32([0, 0.1, 0.1]))
+    with pytest.raises(ValueError, match="ref_weights without ref_logprobs"):
         collate([bad], [0])

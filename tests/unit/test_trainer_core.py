@@ -155,6 +155,42 @@ def test_sft_steps_reduce_cross_entropy(tiny_dir: Path, cfg: RunConfig) -> None:
     assert losses[-1] < losses[0] - 0.3
 
 
+def with_channels(sample: Sample) -> Sample:
+    """``sample`` plus a ce channel on its last prompt tokens (like tool output: sft_mask=1,
+    mask=0, weight 0.5) and a ref_kl channel on its completion (beta 0.1)."""
+    a = sample.arrays()
+    mask = a["mask"].astype(bool)
+    n, p = len(mask), int(np.argmax(mask))
+    tool = np.zeros(n, dtype=bool)
+    tool[p - 4 : p] = True
+    return msgspec.structs.replace(
+        sample,
+        sft_mask=pack_mask(tool.tolist()),
+        ce_weights=pack_f32(np.where(tool, 0.5, 0.0).tolist()),
+        ref_logprobs=pack_f32((a["logprobs"] - 0.5).tolist()),
+        ref_weights=pack_f32(np.where(mask, 0.1, 0.0).tolist()),
+    )
+
+
+def test_three_channel_batch_trains_and_reports_channel_metrics(
+    tiny_dir: Path, cfg: RunConfig
+) -> None:
+    """An rl batch with rl, ce and ref_kl tokens reports each channel; repeated steps lower ce_nll."""
+    batch = synthetic_batch("channels", 1, n_samples=4)
+    batch = msgspec.structs.replace(batch, samples=[with_channels(s) for s in batch.samples])
+    core = TrainerCore(cfg, tiny_dir)
+    metrics = []
+    for step in range(1, 5):
+        metrics.append(core.train_step(msgspec.structs.replace(batch, step=step)))
+    m = metrics[0]
+    completion = sum(int(s.arrays()["mask"].sum()) for s in batch.samples)
+    assert (m["ce_tokens"], m["rl_tokens"], m["ref_tokens"]) == (16, completion, completion)
+    assert m["loss_tokens"] == 16 + completion
+    assert m["loss"] == pytest.approx(m["loss_rl"] + m["loss_ce"] + m["loss_ref"], rel=1e-5)
+    assert m["ce_nll"] > 0 and m["ref_kl"] > 0 and "sft_tokens" not in m
+    assert metrics[-1]["ce_nll"] < metrics[0]["ce_nll"]
+
+
 def test_lr_schedules() -> None:
     """Warmup ramps linearly; linear/cosine decay over max_steps; SFT batches use warmup.lr."""
 
