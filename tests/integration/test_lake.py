@@ -75,10 +75,10 @@ async def test_sync_is_incremental_and_idempotent(bus: Bus, tmp_path: Path) -> N
 
     await bus.publish_many(traces(bus.run, 3))
     more = await sync_run(bus, lake)
-    assert (more.start_seq, more.last_seq, more.events) == (11, 13, 3)
+    assert (more.start_seq, more.last_seq, more.events) == (13, 15, 3)
     assert more.rows == {"events": 3, "rollouts": 3, "rollout_tokens": 3}
-    assert parts(lake, "rollouts")[-1][:2] == (11, 13)
-    expected = {**FIRST, "events": 13, "rollouts": 5, "rollout_tokens": 5}
+    assert parts(lake, "rollouts")[-1][:2] == (13, 15)
+    expected = {**FIRST, "events": 15, "rollouts": 5, "rollout_tokens": 5}
     assert counts(tmp_path, bus.run) == expected
 
     # the polars API sees the same rows, lazily
