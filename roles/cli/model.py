@@ -28,3 +28,45 @@ def init(
     tiny.pop("init_seed", None)
     summary = init_model(out, seed=seed, **tiny)
     typer.echo(json.dumps(summary, indent=2, default=str))
+
+
+@app.command("export")
+def export(
+    run: str = typer.Argument(..., help="Run id whose trained policy to export."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory to write the model to."),
+    step: int | None = typer.Option(None, "--step", help="Checkpoint step (default: newest)."),
+    data_dir: Path = typer.Option(
+        None, "--data-dir", help="Runs directory (default: $RLBUS_DATA_DIR or runs)."
+    ),
+) -> None:
+    """Write a run's checkpoint as a loadable model directory (Hugging Face layout).
+
+    The config and tokenizer files come from the run's initial model, the weights from
+    the checkpoint: use it as `[orchestrator.models.<key>] path` (a reference for opd, a
+    teacher) or as `model.path` of a new run.
+    """
+    import shutil
+
+    from roles.cli.common import DATA_DIR
+    from roles.model.loading import INITIAL_SUBDIR
+    from roles.trainer.core import CHECKPOINTS_SUBDIR, latest_checkpoint
+
+    run_dir = Path(data_dir or DATA_DIR) / run
+    initial = run_dir / INITIAL_SUBDIR
+    if not (initial / "config.json").exists():
+        raise typer.BadParameter(
+            f"no initial model at {initial} (was {run!r} run with the tiny model?)"
+        )
+    ckpt = (
+        latest_checkpoint(run_dir)
+        if step is None
+        else run_dir / CHECKPOINTS_SUBDIR / f"step-{step:08d}"
+    )
+    if ckpt is None or not (ckpt / "model.safetensors").exists():
+        raise typer.BadParameter(f"no checkpoint {'' if step is None else step} under {run_dir}")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in initial.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, out / f.name)
+    shutil.copy2(ckpt / "model.safetensors", out / "model.safetensors")
+    typer.echo(json.dumps({"out": str(out), "checkpoint": str(ckpt)}))

@@ -77,3 +77,53 @@ async def test_status_lists_live_roles(nats_server: EmbeddedServer, bus: Bus) ->
     out = rlbus("status", "--run", bus.run, "--nats-url", nats_server.url)
     assert out.returncode == 0, out.stderr
     assert "trainer-x" in out.stdout and "alive" in out.stdout
+
+
+def test_model_export_writes_a_loadable_model_with_the_checkpoint_weights(tmp_path: Path) -> None:
+    """`rlbus model export` = the run's config/tokenizer + the chosen checkpoint's weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    from roles.model.loading import ensure_tiny_model, load_model
+
+    run_dir = tmp_path / "r1"
+    initial = ensure_tiny_model(run_dir, {"hidden_size": 32, "num_layers": 1}, seed=0)
+    model = load_model(initial)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    name = next(k for k in state if k.endswith("norm.weight"))
+    for step, value in ((1, 0.5), (2, 2.0)):
+        state[name] = torch.full_like(state[name], value)
+        ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
+        ckpt.mkdir(parents=True)
+        save_file(state, ckpt / "model.safetensors")
+        (ckpt / "state.json").write_text("{}")
+    out = rlbus(
+        "model", "export", "r1", "--out", str(tmp_path / "out"), "--data-dir", str(tmp_path)
+    )
+    assert out.returncode == 0, out.stderr
+    newest = load_model(tmp_path / "out")
+    assert torch.all(newest.state_dict()[name] == 2.0)
+    rlbus(
+        "model",
+        "export",
+        "r1",
+        "--out",
+        str(tmp_path / "s1"),
+        "--step",
+        "1",
+        "--data-dir",
+        str(tmp_path),
+    )
+    assert torch.all(load_model(tmp_path / "s1").state_dict()[name] == 0.5)
+    missing = rlbus(
+        "model",
+        "export",
+        "r1",
+        "--out",
+        str(tmp_path / "x"),
+        "--step",
+        "9",
+        "--data-dir",
+        str(tmp_path),
+    )
+    assert missing.returncode == 2 and "no checkpoint 9" in missing.stderr
