@@ -3,7 +3,7 @@
 Conversation (char tokens are precious: the tiny model has 256 positions)::
 
     system:    Use calc.
-    user:      12+34                    (a+b, a and b two-digit numbers from the seed)
+    user:      12+34                    (a+b; a, b in [low, high], default 10..99)
     assistant: 12+34                    turn 1: the whole message is the tool call
     tool:      46        (name "calc")  the env evaluates it; rendered <|tool|>calc:46<|end|>
     assistant: 46                       turn 2: the answer; the episode ends (max_turns 2)
@@ -123,8 +123,14 @@ def target(task: dict[str, Any]) -> str:
 
 
 class CalcTasks(GeneratedTaskset):
+    def __init__(self, low: int = 10, high: int = 99, **kw: Any) -> None:
+        if not 0 <= low <= high:
+            raise ValueError(f"need 0 <= low <= high, got {low}, {high}")
+        super().__init__(**kw)
+        self.low, self.high = low, high
+
     def generate(self, rng: random.Random) -> dict[str, Any]:
-        return {"a": rng.randint(10, 99), "b": rng.randint(10, 99)}
+        return {"a": rng.randint(self.low, self.high), "b": rng.randint(self.low, self.high)}
 
     def key(self, task: dict[str, Any]) -> str:
         return expression(task)
@@ -176,11 +182,18 @@ def tool_ok(messages: Messages, task: dict[str, Any], state: State) -> float:
     return float(bool(answers) and calc(answers[0]) == target(task))
 
 
-def make_env(seed: int = 0, train_size: int = 100_000, eval_size: int = 1_000) -> Environment:
-    args = dict(seed=seed, train_size=train_size, eval_size=eval_size)
+def make_env(
+    seed: int = 0,
+    train_size: int = 100_000,
+    eval_size: int = 1_000,
+    low: int = 10,
+    high: int = 99,
+) -> Environment:
+    """Operands a and b are drawn from [low, high] (two-digit numbers by default)."""
+    args = dict(seed=seed, train_size=train_size, eval_size=eval_size, low=low, high=high)
     return Environment(
         "tool-calc",
-        CalcTasks(seed=seed, train_size=train_size, eval_size=eval_size),
+        CalcTasks(low, high, seed=seed, train_size=train_size, eval_size=eval_size),
         CalcHarness(SYSTEM_PROMPT),
         Rubric({"answer": answer_reward, "tool_ok": tool_ok}, weights={"tool_ok": 0.0}),
         args,
