@@ -1,4 +1,4 @@
-"""Start-time checks of which algorithm runs on which env (``rlbus up``, workers, attach).
+"""Start-time checks of which algorithm runs on which env (``rlbus up`` and ``attach``).
 
     problems = routing_problems(cfg)      # [] or one message per problem, naming the key
 
@@ -54,6 +54,11 @@ def algorithm_problems(
     problems = []
     models = cfg.orchestrator.models
     for key in algorithm.models():
+        if key in models and models[key].kind == "teacher":
+            problems.append(
+                f"{where} ({algorithm.name}) scores with model {key!r}, which is served by the "
+                f'scripted teacher (kind = "teacher") and cannot score; use kind = "reference"'
+            )
         if key != POLICY and key not in models:
             problems.append(
                 f"{where} ({algorithm.name}) scores with model {key!r}, which is not a key of "
@@ -72,6 +77,13 @@ def routing_problems(cfg: RunConfig) -> list[str]:
     """Every algorithm of the config checked against the envs it scores."""
     o = cfg.orchestrator
     problems = []
+    shadows = {a.id for a in o.algorithms if a.shadow}
+    for i, env in enumerate(o.train.env):
+        if env.algorithms and set(env.algorithms) <= shadows:
+            problems.append(
+                f"`orchestrator.train.env.{i}.algorithms` names only shadow algorithms "
+                f"{env.algorithms}: nothing would train on {env.id!r}"
+            )
     for i, a in enumerate(o.algorithms):
         routed = [] if a.shadow else [e.id for e in o.train.env if a.id in (e.algorithms or [a.id])]
         if not a.shadow and not routed:

@@ -83,9 +83,10 @@ def branch_views(trace: Trace) -> list[BranchView]:
 def env_token_masks(
     trace: Trace, roles: Collection[str] = ("tool",), names: Collection[str] | None = None
 ) -> list[np.ndarray]:
-    """Per branch: content tokens of env messages with a role in ``roles`` (and, when
-    ``names`` is given, a name in it) that come after the branch's first sampled
-    response. A message shared by branches is marked in the first one only."""
+    """Per branch: content tokens of env messages with a role in ``roles`` (tool
+    messages only when ``names`` is None or their name is in it) that come after the
+    branch's first sampled response. A message shared by branches is marked in the
+    first one only."""
     by_id = {m.id: m for m in trace.messages}
     seen: set[int] = set()
     masks = []
@@ -95,7 +96,8 @@ def env_token_masks(
         for mid in branch.messages:
             m = by_id[mid]
             part = np.zeros(len(m.token_ids) // 4, bool)
-            wanted = m.role in roles and (names is None or m.name in names)
+            # the name allow-list is about tools: user feedback has no tool name
+            wanted = m.role in roles and (m.role != "tool" or names is None or m.name in names)
             if responded and wanted and m.content_span is not None and mid not in seen:
                 start, end = m.content_span
                 part[start:end] = True

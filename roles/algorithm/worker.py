@@ -55,6 +55,15 @@ def algorithm_spec(cfg: RunConfig, algorithm_id: str) -> tuple[str, dict[str, An
     return algorithm_id, {}
 
 
+def routed_envs(cfg: RunConfig, algorithm_id: str) -> set[str] | None:
+    """Env keys a config algorithm trains on (None: every env, e.g. a shadow or warm start)."""
+    spec = next((a for a in cfg.orchestrator.algorithms if a.id == algorithm_id), None)
+    if spec is None or spec.shadow:
+        return None
+    envs = cfg.orchestrator.train.env
+    return {token_for(e.id) for e in envs if not e.algorithms or algorithm_id in e.algorithms}
+
+
 def tool_sft_rules(cfg: RunConfig) -> dict[str, ToolSft]:
     """Env key -> its tool-output SFT rule, for envs with ``sft.on_tool_outputs``."""
     return {
@@ -94,6 +103,7 @@ class AlgorithmWorker(Role):
         tool_sft: dict[str, ToolSft] | None = None,
         from_seq: int = 1,
         exit_when_done: bool = False,
+        envs: set[str] | None = None,
     ):
         super().__init__(bus, instance, heartbeat_interval_s)
         self.name = check_token(name, "algorithm id")
@@ -103,6 +113,7 @@ class AlgorithmWorker(Role):
         self.from_seq = max(1, from_seq)
         self.detach_floor = 0  # newest algorithm.detached seq for our id when we started
         self.exit_when_done = exit_when_done  # attached by hand: exit once the run stopped
+        self.envs = envs  # env keys whose groups it scores (None: every env)
         self.metrics_interval_s = metrics_interval_s
         self.buffer = GroupBuffer()
         self.state: Any = algorithm.initial_state()
@@ -132,15 +143,19 @@ class AlgorithmWorker(Role):
         return [self._report_metrics(), self._watch_end()]
 
     async def _watch_end(self, interval_s: float = 1.0) -> None:
-        """Stop when ``rlbus algorithm detach`` names this worker, or (``exit_when_done``)
-        once the run has stopped and every stored trace is scored."""
+        """For a worker attached by hand (``exit_when_done``): stop when ``rlbus algorithm
+        detach`` names it, or once the run has stopped and every stored trace is scored.
+        A worker ``rlbus up`` supervises keeps running when detached (its samples no
+        longer train; the supervisor would only restart it)."""
+        if not self.exit_when_done:
+            return
         while not self.stop_event.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop_event.wait(), interval_s)
             if await last_seq(self.bus, Topic.ALGORITHM_DETACHED, self.name) > self.detach_floor:
                 self.log.info("algorithm.detached")
                 self.stop_event.set()
-            elif self.exit_when_done and await last_seq(self.bus, Topic.RUN_STOPPED) > 0:
+            elif await last_seq(self.bus, Topic.RUN_STOPPED) > 0:
                 if all([await c.pending() == 0 for c in self.consumers]):
                     self.log.info("algorithm.done", scored=self.scored_total)
                     self.stop_event.set()
@@ -186,6 +201,8 @@ class AlgorithmWorker(Role):
         return []
 
     async def _add(self, event: TraceCompleted) -> None:
+        if self.envs is not None and event.env not in self.envs:
+            return  # not routed here: scoring it would only cost (distillation: a model call)
         self.last_step = max(self.last_step, event.step)
         group = self.buffer.add(event)
         if group is None:
@@ -279,6 +296,7 @@ async def serve_worker(
     options: dict[str, Any],
     from_seq: int = 1,
     exit_when_done: bool = False,
+    envs: set[str] | None = None,
 ) -> None:
     """Run one worker until SIGTERM or its detach (``rlbus role algorithm`` and ``attach``)."""
     check_token(name, "algorithm id")
@@ -288,7 +306,7 @@ async def serve_worker(
     worker = AlgorithmWorker(
         bus, ctx.instance, name, algorithm,
         scorer=scorer, tool_sft=tool_sft_rules(ctx.cfg), from_seq=from_seq,
-        exit_when_done=exit_when_done,
+        exit_when_done=exit_when_done, envs=envs,
     )  # fmt: skip
     await serve_role(worker)
 
@@ -296,4 +314,4 @@ async def serve_worker(
 async def main(ctx: RoleContext, name: str) -> None:
     """Entry point of ``rlbus role algorithm --name <id>``."""
     registered, options = algorithm_spec(ctx.cfg, name)
-    await serve_worker(ctx, name, registered, options)
+    await serve_worker(ctx, name, registered, options, envs=routed_envs(ctx.cfg, name))

@@ -73,7 +73,8 @@ def attach(
         )
         from roles.algorithm.worker import serve_worker
 
-        run_async(serve_worker(ctx, wid, name, options, from_seq, exit_when_done=True))
+        envs = {token_for(e) for e in env} if env and not shadow else None
+        run_async(serve_worker(ctx, wid, name, options, from_seq, exit_when_done=True, envs=envs))
 
 
 async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> int:  # type: ignore[no-untyped-def]

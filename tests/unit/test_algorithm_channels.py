@@ -159,3 +159,10 @@ def test_rae_matches_a_hand_computed_ema_sequence_and_its_fold() -> None:
     replayed = rae.fold(rae.fold(rae.initial_state(), s1), s2)
     assert replayed == rae.fold(state, s2)
     assert rae.stateful and rae.needs_members
+
+
+def test_tool_name_allow_list_leaves_user_feedback_alone() -> None:
+    """tool_names filters tool messages only; include_user still adds user feedback."""
+    echo = create("echo", {"alpha": 1.0, "include_user": True, "tool_names": ["calc"]})
+    (s,) = score_group("echo", echo, [completed(tool_trace(), 1)]).samples
+    assert np.flatnonzero(mask(s.sft_mask)).tolist() == CALC + USER_FEEDBACK

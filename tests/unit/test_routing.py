@@ -128,3 +128,18 @@ def test_routing_checks_name_the_offending_algorithm() -> None:
     assert routing_problems(ok) == []
     bad_option = load_config("smoke", ['orchestrator.algorithms=[{id="echo",options={alpha=-1}}]'])
     assert "alpha must be >= 0" in routing_problems(bad_option)[0]
+
+
+def test_routing_checks_catch_untrainable_envs_and_teacher_references() -> None:
+    """An env routed only to shadows would stall; a scripted teacher cannot score for opd."""
+    shadow_only = load_config("smoke", [
+        'orchestrator.algorithms=[{id="grpo"},{id="watch",name="max_rl",shadow=true}]',
+        'orchestrator.train.env.0.algorithms=["watch"]',
+    ])  # fmt: skip
+    (problem,) = routing_problems(shadow_only)
+    assert "names only shadow algorithms" in problem and "reverse-text" in problem
+    teacher_ref = load_config(
+        "smoke", ['orchestrator.algorithms=[{id="opd",options={reference="teacher"}}]']
+    )
+    (problem,) = routing_problems(teacher_ref)
+    assert "scripted teacher" in problem and 'kind = "reference"' in problem
