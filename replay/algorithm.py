@@ -8,12 +8,16 @@ give the same advantages, bit for bit. Replay reads ``trace.completed.*`` in log
 groups traces by group id exactly as the worker does (``GroupBuffer``: a group is
 complete at ``group_size`` distinct rollouts; redeliveries never count twice), scores
 each complete group with ``score_group`` and folds a stateful algorithm's state in the
-order the groups complete. The options come from the run's config
-(``orchestrator.algorithms``), as the worker's did.
+order the groups complete. Like the worker: the name and options come from the run's
+config (``orchestrator.algorithms``) or, for a worker attached at runtime, from its
+``algorithm.attached`` event (which also gives the first sequence it scored and its
+envs); the env's tool-output SFT rule applies; a distillation algorithm's reference
+logprobs are the ones it recorded (replay has no model to ask, so such an algorithm
+can only be replayed where it was recorded).
 
 - **Recorded** (``samples.scored.<id>`` exists in the run): every recomputed sample is
   compared with the recorded one of the same (group, rollout, branch): the scalar
-  advantage exactly, and the per-token advantages, mask and token ids byte for byte.
+  advantage exactly, and every per-token channel array, mask and token ids byte for byte.
 - **Not recorded**: the samples are written to
   ``<run_dir>/lake/shadow_samples/<id>.parquet`` with the columns of the lake's
   ``samples`` table, so SQL can put the two side by side.
@@ -30,7 +34,14 @@ from bus.runtime import Bus
 from bus.subjects import Topic, check_token
 from configs import RunConfig, resolve
 from replay.diff import ValueDiff, diff_values
-from schemas import RunStarted, Sample, SamplesScored, TraceCompleted, arrays
+from schemas import (
+    AlgorithmAttached,
+    RunStarted,
+    Sample,
+    SamplesScored,
+    TraceCompleted,
+    arrays,
+)
 
 SHADOW_DIR = Path("lake") / "shadow_samples"
 
@@ -41,6 +52,7 @@ class AlgorithmLog:
     traces: list[tuple[int, TraceCompleted]]  # (stream seq, event), log order
     recorded: dict[str, SamplesScored]  # by group id (first record wins)
     last_scored_seq: int = 0  # stream seq of the newest recorded SamplesScored
+    attached: AlgorithmAttached | None = None  # its newest attach event, if attached at runtime
 
 
 async def read_algorithm_log(bus: Bus, algorithm_id: str) -> AlgorithmLog:
@@ -49,13 +61,16 @@ async def read_algorithm_log(bus: Bus, algorithm_id: str) -> AlgorithmLog:
     traces: list[tuple[int, TraceCompleted]] = []
     recorded: dict[str, SamplesScored] = {}
     last = 0
+    attached: AlgorithmAttached | None = None
     topics = [(Topic.RUN_STARTED, None), (Topic.TRACE_COMPLETED, None),
-              (Topic.SAMPLES_SCORED, algorithm_id)]  # fmt: skip
-    types = (RunStarted, TraceCompleted, SamplesScored)
+              (Topic.SAMPLES_SCORED, algorithm_id), (Topic.ALGORITHM_ATTACHED, algorithm_id)]  # fmt: skip
+    types = (RunStarted, TraceCompleted, SamplesScored, AlgorithmAttached)
     async for seq, event in read_log(bus, topics, types, with_seq=True):
         match event:
             case RunStarted():
                 started = started or event
+            case AlgorithmAttached():
+                attached = event
             case TraceCompleted():
                 traces.append((seq, event))
             case SamplesScored():
@@ -63,32 +78,73 @@ async def read_algorithm_log(bus: Bus, algorithm_id: str) -> AlgorithmLog:
                 last = seq
     if started is None:
         raise ValueError(f"run {bus.run!r} has no run.started event")
-    return AlgorithmLog(resolve(started.config), traces, recorded, last)
+    return AlgorithmLog(resolve(started.config), traces, recorded, last, attached)
 
 
 def recompute(
     algorithm_id: str, log: AlgorithmLog, options: dict[str, Any] | None = None
 ) -> list[tuple[int, SamplesScored]]:
     """(seq of the trace that completed the group, SamplesScored) per group, in order."""
+    from bus.subjects import token_for
     from roles.algorithm.registry import create
     from roles.algorithm.samples import GroupBuffer, score_group
-    from roles.algorithm.worker import algorithm_spec
+    from roles.algorithm.worker import (
+        algorithm_spec,
+        needs_scorer,
+        routed_envs,
+        tool_sft_rules,
+    )
 
     name, spec_options = algorithm_spec(log.cfg, algorithm_id)
+    envs = routed_envs(log.cfg, algorithm_id)
+    from_seq = 1
+    declared = any(a.id == algorithm_id for a in log.cfg.orchestrator.algorithms)
+    if log.attached is not None and not declared:
+        a = log.attached
+        name, spec_options, from_seq = a.name, dict(a.options), a.from_seq
+        envs = {token_for(e) for e in a.envs} if a.envs and not a.shadow else None
     algorithm = create(name, spec_options if options is None else options)
+    scores = needs_scorer(algorithm)
+    tool_sft = tool_sft_rules(log.cfg)
     buffer = GroupBuffer()
     state = algorithm.initial_state()
     out = []
     for seq, event in log.traces:
+        if seq < from_seq or (envs is not None and event.env not in envs):
+            continue
         group = buffer.add(event)
         if group is None:
             continue
-        scored = score_group(algorithm_id, algorithm, group, state)
+        refs = recorded_refs(log, algorithm_id, event.trace.group_id) if scores else None
+        scored = score_group(algorithm_id, algorithm, group, state, refs, tool_sft.get(event.env))
         buffer.mark_scored(scored.group_id)
         if algorithm.stateful:
             state = algorithm.fold(state, scored)
         out.append((seq, scored))
     return out
+
+
+def recorded_refs(
+    log: AlgorithmLog, algorithm_id: str, group_id: str
+) -> dict[tuple[str, int], Any]:
+    """The reference logprobs the worker recorded for a group (replay has no model)."""
+    scored = log.recorded.get(group_id)
+    if scored is None:
+        raise ValueError(
+            f"{algorithm_id!r} scores with a model: it can only be replayed where its samples "
+            f"were recorded, and group {group_id} has none"
+        )
+    return {
+        (s.rollout_id, s.branch): arrays.f32(s.ref_logprobs)
+        for s in scored.samples
+        if s.ref_logprobs is not None
+    }
+
+
+# Every per-token field of a Sample, compared byte for byte.
+ARRAY_FIELDS = (
+    "advantages", "mask", "token_ids", "sft_mask", "ce_weights", "ref_weights", "ref_logprobs",
+)  # fmt: skip
 
 
 def sample_key(group_id: str, s: Sample) -> str:
@@ -152,7 +208,7 @@ def diff_scored(log: AlgorithmLog, recomputed: list[tuple[int, SamplesScored]]) 
             )
         )
         for key in olds.keys() & news.keys():
-            for name in ("advantages", "mask", "token_ids", "sft_mask"):
+            for name in ARRAY_FIELDS:
                 if getattr(olds[key], name) != getattr(news[key], name):
                     out.arrays.append(f"{key}: {name}")
     out.arrays.sort()
@@ -160,47 +216,19 @@ def diff_scored(log: AlgorithmLog, recomputed: list[tuple[int, SamplesScored]]) 
 
 
 def shadow_rows(run: str, scored: list[tuple[int, SamplesScored]]) -> list[dict[str, Any]]:
-    """Rows shaped like the lake's ``samples`` table, one per sample."""
-    rows = []
-    for seq, event in scored:
-        for s in event.samples:
-            mask = arrays.mask(s.mask)
-            adv = arrays.f32(s.advantages)[mask]
-            sft = arrays.mask(s.sft_mask) if s.sft_mask is not None else None
-            rows.append({
-                "run": run, "seq": seq, "event_id": event.event_id,
-                "algorithm": event.algorithm, "env": event.env, "group_id": event.group_id,
-                "request_id": event.request_id, "task_index": event.task_index,
-                "step": event.step, "rollout_id": s.rollout_id, "branch": s.branch,
-                "reward": float(s.reward),
-                "adv_mean": float(adv.mean()) if len(adv) else None,
-                "adv_min": float(adv.min()) if len(adv) else None,
-                "adv_max": float(adv.max()) if len(adv) else None,
-                "n_tokens": len(s), "n_masked": int(mask.sum()),
-                "n_sft": int(sft.sum()) if sft is not None else 0,
-                "policy_min": s.policy_min, "policy_max": s.policy_max,
-                "zero_advantage": event.zero_advantage, "group_samples": len(event.samples),
-                "group_excluded": event.excluded, "ts_ns": None,
-            })  # fmt: skip
-    return rows
+    """Rows of the lake's ``samples`` table, one per sample (the lake's own row builder)."""
+    from replay.tables import rows_for
+
+    return [row for seq, event in scored for row in rows_for(event, seq)["samples"]]
 
 
 def write_shadow(run_dir: Path, algorithm_id: str, rows: list[dict[str, Any]]) -> Path:
     """``<run_dir>/lake/shadow_samples/<id>.parquet`` (written atomically)."""
-    import polars as pl
+    from replay.lake import to_frame
 
-    i64, f64 = pl.Int64, pl.Float64
-    schema = {
-        "run": pl.Utf8, "seq": i64, "event_id": pl.Utf8, "algorithm": pl.Utf8, "env": pl.Utf8,
-        "group_id": pl.Utf8, "request_id": pl.Utf8, "task_index": i64, "step": i64,
-        "rollout_id": pl.Utf8, "branch": i64, "reward": f64, "adv_mean": f64, "adv_min": f64,
-        "adv_max": f64, "n_tokens": i64, "n_masked": i64, "n_sft": i64, "policy_min": i64,
-        "policy_max": i64, "zero_advantage": pl.Boolean, "group_samples": i64,
-        "group_excluded": i64, "ts_ns": i64,
-    }  # fmt: skip
     path = run_dir / SHADOW_DIR / f"{check_token(algorithm_id, 'algorithm id')}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    pl.DataFrame(rows, schema=schema).write_parquet(tmp)
+    to_frame("samples", rows).write_parquet(tmp)
     tmp.replace(path)
     return path
