@@ -38,7 +38,8 @@ inference policy's logprob of the token:
       loss_t = beta_t * rho_t * sg(lp1 - ref_t) * lp1
 
   where ``sg`` stops the gradient and ``rho_t = sg(min(exp(lpT - lp_inf), 1 +
-  trust_region_high))`` on sampled tokens (``mask`` = 1), 1 elsewhere. Its gradient
+  trust_region_high))`` on sampled tokens (``mask`` = 1, or a non-zero inference
+  logprob: unsampled tokens record exactly 0), 1 elsewhere. Its gradient
   ``beta * rho * (lp1 - ref) * ∇lp1`` is the per-token, importance-weighted
   score-function gradient of the reverse KL(π ‖ π_ref) = E_π[log π - log π_ref] (the
   ``E_π[∇ log π]`` term vanishes): descending it pulls the policy toward the reference
@@ -269,7 +270,9 @@ def policy_loss(
     _check_normalize(cfg.normalize)
     ch = positions(mb, phase)
     rl, ce, ref = ch["rl"].positions, ch["ce"].positions, ch["ref"].positions
-    sampled_ref = ref & mb.mask
+    # Sampled tokens: the rl channel's, and any token inference gave a logprob (a
+    # distillation-only sample has no rl positions; unsampled tokens record exactly 0).
+    sampled_ref = ref & (mb.mask | (mb.inference_logprobs != 0))
     lp_t, lp1, entropy = _logprobs(logits, mb, rl | sampled_ref, ce | ref)
     dtype = lp_t.dtype
     loss_pos = rl | ce | ref

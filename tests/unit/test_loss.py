@@ -47,11 +47,13 @@ def make_batch(
         lp1, _ = token_logprobs(logits, targets, torch.ones(b, t, dtype=logits.dtype))
     noise = (torch.rand(b, t, generator=g, dtype=F64) * 2 - 1) * ratio_noise
     ref_noise = torch.rand(b, t, generator=g, dtype=F64) * 2 - 1
+    mask = mask if mask is not None else torch.rand(b, t, generator=g) < 0.7
     return LossBatch(
         targets=targets,
-        mask=mask if mask is not None else torch.rand(b, t, generator=g) < 0.7,
+        mask=mask,
         sft_mask=sft_mask if sft_mask is not None else torch.zeros(b, t, dtype=torch.bool),
-        inference_logprobs=(lp.double() + noise).to(logits.dtype),
+        # as recorded: inference logprobs on sampled tokens, exactly 0 elsewhere
+        inference_logprobs=torch.where(mask, lp.double() + noise, 0.0).to(logits.dtype),
         temperatures=temps,
         advantages=torch.randn(b, t, generator=g, dtype=F64).to(logits.dtype),
         ce_weights=ce_weights if ce_weights is not None else torch.ones(b, t, dtype=logits.dtype),
@@ -120,7 +122,7 @@ def fd_objective(logits: torch.Tensor, mb: LossBatch, cfg: LossConfig):  # type:
         lp_t, _ = token_logprobs(logits, mb.targets, torch.where(mb.mask, mb.temperatures, ones))
         lp1, _ = token_logprobs(logits, mb.targets, ones)
         rho = torch.exp(lp_t - mb.inference_logprobs).clamp(max=1 + cfg.trust_region_high)
-        rho = torch.where(mb.mask, rho, 1.0)
+        rho = torch.where(mb.mask | (mb.inference_logprobs != 0), rho, 1.0)
         if cfg.normalize == "tokens":
             w = torch.full_like(lp1, 1.0 / max(den["ref"], 1))
         else:
