@@ -46,9 +46,11 @@ QUERIES = documented_queries()
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Any]]]:
-    """One finished smoke run (4 steps), its lake synced, and its log read back."""
+    """One finished smoke run (4 steps, a shadow max_rl beside grpo), its lake synced, and its log read back."""
     data = tmp_path_factory.mktemp("analytics")
-    proc = rlbus_up(data, RUN, "max_steps=4")
+    # a config shadow next to grpo: the comparison query (15) has rows to return
+    shadow = 'orchestrator.algorithms=[{id="grpo"},{id="max_rl",shadow=true}]'
+    proc = rlbus_up(data, RUN, "max_steps=4", shadow)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
     result = replay.sync_lake(RUN, data, force=True)

@@ -17,125 +17,16 @@ from roles.trainer.loss import (
     positions,
     token_logprobs,
 )
-
-V = 7
-F64 = torch.float64
-
-
-def make_batch(
-    logits: torch.Tensor,
-    *,
-    seed: int = 0,
-    ratio_noise: float = 0.05,
-    mask: torch.Tensor | None = None,
-    sft_mask: torch.Tensor | None = None,
-    temperatures: torch.Tensor | None = None,
-    ce_weights: torch.Tensor | None = None,
-    ref_weights: torch.Tensor | None = None,
-) -> LossBatch:
-    """A batch whose inference logprobs sit close to the model's (ratios near 1).
-
-    The reference logprobs are the model's at temperature 1 plus noise of +-1 (so the
-    ref channel has something to pull toward); channels default to rl only.
-    """
-    g = torch.Generator().manual_seed(seed)
-    b, t, _ = logits.shape
-    targets = torch.randint(0, V, (b, t), generator=g)
-    temps = temperatures if temperatures is not None else torch.full((b, t), 1.0)
-    with torch.no_grad():
-        lp, _ = token_logprobs(logits, targets, temps.to(logits.dtype))
-        lp1, _ = token_logprobs(logits, targets, torch.ones(b, t, dtype=logits.dtype))
-    noise = (torch.rand(b, t, generator=g, dtype=F64) * 2 - 1) * ratio_noise
-    ref_noise = torch.rand(b, t, generator=g, dtype=F64) * 2 - 1
-    mask = mask if mask is not None else torch.rand(b, t, generator=g) < 0.7
-    return LossBatch(
-        targets=targets,
-        mask=mask,
-        sft_mask=sft_mask if sft_mask is not None else torch.zeros(b, t, dtype=torch.bool),
-        # as recorded: inference logprobs on sampled tokens, exactly 0 elsewhere
-        inference_logprobs=torch.where(mask, lp.double() + noise, 0.0).to(logits.dtype),
-        temperatures=temps,
-        advantages=torch.randn(b, t, generator=g, dtype=F64).to(logits.dtype),
-        ce_weights=ce_weights if ce_weights is not None else torch.ones(b, t, dtype=logits.dtype),
-        ref_logprobs=(lp1.double() + ref_noise).to(logits.dtype),
-        ref_weights=ref_weights if ref_weights is not None else torch.zeros(b, t, dtype=F64),
-    )
-
-
-def replace(mb: LossBatch, **changes: torch.Tensor) -> LossBatch:
-    return LossBatch(**{**mb.__dict__, **changes})
-
-
-def grad_of(
-    logits: torch.Tensor, mb: LossBatch, cfg: LossConfig, phase: str = "rl"
-) -> torch.Tensor:
-    x = logits.detach().clone().requires_grad_(True)
-    loss, _ = policy_loss(x, mb, cfg, phase, loss_denominators([mb], phase, cfg.normalize))
-    loss.backward()
-    assert x.grad is not None
-    return x.grad
-
-
-def three_channel_batch(logits: torch.Tensor, seed: int) -> LossBatch:
-    """rl, ce (weighted, some also sampled: ce wins) and ref (sampled and not) positions."""
-    b, t, _ = logits.shape
-    g = torch.Generator().manual_seed(seed)
-    temps = torch.tensor([0.0, 0.7, 1.0, 1.3, 2.0], dtype=F64)[
-        torch.randint(0, 5, (b, t), generator=g)
-    ]
-    mask = torch.rand(b, t, generator=g) < 0.6
-    sft = torch.rand(b, t, generator=g) < 0.3
-    ce_w = torch.rand(b, t, generator=g, dtype=F64) * 2
-    ref_w = torch.where(
-        torch.rand(b, t, generator=g) < 0.5, torch.rand(b, t, generator=g, dtype=F64), 0.0
-    )
-    return make_batch(
-        logits, seed=seed + 1, mask=mask, sft_mask=sft, temperatures=temps,
-        ce_weights=ce_w, ref_weights=ref_w,
-    )  # fmt: skip
-
-
-def finite_difference(f, logits: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    numeric = torch.zeros_like(logits)
-    flat, out = logits.reshape(-1), numeric.view(-1)
-    for i in range(flat.numel()):
-        plus, minus = flat.clone(), flat.clone()
-        plus[i] += eps
-        minus[i] -= eps
-        out[i] = (f(plus.view_as(logits)) - f(minus.view_as(logits))) / (2 * eps)
-    return numeric
-
-
-def fd_objective(logits: torch.Tensor, mb: LossBatch, cfg: LossConfig):  # type: ignore[no-untyped-def]
-    """The function whose finite differences the autograd gradient must match.
-
-    rl and ce are plain differentiable losses. ref_kl is a surrogate with stopped
-    gradients (``rho`` and ``lp1 - ref``), so its value's derivative is not its gradient:
-    for it, the reported ``loss_ref`` is swapped for ``sum_t c_t * lp1_t(x)`` with the
-    stopped factors ``c_t = w_t * beta_t * rho_t * (lp1_t - ref_t)`` frozen at ``logits``
-    (``w_t`` the normalisation weight), written out here from the definition.
-    """
-    den = loss_denominators([mb], "rl", cfg.normalize)
-    ref = positions(mb, "rl")["ref"].positions
-    ones = torch.ones_like(mb.temperatures)
-    with torch.no_grad():
-        lp_t, _ = token_logprobs(logits, mb.targets, torch.where(mb.mask, mb.temperatures, ones))
-        lp1, _ = token_logprobs(logits, mb.targets, ones)
-        rho = torch.exp(lp_t - mb.inference_logprobs).clamp(max=1 + cfg.trust_region_high)
-        rho = torch.where(mb.mask | (mb.inference_logprobs != 0), rho, 1.0)
-        if cfg.normalize == "tokens":
-            w = torch.full_like(lp1, 1.0 / max(den["ref"], 1))
-        else:
-            rows = ref.sum(1, keepdim=True).clamp(min=1)
-            w = (1.0 / (rows * max(den["ref"], 1))).expand_as(lp1)
-        coef = torch.where(ref, w * mb.ref_weights * rho * (lp1 - mb.ref_logprobs), 0.0)
-
-    def f(x: torch.Tensor) -> float:
-        loss, stats = policy_loss(x, mb, cfg, "rl", den)
-        surrogate = (coef * token_logprobs(x, mb.targets, ones)[0]).sum()
-        return float(loss) - stats.loss_ref + float(surrogate)
-
-    return f
+from tests.unit.loss_batches import (
+    F64,
+    V,
+    fd_objective,
+    finite_difference,
+    grad_of,
+    make_batch,
+    replace,
+    three_channel_batch,
+)
 
 
 @pytest.mark.parametrize("normalize", ["tokens", "sequences"])
@@ -310,91 +201,6 @@ def test_ce_wins_over_rl_on_a_token_marked_for_both() -> None:
     torch.testing.assert_close(grad, x.grad, rtol=1e-12, atol=1e-15)
     _, stats = policy_loss(logits, mb, LossConfig(), "rl", loss_denominators([mb], "rl", "tokens"))
     assert (stats.rl_tokens, stats.ce_tokens, stats.loss_tokens) == (0, 3, 3)
-
-
-def test_ref_gradient_matches_hand_derived_formula_with_importance_ratio() -> None:
-    """ref token: dL/dz = beta * rho * (lp1 - ref) * (onehot - softmax(z)) / N_ref, rho capped at 1 + high."""
-    z = torch.tensor([[[0.5, -0.2, 0.1], [0.3, 0.0, -1.0], [-0.4, 0.9, 0.2]]], dtype=F64)
-    k = torch.tensor([[2, 0, 1]])
-    temps = torch.tensor([[0.5, 1.0, 1.0]], dtype=F64)
-    lp_t = token_logprobs(z, k, temps)[0]
-    lp1 = token_logprobs(z, k, torch.ones(1, 3, dtype=F64))[0]
-    beta = torch.tensor([[0.3, 0.7, 2.0]], dtype=F64)
-    ref = torch.tensor([[-2.0, -0.1, -1.0]], dtype=F64)
-    high = 0.28
-    mb = LossBatch(
-        targets=k,
-        mask=torch.tensor([[True, True, False]]),  # token 2 was not sampled: rho = 1
-        sft_mask=torch.zeros(1, 3, dtype=torch.bool),
-        # token 0: sampled at T = 0.5, ratio e^0.1; token 1: stale, ratio e^5 -> capped
-        inference_logprobs=lp_t - torch.tensor([[0.1, 5.0, 0.0]], dtype=F64),
-        temperatures=temps,
-        advantages=torch.zeros(1, 3, dtype=F64),
-        ce_weights=torch.zeros(1, 3, dtype=F64),
-        ref_logprobs=ref,
-        ref_weights=beta,
-    )
-    rho = torch.tensor([[math.exp(0.1), 1.0 + high, 1.0]], dtype=F64)
-    # Tokens 0 and 1 are also rl tokens, but with A = 0 and no KL their rl gradient is 0.
-    grad = grad_of(z, mb, LossConfig(trust_region_high=high))
-    p = torch.softmax(z[0], -1)
-    onehot = torch.nn.functional.one_hot(k[0], 3).double()
-    coef = (beta * rho * (lp1 - ref))[0] / 3
-    expected = coef.unsqueeze(-1) * (onehot - p)
-    torch.testing.assert_close(grad[0], expected, rtol=1e-10, atol=1e-12)
-
-
-def test_ref_gradient_is_the_reverse_kl_gradient_in_expectation() -> None:
-    """Summed over every target weighted by pi (beta = pi, rho = 1), the ref gradient is grad KL(pi || pi_ref)."""
-    g = torch.Generator().manual_seed(15)
-    z = torch.randn(V, generator=g, dtype=F64)
-    z_ref = torch.randn(V, generator=g, dtype=F64)
-    logits = z.expand(1, V, V).clone()  # one position per possible target, same logits
-    with torch.no_grad():
-        pi = torch.softmax(z, -1)
-    mb = LossBatch(
-        targets=torch.arange(V).unsqueeze(0),
-        mask=torch.zeros(1, V, dtype=torch.bool),  # not sampled: rho = 1
-        sft_mask=torch.zeros(1, V, dtype=torch.bool),
-        inference_logprobs=torch.zeros(1, V, dtype=F64),
-        temperatures=torch.ones(1, V, dtype=F64),
-        advantages=torch.zeros(1, V, dtype=F64),
-        ce_weights=torch.zeros(1, V, dtype=F64),
-        ref_logprobs=torch.log_softmax(z_ref, -1).unsqueeze(0),
-        ref_weights=pi.unsqueeze(0),  # the expectation over y ~ pi, written as weights
-    )
-    grad = grad_of(logits, mb, LossConfig()).sum(dim=(0, 1)) * V  # N_ref = V
-
-    x = z.clone().requires_grad_(True)
-    logp = torch.log_softmax(x, -1)
-    kl = (logp.exp() * (logp - torch.log_softmax(z_ref, -1))).sum()
-    kl.backward()
-    assert x.grad is not None and x.grad.abs().max() > 1e-3
-    torch.testing.assert_close(grad, x.grad, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("above", [True, False])
-def test_ref_kl_gradient_step_moves_toward_the_reference(above: bool) -> None:
-    """A gradient-descent step on the ref loss lowers the ref_kl metric (lp1 above or below ref)."""
-    g = torch.Generator().manual_seed(16)
-    logits = torch.randn(2, 3, V, generator=g, dtype=F64)
-    nowhere = torch.zeros(2, 3, dtype=torch.bool)
-    mb = make_batch(logits, seed=17, mask=nowhere, ref_weights=torch.full((2, 3), 0.5, dtype=F64))
-    lp1 = token_logprobs(logits, mb.targets, torch.ones(2, 3, dtype=F64))[0]
-    mb.ref_logprobs = lp1 + (-0.7 if above else 0.7)  # policy above / below the reference
-    cfg = LossConfig()
-    den = loss_denominators([mb], "rl", "tokens")
-
-    def ref_kl(x: torch.Tensor) -> float:
-        return policy_loss(x, mb, cfg, "rl", den)[1].finalize()["ref_kl"]
-
-    grad = grad_of(logits, mb, cfg)
-    before = ref_kl(logits)
-    after = ref_kl(logits - 0.1 * grad)
-    assert before > 0 and after < before
-    # and the k3 metric is the mean of exp(d) - 1 - d, d = ref - lp1
-    d = torch.full((), -0.7 if above else 0.7, dtype=F64)
-    assert before == pytest.approx(float(torch.exp(d) - 1 - d), rel=1e-9)
 
 
 @pytest.mark.parametrize("normalize", ["tokens", "sequences"])
