@@ -32,7 +32,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay
+bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -76,3 +76,8 @@ bench-lake:
 [group('bench')]
 bench-replay:
     {{python}} -m benchmarks.replay_bench
+
+# Attached-worker catch-up speed and the cost of the ce/ref_kl loss channels.
+[group('bench')]
+bench-algorithms:
+    {{python}} -m benchmarks.algorithm_bench

@@ -80,8 +80,8 @@ def attach(
 async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> int:  # type: ignore[no-untyped-def]
     """Publish the attach event (or find the standing one); returns the worker's first seq."""
     from bus.subjects import token_for
-    from roles.algorithm.attachments import attachment_events, current
     from roles.algorithm.checks import algorithm_problems
+    from roles.cli.attachments import attachment_events, current
     from schemas import AlgorithmAttached
 
     cfg = ctx.cfg
@@ -138,7 +138,7 @@ def detach(
     """Stop training on an algorithm's samples; its worker stops by itself."""
 
     async def main(url: str) -> None:
-        from roles.algorithm.attachments import attachment_events, routing
+        from roles.cli.attachments import attachment_events, routing
         from roles.context import role_context
         from schemas import AlgorithmAttached, AlgorithmDetached
 
@@ -190,7 +190,7 @@ async def algorithm_rich_table(bus, cfg):  # type: ignore[no-untyped-def]
     """The algorithms table of ``list`` and ``rlbus status``."""
     from rich.table import Table
 
-    from roles.algorithm.attachments import algorithm_table
+    from roles.cli.attachments import algorithm_table
 
     table = Table("algorithm", "name", "source", "mode", "envs", "lag", title="algorithms")
     for row in await algorithm_table(bus, cfg):
