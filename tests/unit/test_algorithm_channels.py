@@ -166,3 +166,14 @@ def test_tool_name_allow_list_leaves_user_feedback_alone() -> None:
     echo = create("echo", {"alpha": 1.0, "include_user": True, "tool_names": ["calc"]})
     (s,) = score_group("echo", echo, [completed(tool_trace(), 1)]).samples
     assert np.flatnonzero(mask(s.sft_mask)).tolist() == CALC + USER_FEEDBACK
+
+
+def test_per_token_example_by_import_path_puts_grpo_on_the_last_tokens() -> None:
+    """examples/tail_grpo.py: per-token targets from a user class loaded by import path."""
+    algo = create("examples.tail_grpo:TailGRPO", {"tail": 1})
+    group = [completed(tool_trace("a", 1.0, 0), 2), completed(tool_trace("b", 0.0, 1), 2)]
+    a, b = score_group("tail", algo, group).samples
+    assert f32(a.advantages).tolist() == ones(21, [13], 0.5)
+    assert f32(b.advantages).tolist() == ones(21, [13], -0.5)
+    with pytest.raises(ValueError, match="tail must be >= 1"):
+        create("examples.tail_grpo:TailGRPO", {"tail": 0})
