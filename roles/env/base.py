@@ -146,6 +146,13 @@ class Harness:
     """
 
     max_turns: int = 1
+    # Multi-agent: the members taking turns (one policy plays every member, told which
+    # one it is by the conversation); () = a single agent.
+    members: tuple[str, ...] = ()
+
+    def speaker(self, turn: int) -> str | None:
+        """The member who writes assistant turn ``turn`` (0-based): round robin."""
+        return self.members[turn % len(self.members)] if self.members else None
 
     def __init__(self, system_prompt: str | None = None) -> None:
         self.system_prompt = system_prompt
@@ -210,6 +217,7 @@ class Score:
     reward: float
     rewards: dict[str, float]
     metrics: dict[str, float]
+    member_rewards: dict[str, float] = field(default_factory=dict)  # multi-agent envs
 
 
 @dataclass
@@ -218,6 +226,8 @@ class Rubric:
 
     funcs: Mapping[str, RewardFn]
     weights: Mapping[str, float] = field(default_factory=dict)  # missing name = weight 1
+    # Multi-agent envs: each member's own reward (``Trace.member_rewards``), by member.
+    member_funcs: Mapping[str, RewardFn] = field(default_factory=dict)
     metric_funcs: Mapping[str, Callable[[Messages, dict[str, Any], State], dict[str, float]]] = (
         field(default_factory=dict)
     )
@@ -250,7 +260,8 @@ class Rubric:
                 metrics[name] = value
         for metric_fn in self.metric_funcs.values():
             metrics.update({k: float(v) for k, v in metric_fn(messages, task, state).items()})
-        return Score(reward=total / norm, rewards=rewards, metrics=metrics)
+        members = {m: float(fn(messages, task, state)) for m, fn in self.member_funcs.items()}
+        return Score(reward=total / norm, rewards=rewards, metrics=metrics, member_rewards=members)
 
 
 # -- environment ------------------------------------------------------------------------
@@ -274,8 +285,9 @@ class Environment:
         self.harness = harness
         self.rubric = rubric
         self.args = dict(args or {})
-        # Multi-agent envs name their members (the values of Message.member); () = one agent.
-        self.members = tuple(members)
+        # Multi-agent envs name their members (the values of Message.member); () = one
+        # agent. Default: the harness's members.
+        self.members = tuple(members) or tuple(harness.members)
 
     def __repr__(self) -> str:
         return f"Environment({self.name!r}, args={self.args})"
@@ -315,6 +327,9 @@ class Environment:
 
     def demonstration(self, task: dict[str, Any]) -> Messages | None:
         return self.harness.demonstration(task)
+
+    def speaker(self, turn: int) -> str | None:
+        return self.harness.speaker(turn) if self.members else None
 
     # rubric
     def score(self, messages: Messages, task: dict[str, Any], state: State) -> Score:

@@ -142,6 +142,7 @@ _MESSAGE_FIELDS = {
     "model",
     "finish_reason",
     "content_span",
+    "member",
 }
 
 
@@ -220,6 +221,7 @@ async def run_rollout(
     truncated = False
     num_turns = 0
     reward, rewards, metrics = 0.0, {}, {}
+    member_rewards: dict[str, float] = {}
     data = task.data
 
     def env_call(fn: Callable[..., Any], *args: Any) -> Any:
@@ -288,6 +290,7 @@ async def run_rollout(
                 temperature=sampling.temperature,
                 policy_version=result.policy_version,
                 model=model,
+                member=env.speaker(num_turns),
                 finish_reason=result.finish_reason,
             )
             chat.append({"role": "assistant", "content": content})
@@ -317,6 +320,7 @@ async def run_rollout(
             gen_prefix = list(renderer.generation_prompt_ids)
         score = env_call(env.score, chat, data, state)
         reward, rewards, metrics = score.reward, dict(score.rewards), dict(score.metrics)
+        member_rewards = dict(score.member_rewards)
     except _Failure as f:
         errors.append(f.error)
     except Exception as e:  # noqa: BLE001 - a rollout never raises; the trace records why
@@ -330,8 +334,9 @@ async def run_rollout(
         group_id=group_id,
         sample_index=sample_index,
         messages=messages,
-        branches=[Branch(messages=[m.id for m in messages])],
+        branches=branches_of(env, messages),
         reward=0.0 if errors else float(reward),
+        member_rewards={} if errors else member_rewards,
         rewards={} if errors else rewards,
         metrics={} if errors else metrics,
         timings=timings,
@@ -341,6 +346,15 @@ async def run_rollout(
         truncated=truncated,
         num_turns=num_turns,
     )
+
+
+def branches_of(env: Environment, messages: list[Message]) -> list[Branch]:
+    """One branch over every message; a multi-agent env gets one per member, each
+    training only that member's turns (``roles.algorithm.samples.branch_masks``)."""
+    ids = [m.id for m in messages]
+    if not env.members:
+        return [Branch(messages=ids)]
+    return [Branch(messages=ids, member=member) for member in env.members]
 
 
 def completion_tokens(trace: Trace) -> int:

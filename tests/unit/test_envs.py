@@ -16,7 +16,13 @@ from roles.env.registry import UnknownEnv, builtin_names, env_key, make_env
 from roles.model.render import Renderer
 from roles.model.tokenizer import ALPHABET, build_tokenizer
 
-ENV_IDS = ["reverse-text", "alphabet-sort", "tool-calc", "examples.word_count_env:make_env"]
+ENV_IDS = [
+    "reverse-text",
+    "alphabet-sort",
+    "tool-calc",
+    "relay-reverse",
+    "examples.word_count_env:make_env",
+]
 
 
 def chat(env: Environment, task: dict, *answers: str) -> list[dict]:
@@ -277,7 +283,7 @@ def test_rubric_weighted_mean_and_zero_weight_metrics() -> None:
 
 def test_registry_builtins_and_unknown_name() -> None:
     """Built-ins load by name; an unknown name's error lists the built-ins."""
-    assert builtin_names() == ["alphabet-sort", "reverse-text", "tool-calc"]
+    assert builtin_names() == ["alphabet-sort", "relay-reverse", "reverse-text", "tool-calc"]
     assert make_env("alphabet-sort", {"max_turns": 2}).max_turns == 2
     with pytest.raises(UnknownEnv) as e:
         make_env("reverse-txt", {})

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from roles.env.base import Environment
-from roles.env.builtin import alphabet_sort, calculator, reverse_text
+from roles.env.builtin import alphabet_sort, calculator, relay_reverse, reverse_text
 
 BUILTINS: dict[str, Callable[..., Environment]] = {
     "reverse-text": reverse_text.make_env,
     "alphabet-sort": alphabet_sort.make_env,
     "tool-calc": calculator.make_env,
+    "relay-reverse": relay_reverse.make_env,
 }
