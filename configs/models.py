@@ -87,7 +87,7 @@ class LossConfig(_Section):
     # A token is masked when its ratio < 1 - trust_region_low or > 1 + trust_region_high.
     trust_region_low: float = Field(default=0.2, gt=0)
     trust_region_high: float = Field(default=0.28, gt=0)
-    kl_coef: float = Field(default=0.0, ge=0)  # weight of KL to the reference model; 0 = off
+    kl_coef: float = Field(default=0.0, ge=0)  # k3 KL to the inference policy on rl tokens; 0 = off
     normalize: Literal["tokens", "sequences"] = "tokens"
 
 

@@ -143,3 +143,12 @@ def test_routing_checks_catch_untrainable_envs_and_teacher_references() -> None:
     )
     (problem,) = routing_problems(teacher_ref)
     assert "scripted teacher" in problem and 'kind = "reference"' in problem
+
+
+def test_every_bundled_preset_passes_the_routing_checks() -> None:
+    """`rlbus up -c <preset>` never stops at the routing checks."""
+    from configs import list_presets
+
+    assert {"default", "smoke", "tools"} <= set(list_presets())
+    for name in list_presets():
+        assert routing_problems(load_config(name)) == [], name
