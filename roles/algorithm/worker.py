@@ -46,6 +46,9 @@ from roles.base import Role, serve_role
 from roles.context import RoleContext
 from schemas import Event, MetricsReported, SamplesScored, TraceCompleted
 
+# Scored groups published per pipelined window while catching up on the log.
+CATCH_UP_WINDOW = 64
+
 
 def algorithm_spec(cfg: RunConfig, algorithm_id: str) -> tuple[str, dict[str, Any]]:
     """(registered name, options) of ``algorithm_id`` in ``orchestrator.algorithms``."""
@@ -180,11 +183,18 @@ class AlgorithmWorker(Role):
             self._fold(scored)
             folded += 1
         traces = 0
+        # Catching up, results are published in pipelined windows: a failed publish
+        # fails the start (the restarted worker redoes it; ids make re-publishing safe).
+        backlog: list[SamplesScored] = []
         async for event in read_log(
             self.bus, [(Topic.TRACE_COMPLETED, None)], (TraceCompleted,), from_seq=self.from_seq
         ):
             traces += 1
-            await self._add(event)
+            await self._add(event, backlog)
+            if len(backlog) >= CATCH_UP_WINDOW:
+                await self.bus.publish_many(backlog)
+                backlog.clear()
+        await self.bus.publish_many(backlog)
         self.log.info(
             "algorithm.caught_up",
             scored_before=folded,
@@ -200,7 +210,9 @@ class AlgorithmWorker(Role):
         await self._add(event)
         return []
 
-    async def _add(self, event: TraceCompleted) -> None:
+    async def _add(self, event: TraceCompleted, backlog: list[SamplesScored] | None = None) -> None:
+        """Buffer one trace; score its group once complete. Live (``backlog`` None), the
+        result is published before the state moves; catching up, it joins ``backlog``."""
         if self.envs is not None and event.env not in self.envs:
             return  # not routed here: scoring it would only cost (distillation: a model call)
         self.last_step = max(self.last_step, event.step)
@@ -214,7 +226,10 @@ class AlgorithmWorker(Role):
         scored = score_group(
             self.name, self.algorithm, group, self.state, refs, self.tool_sft.get(event.env)
         )
-        await self.bus.publish(scored)
+        if backlog is None:
+            await self.bus.publish(scored)
+        else:
+            backlog.append(scored)
         self._fold(scored)
         self.scored_total += 1
         w = self.window
@@ -222,7 +237,7 @@ class AlgorithmWorker(Role):
         w.zero_advantage += scored.zero_advantage
         w.excluded += scored.excluded
         w.rewards.extend(scored.rewards)
-        self.log.info(
+        self.log.debug(
             "group.scored",
             group_id=scored.group_id,
             samples=len(scored.samples),
