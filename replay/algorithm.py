@@ -85,11 +85,11 @@ def recompute(
     algorithm_id: str, log: AlgorithmLog, options: dict[str, Any] | None = None
 ) -> list[tuple[int, SamplesScored]]:
     """(seq of the trace that completed the group, SamplesScored) per group, in order."""
-    from bus.subjects import token_for
     from roles.algorithm.registry import create
     from roles.algorithm.samples import GroupBuffer, score_group
     from roles.algorithm.worker import (
         algorithm_spec,
+        attached_envs,
         needs_scorer,
         routed_envs,
         tool_sft_rules,
@@ -102,7 +102,7 @@ def recompute(
     if log.attached is not None and not declared:
         a = log.attached
         name, spec_options, from_seq = a.name, dict(a.options), a.from_seq
-        envs = {token_for(e) for e in a.envs} if a.envs and not a.shadow else None
+        envs = attached_envs(a)
     algorithm = create(name, spec_options if options is None else options)
     scores = needs_scorer(algorithm)
     tool_sft = tool_sft_rules(log.cfg)

@@ -44,7 +44,7 @@ from roles.algorithm.samples import GroupBuffer, ToolSft, score_group
 from roles.algorithm.scoring import RefScorer
 from roles.base import Role, serve_role
 from roles.context import RoleContext
-from schemas import Event, MetricsReported, SamplesScored, TraceCompleted
+from schemas import AlgorithmAttached, Event, MetricsReported, SamplesScored, TraceCompleted
 
 # Scored groups published per pipelined window while catching up on the log.
 CATCH_UP_WINDOW = 64
@@ -65,6 +65,11 @@ def routed_envs(cfg: RunConfig, algorithm_id: str) -> set[str] | None:
         return None
     envs = cfg.orchestrator.train.env
     return {token_for(e.id) for e in envs if not e.algorithms or algorithm_id in e.algorithms}
+
+
+def attached_envs(event: AlgorithmAttached) -> set[str] | None:
+    """Env keys a worker attached at runtime scores (None: every env; always for a shadow)."""
+    return set(event.envs) if event.envs and not event.shadow else None
 
 
 def tool_sft_rules(cfg: RunConfig) -> dict[str, ToolSft]:

@@ -14,9 +14,14 @@ traces stored from the attach on; with it, the whole log first.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from roles.cli.common import run_async, server_for
+
+if TYPE_CHECKING:
+    from schemas import AlgorithmAttached
 
 app = typer.Typer(help="Attach, detach and list algorithm workers of a run.", no_args_is_help=True)
 
@@ -62,23 +67,26 @@ def attach(
     with server_for(run, nats_url) as url:
         ctx = run_async(role_context(run, url, "algorithm", None, wid))
         configure(run=run, role="algorithm", instance=ctx.instance)
-        from_seq = run_async(
+        attached = run_async(
             _publish_attach(ctx, wid, name, options, env or [], shadow, from_start)
         )
         typer.echo(
             f"attached {wid} ({name}, {'shadow' if shadow else 'training'}) to {run}; "
-            f"scoring traces from seq {from_seq}. Ctrl-C stops this worker (it stays attached); "
-            f"`rlbus algorithm detach {wid} --run {run}` detaches it.",
+            f"scoring traces from seq {attached.from_seq}. Ctrl-C stops this worker (it stays "
+            f"attached); `rlbus algorithm detach {wid} --run {run}` detaches it.",
             err=True,
         )
-        from roles.algorithm.worker import serve_worker
+        from roles.algorithm.worker import attached_envs, serve_worker
 
-        envs = {token_for(e) for e in env} if env and not shadow else None
-        run_async(serve_worker(ctx, wid, name, options, from_seq, exit_when_done=True, envs=envs))
+        run_async(serve_worker(
+            ctx, wid, attached.name, dict(attached.options), attached.from_seq,
+            exit_when_done=True, envs=attached_envs(attached),
+        ))  # fmt: skip
 
 
-async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> int:  # type: ignore[no-untyped-def]
-    """Publish the attach event (or find the standing one); returns the worker's first seq."""
+async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> AlgorithmAttached:  # type: ignore[no-untyped-def]
+    """Publish the attach event, or find the standing one (a resume), and return it: the
+    worker runs as the log says, whatever this command line repeats."""
     from bus.subjects import token_for
     from roles.algorithm.checks import algorithm_problems
     from roles.cli.attachments import attachment_events, current
@@ -103,7 +111,7 @@ async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> 
                     f"{wid!r} is attached as {standing.name} {standing.options} "
                     f"(shadow={standing.shadow}); detach it first or pick another --id"
                 )
-            return standing.from_seq  # resume the standing attachment
+            return standing  # resume the standing attachment
         if any(a.id == wid and not a.shadow for a in cfg.orchestrator.algorithms):
             raise typer.BadParameter(
                 f"{wid!r} is a training algorithm of the config; pick another --id"
@@ -113,18 +121,12 @@ async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> 
             raise typer.BadParameter("; ".join(problems))
         # Not from the start: from the next stored event on (the attach event itself).
         from_seq = 1 if from_start else (await bus.js.stream_info(bus.stream)).state.last_seq + 1
-        await bus.publish(
-            AlgorithmAttached(
-                run=ctx.run,
-                algorithm=wid,
-                name=name,
-                options=options,
-                envs=env_keys,
-                shadow=shadow,
-                from_seq=from_seq,
-            )  # fmt: skip
-        )
-        return from_seq
+        event = AlgorithmAttached(
+            run=ctx.run, algorithm=wid, name=name, options=options, envs=env_keys,
+            shadow=shadow, from_seq=from_seq,
+        )  # fmt: skip
+        await bus.publish(event)
+        return event
     finally:
         await bus.close()
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from roles.env.base import Environment, Harness, Messages, Rubric, State, assistant_answers
-from roles.env.builtin.reverse_text import SYSTEM_PROMPT, ReverseTextTasks, lcs_ratio
+from roles.env.builtin import reverse_text
+from roles.env.builtin.reverse_text import SYSTEM_PROMPT, lcs_ratio
 
 MEMBERS = ("reverser", "restorer")
 UNDO = "Undo it."
@@ -71,16 +72,15 @@ def make_env(
     train_size: int = 100_000,
     eval_size: int = 1_000,
 ) -> Environment:
-    args = dict(
-        min_len=min_len, max_len=max_len, seed=seed, train_size=train_size, eval_size=eval_size
-    )
+    """The tasks (and args) of ``reverse-text``, played as a relay of two members."""
+    base = reverse_text.make_env(min_len, max_len, seed, train_size, eval_size)
     return Environment(
         "relay-reverse",
-        ReverseTextTasks(min_len, max_len, seed=seed, train_size=train_size, eval_size=eval_size),
+        base.taskset,
         RelayHarness(SYSTEM_PROMPT),
         Rubric(
             {"reverser": reverser, "restorer": restorer},
             member_funcs={"reverser": reverser, "restorer": restorer},
         ),
-        args,
+        base.args,
     )
