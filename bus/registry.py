@@ -42,17 +42,17 @@ async def roles_bucket(js: JetStreamContext) -> KeyValue:
 async def list_roles(js: JetStreamContext, run: str) -> list[RoleHeartbeat]:
     """Every role instance of ``run`` in the registry (alive, stale or stopped)."""
     kv = await roles_bucket(js)
-    # kv.keys(filters=...) matches substrings client-side; a subject-filtered watch is exact.
-    watcher = await kv.watch(f"{run}.>", ignore_deletes=True)
+    # The keys come from the server's per-subject index, exactly filtered. Not kv.keys()
+    # (matches substrings client-side) nor kv.watch(): nats-py's watcher can signal "no
+    # initial values" while the first value is still in flight, returning an empty list.
+    info = await js.stream_info(f"KV_{ROLES_BUCKET}", subjects_filter=f"$KV.{ROLES_BUCKET}.{run}.>")
+    prefix = len(f"$KV.{ROLES_BUCKET}.")
     out = []
-    try:
-        async for entry in watcher:
-            if entry is None:  # end of the initial values
-                break
+    for subject in info.state.subjects or {}:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            entry = await kv.get(subject[prefix:])
             if entry.value:
                 out.append(_decoder.decode(entry.value))
-    finally:
-        await watcher.stop()
     return sorted(out, key=lambda h: (h.role, h.instance))
 
 

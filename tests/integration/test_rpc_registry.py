@@ -9,7 +9,7 @@ import pytest
 
 from bus import rpc
 from bus.errors import RequestTimeout
-from bus.registry import Heartbeat, is_alive, list_roles
+from bus.registry import Heartbeat, is_alive, list_roles, roles_bucket
 from bus.runtime import Bus
 from schemas import GenerateRequest, GenerateResult, ScoreRequest
 from schemas.arrays import pack_i32
@@ -81,3 +81,14 @@ async def test_heartbeats_list_live_roles_and_mark_stopped_ones(bus: Bus) -> Non
     await hb.stop()
     (stopped,) = await list_roles(bus.js, bus.run)
     assert stopped.status == "stopped" and not is_alive(stopped, 0.1)
+
+
+async def test_registry_lists_only_this_runs_live_keys(bus: Bus) -> None:
+    """Another run whose id shares a prefix is not listed; a deleted key is not listed."""
+    mine = Heartbeat(bus.js, bus.run, "trainer", "t0")
+    other = Heartbeat(bus.js, bus.run + "x", "trainer", "t0")
+    gone = Heartbeat(bus.js, bus.run, "inference", "i0")
+    for hb in (mine, other, gone):
+        await hb.beat()
+    await (await roles_bucket(bus.js)).delete(gone.key)
+    assert [(r.run, r.instance) for r in await list_roles(bus.js, bus.run)] == [(bus.run, "t0")]
