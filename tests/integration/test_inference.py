@@ -119,16 +119,23 @@ async def test_concurrent_requests_are_batched_across_two_replicas(
         running_role(nats_server, bus.run, cfg, tmp_path, "inf-b") as b,
     ):
         prompts = [PROMPT[:-1] + [40 + i % 7] + PROMPT[-1:] for i in range(40)]
-        results = await asyncio.gather(
-            *(_generate(client, f"r{i}", p) for i, p in enumerate(prompts))
-        )
+        results: list[GenerateResult] = []
+        # Bursts of 40 until both replicas served some: the server picks a queue member at
+        # random per message, and CI once saw a whole burst land on one replica.
+        for wave in range(3):
+            results += await asyncio.gather(
+                *(_generate(client, f"r{wave}.{i}", p) for i, p in enumerate(prompts))
+            )
+            stats = [a.backend.stats(), b.backend.stats()]  # type: ignore[union-attr]
+            if all(s["generate_requests"] > 0 for s in stats):
+                break
         score = await client.score("policy", "s", PROMPT, start=2)
-        stats = [a.backend.stats(), b.backend.stats()]  # type: ignore[union-attr]
-    assert sorted(r.request_id for r in results) == sorted(f"r{i}" for i in range(40))
+    n = len(results)
+    assert n % 40 == 0 and len({r.request_id for r in results}) == n
     assert all(r.policy_version == 0 and len(i32(r.completion_ids)) >= 1 for r in results)
     assert all(len(f32(r.logprobs)) == len(i32(r.completion_ids)) for r in results)
     assert isinstance(score, ScoreResult) and len(f32(score.logprobs)) == len(PROMPT) - 2
-    assert sum(s["generate_requests"] for s in stats) == 40
+    assert sum(s["generate_requests"] for s in stats) == n
     assert all(s["generate_requests"] > 0 for s in stats), stats  # both replicas served
     assert max(s["largest_batch"] for s in stats) > 1  # requests were batched
 
