@@ -110,6 +110,13 @@ class _Builder:
         )
         return len(self.items) - 1
 
+    def add_env(
+        self, m: dict[str, Any], tokens: Sequence[int], content_span: tuple[int, int] | None = None
+    ) -> int:
+        """A chat message the env wrote (system, user, tool), none of its tokens sampled."""
+        content = str(m.get("content", ""))
+        return self.add(m["role"], content, tokens, name=m.get("name"), content_span=content_span)
+
     def append_unsampled(self, index: int, tokens: Sequence[int]) -> None:
         item = self.items[index]
         item["tokens"] += tokens
@@ -242,13 +249,7 @@ async def run_rollout(
             rendered, span = scaffolded(renderer, m)
             # A piece that also holds template extras (split_initial_prompt's fallback)
             # has no exact span: its offsets would be off by the extras.
-            b.add(
-                m["role"],
-                str(m.get("content", "")),
-                toks,
-                name=m.get("name"),
-                content_span=span if toks == rendered else None,
-            )
+            b.add_env(m, toks, span if toks == rendered else None)
         while True:
             request_id = derive_id(rollout_id, "turn", num_turns)
             t = clock()
@@ -301,20 +302,14 @@ async def run_rollout(
             new = list(new)
             if done:  # closing remarks: part of the conversation, never seen by the model
                 for m in new:
-                    b.add(m["role"], str(m.get("content", "")), [], name=m.get("name"))
+                    b.add_env(m, [])
                 chat.extend(new)
                 break
             closed = renderer.close_completion(completion)
             b.append_unsampled(last, closed[len(completion) :])
             for m in new:
                 toks, span = scaffolded(renderer, m)
-                b.add(
-                    m["role"],
-                    str(m.get("content", "")),
-                    toks,
-                    name=m.get("name"),
-                    content_span=span,
-                )
+                b.add_env(m, toks, span)
             chat.extend(new)
             prompt = list(renderer.continue_prompt(prompt, completion, new))
             gen_prefix = list(renderer.generation_prompt_ids)
