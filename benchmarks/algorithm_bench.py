@@ -32,7 +32,7 @@ from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from bus.subjects import Topic
 from roles.algorithm import create
-from roles.algorithm.worker import AlgorithmWorker
+from roles.algorithm.role import AlgorithmWorker
 from schemas import BatchAssembled, Sample, TraceCompleted, arrays
 from tests.samples import every_event, trace
 
@@ -108,7 +108,7 @@ def batch(channels: bool, n: int = 64, length: int = 48, seed: int = 0) -> Batch
 
 def bench_channels(steps: int) -> dict[str, Any]:
     from configs import load_config
-    from roles.model.loading import ensure_tiny_model
+    from roles.lib.model.loading import ensure_tiny_model
     from roles.trainer.core import TrainerCore
 
     cfg = load_config("smoke")

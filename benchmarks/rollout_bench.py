@@ -28,8 +28,8 @@ from bus.server import EmbeddedServer
 from bus.subjects import Topic, filter_subject
 from configs import dump_toml, load_config
 from roles.cli.rollout import build_requests, plan_requests
-from roles.context import policy_model_dir
-from roles.launcher import RoleProcess, role_argv
+from roles.runtime.context import policy_model_dir
+from roles.up.processes import RoleProcess, role_argv
 from schemas import TraceCompleted
 
 

@@ -3,7 +3,7 @@
 Load it by import path wherever an env id is expected::
 
     rlbus rollout --env examples.word_count_env:make_env -n 8 --group-size 4
-    make_env("examples.word_count_env:make_env", {"max_words": 4})   # roles.env.registry
+    make_env("examples.word_count_env:make_env", {"max_words": 4})   # roles.lib.envs.registry
 
 Conversation::
 
@@ -21,7 +21,7 @@ import random
 import re
 from typing import Any
 
-from roles.env.base import (
+from roles.lib.envs.base import (
     Environment,
     GeneratedTaskset,
     Harness,

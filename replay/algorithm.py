@@ -86,14 +86,14 @@ def recompute(
 ) -> list[tuple[int, SamplesScored]]:
     """(seq of the trace that completed the group, SamplesScored) per group, in order."""
     from roles.algorithm.registry import create
-    from roles.algorithm.samples import GroupBuffer, score_group
-    from roles.algorithm.worker import (
+    from roles.algorithm.role import (
         algorithm_spec,
         attached_envs,
         needs_scorer,
         routed_envs,
         tool_sft_rules,
     )
+    from roles.algorithm.samples import GroupBuffer, score_group
 
     name, spec_options = algorithm_spec(log.cfg, algorithm_id)
     envs = routed_envs(log.cfg, algorithm_id)

@@ -47,7 +47,7 @@ from replay.tables import DYNAMIC_PREFIX, SCHEMAS, TABLES, rows_for
 from schemas import RunStopped
 
 if TYPE_CHECKING:
-    from roles.context import RoleContext
+    from roles.runtime.context import RoleContext
 
 PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
 STATE = "_state.json"

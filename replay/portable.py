@@ -334,7 +334,9 @@ def _find_local(candidates: list[Path], ref: ObjectRef | None) -> tuple[Path | N
 
 def _restore_weights(target: Path, cfg: Any, run_dir: Path, data: bytes) -> bool:
     if not (target / "config.json").is_file() and cfg.model.path == "tiny":
-        from roles.context import materialize_model  # builds config, tokenizer (and weights)
+        from roles.runtime.context import (
+            materialize_model,  # builds config, tokenizer (and weights)
+        )
 
         materialize_model(cfg, "tiny", run_dir)
     if not (target / "config.json").is_file():

@@ -118,7 +118,7 @@ class _Envs:
         self.cache: dict[str, Any] = {}
 
     def get(self, env_id: str, args: dict[str, Any]) -> Any:
-        from roles.env.registry import make_env
+        from roles.lib.envs.registry import make_env
 
         key = env_id + json.dumps(args, sort_keys=True, default=str)
         if key not in self.cache:

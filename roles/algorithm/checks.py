@@ -23,7 +23,7 @@ from roles.algorithm.registry import create
 def _env_problems(
     where: str, algorithm: Algorithm, envs: Sequence[tuple[int, EnvConfig]]
 ) -> list[str]:
-    from roles.env.registry import make_env
+    from roles.lib.envs.registry import make_env
 
     out = []
     for i, spec in envs:

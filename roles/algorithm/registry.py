@@ -15,7 +15,7 @@ from typing import Any
 from roles.algorithm.base import CHANNELS, Algorithm
 from roles.algorithm.builtin import GRPO, RLOO, SFT, MaxRL
 from roles.algorithm.channels import OPD, OPSD, RAE, Echo
-from roles.plugins import load_named
+from roles.lib.plugins import load_named
 
 BUILTINS: dict[str, type[Algorithm]] = {
     cls.name: cls for cls in (GRPO, MaxRL, RLOO, SFT, Echo, OPD, OPSD, RAE)

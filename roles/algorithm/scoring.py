@@ -23,8 +23,8 @@ import numpy as np
 
 from roles.algorithm.base import Algorithm, Refs
 from roles.algorithm.samples import branch_views
-from roles.clients import InferenceClient
-from roles.env.base import Environment
+from roles.lib.clients import InferenceClient
+from roles.lib.envs.base import Environment
 from schemas import InferenceFailed, Trace, arrays, derive_id
 
 

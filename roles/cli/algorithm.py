@@ -59,7 +59,7 @@ def attach(
     """Attach an algorithm worker to a live run and run it here until Ctrl-C or detach."""
     from bus.log import configure
     from bus.subjects import check_token, token_for
-    from roles.context import role_context
+    from roles.runtime.context import role_context
 
     wid = algorithm_id or token_for(name.rsplit(":", 1)[-1])
     check_token(wid, "algorithm id")
@@ -76,7 +76,7 @@ def attach(
             f"attached); `rlbus algorithm detach {wid} --run {run}` detaches it.",
             err=True,
         )
-        from roles.algorithm.worker import attached_envs, serve_worker
+        from roles.algorithm.role import attached_envs, serve_worker
 
         run_async(serve_worker(
             ctx, wid, attached.name, dict(attached.options), attached.from_seq,
@@ -141,7 +141,7 @@ def detach(
 
     async def main(url: str) -> None:
         from roles.cli.attachments import attachment_events, routing
-        from roles.context import role_context
+        from roles.runtime.context import role_context
         from schemas import AlgorithmAttached, AlgorithmDetached
 
         ctx = await role_context(run, url, "cli", None)
@@ -175,7 +175,7 @@ def list_algorithms(run: str = RUN, nats_url: str | None = URL) -> None:
     from rich.console import Console
 
     async def main(url: str) -> None:
-        from roles.context import role_context
+        from roles.runtime.context import role_context
 
         ctx = await role_context(run, url, "cli", None)
         bus = await ctx.connect()

@@ -46,7 +46,7 @@ def up(
     if dry_run:
         typer.echo(dump_toml(cfg), nl=False)
         return
-    from roles.launcher import launch
+    from roles.up.launcher import launch
 
     raise typer.Exit(launch(cfg, nats_url=nats_url, live_view=not no_view))
 
@@ -100,7 +100,7 @@ def status(
 
         from bus.registry import is_alive, list_roles
         from bus.runtime import Bus
-        from roles.context import read_run_started
+        from roles.runtime.context import read_run_started
 
         bus = await Bus.connect(url, run=run or "status", producer="cli")
         try:

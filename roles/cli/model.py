@@ -22,7 +22,7 @@ def init(
 ) -> None:
     """Build the tiny Llama-style model and character tokenizer in Hugging Face layout."""
     from configs import load_config
-    from roles.model.tiny import init_model
+    from roles.lib.model.tiny import init_model
 
     tiny = load_config(config).model.tiny.model_dump()
     tiny.pop("init_seed", None)
@@ -48,7 +48,7 @@ def export(
     import shutil
 
     from roles.cli.common import DATA_DIR
-    from roles.model.loading import INITIAL_SUBDIR
+    from roles.lib.model.loading import INITIAL_SUBDIR
     from roles.trainer.core import CHECKPOINTS_SUBDIR, latest_checkpoint
 
     run_dir = Path(data_dir or DATA_DIR) / run

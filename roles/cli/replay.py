@@ -266,7 +266,7 @@ def _token_text(run: str, events: list[Any]) -> Any:
     started = next((e for e in events if isinstance(e, RunStarted)), None)
     for d in (run_dir(run) / "model" / "initial", Path(started.model_path) if started else None):
         if d is not None and (d / "tokenizer_config.json").is_file():
-            from roles.model.loading import load_tokenizer
+            from roles.lib.model.loading import load_tokenizer
 
             tok = load_tokenizer(d)
             return lambda ids: list(tok.convert_ids_to_tokens(ids))
@@ -281,7 +281,7 @@ def export(
 ) -> None:
     """Write a whole run (log, objects, config, initial model) to one portable file."""
     from replay.portable import export_run
-    from roles.context import read_run_started
+    from roles.runtime.context import read_run_started
 
     async def main(url: str) -> dict[str, Any]:
         bus = await _connect(url, run)

@@ -36,7 +36,7 @@ def _start(
 ) -> None:
     """Import ``module:function`` lazily (torch only loads when needed) and run it."""
     from bus.log import configure
-    from roles.context import role_context
+    from roles.runtime.context import role_context
 
     module, func = target.split(":")
     main = getattr(importlib.import_module(module), func)
@@ -61,7 +61,7 @@ def env(
     env: str = typer.Option(..., "--env", "-e", help="Environment id (built-in name or module:function)."),
 ) -> None:  # fmt: skip
     """Run rollouts of one environment (replicas share one durable consumer)."""
-    _start("roles.env.server:main", "env", run, nats_url, config, token_for(env), env=env)
+    _start("roles.env_server.role:main", "env", run, nats_url, config, token_for(env), env=env)
 
 
 @app.command("teacher")
@@ -79,7 +79,7 @@ def algorithm(
     name: str = typer.Option("grpo", "--name", "-n", help="Algorithm id from orchestrator.algorithms."),
 ) -> None:  # fmt: skip
     """Turn complete groups of traces into scored samples (one worker per algorithm)."""
-    _start("roles.algorithm.worker:main", "algorithm", run, nats_url, config, name, name=name)
+    _start("roles.algorithm.role:main", "algorithm", run, nats_url, config, name, name=name)
 
 
 @app.command("orchestrator")

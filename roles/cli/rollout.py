@@ -51,7 +51,7 @@ def rollout(
 ) -> None:
     """Run N rollouts of one env (starting NATS, inference and the env server if needed)."""
     from configs import ConfigError, dump_toml, load_config
-    from roles.env.registry import UnknownEnv, make_env
+    from roles.lib.envs.registry import UnknownEnv, make_env
 
     if split not in ("train", "eval"):
         raise typer.BadParameter("--split must be train or eval")
@@ -113,7 +113,7 @@ class Plan:
 
 def plan_requests(cfg: Any, env: str, split: str, n: int, group_size: int, model: str) -> Plan:
     """Sampling, args and max_turns for ``env`` from the config (its train entry, if any)."""
-    from roles.env.registry import env_key
+    from roles.lib.envs.registry import env_key
     from schemas import SamplingParams
 
     entry = next((e for e in cfg.orchestrator.train.env if e.id == env), None)
@@ -211,12 +211,12 @@ async def _main(
 
     from bus.runtime import Bus
     from bus.subjects import Topic, subject
-    from roles.context import bus_settings, policy_model_dir
+    from roles.runtime.context import bus_settings, policy_model_dir
     from schemas import EvalCompleted, TraceCompleted
 
     bus = await Bus.connect(url, run=run, producer="cli-rollout", settings=bus_settings(cfg))
     await bus.ensure_stream()
-    from roles.launcher import RoleProcess, role_argv
+    from roles.up.processes import RoleProcess, role_argv
 
     started: list[RoleProcess] = []
     t0 = time.monotonic()
@@ -299,7 +299,7 @@ async def _main(
 
 def summarize(traces: list[Any]) -> dict[str, Any]:
     """Mean reward, mean completion tokens, errors by kind (pure: easy to test)."""
-    from roles.env.harness import completion_tokens
+    from roles.lib.envs.harness import completion_tokens
 
     errors = Counter(e.kind for t in traces for e in t.errors)
     n = max(len(traces), 1)
@@ -340,11 +340,11 @@ def _token_texts(ids: list[int], cfg: Any, run: str, model: str) -> list[str]:
         endpoint = cfg.orchestrator.models.get(model)
         path = endpoint.path if endpoint is not None and endpoint.path else cfg.model.path
         if path == "tiny":  # the tiny model's tokenizer needs no files
-            from roles.model.tokenizer import build_tokenizer
+            from roles.lib.model.tokenizer import build_tokenizer
 
             tokenizer = build_tokenizer()
         else:
-            from roles.model.loading import load_tokenizer
+            from roles.lib.model.loading import load_tokenizer
 
             tokenizer = load_tokenizer(path)
         return [str(t) for t in tokenizer.convert_ids_to_tokens(ids)]

@@ -25,7 +25,7 @@ Rules every backend keeps:
   sampling parameters;
 - every result carries the ``policy_version`` of the weights that produced all of it;
 - ``load_weights`` verifies ``digest`` before touching the model (a mismatch raises
-  ``roles.model.weights.WeightsDigestMismatch`` and the old weights keep serving) and
+  ``roles.lib.model.weights.WeightsDigestMismatch`` and the old weights keep serving) and
   sets ``policy_version = version`` atomically with the swap;
 - logprobs are of the sampled token under the distribution actually sampled from
   (see ``roles.inference.sampling``).

@@ -45,9 +45,9 @@ from bus.reader import last_event
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject, subject
 from configs import POLICY, ConfigError, RunConfig
-from roles.base import Role, serve_role
-from roles.context import RoleContext, materialize_model
 from roles.inference.backend import Backend
+from roles.runtime.context import RoleContext, materialize_model
+from roles.runtime.role import Role, serve_role
 from schemas import (
     GenerateRequest,
     InferenceFailed,

@@ -47,8 +47,8 @@ import torch
 from roles.inference import sampling
 from roles.inference.backend import admit_generate, admit_score
 from roles.inference.batcher import Batcher
-from roles.model.loading import load_model, load_tokenizer, resolve_device
-from roles.model.weights import (
+from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
+from roles.lib.model.weights import (
     WeightsDigestMismatch,
     bytes_to_state_dict,
     digest,
@@ -75,7 +75,7 @@ def configure_torch_threads() -> int:
 def default_stop_ids(tokenizer: Any) -> list[int]:
     """The renderer's stop tokens (``<|end|>`` and eos), or eos for a template-less model."""
     try:
-        from roles.model.render import Renderer
+        from roles.lib.model.render import Renderer
 
         return list(Renderer(tokenizer).stop_token_ids)
     except Exception:  # noqa: BLE001 - no chat template: eos is all we know

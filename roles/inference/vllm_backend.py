@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from roles.inference.backend import admit_generate, admit_score
-from roles.model.weights import WeightsDigestMismatch
-from roles.model.weights import digest as weights_digest
+from roles.lib.model.weights import WeightsDigestMismatch
+from roles.lib.model.weights import digest as weights_digest
 from schemas import GenerateRequest, GenerateResult, InferenceFailed, ScoreRequest, ScoreResult
 from schemas.arrays import pack_f32, pack_i32
 
@@ -120,7 +120,7 @@ class VllmBackend:
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 
         from roles.inference.torch_backend import default_stop_ids
-        from roles.model.loading import load_tokenizer
+        from roles.lib.model.loading import load_tokenizer
 
         tokenizer = load_tokenizer(model_path)
         self._stop = frozenset(

@@ -18,10 +18,10 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.subjects import Topic, filter_subject
 from configs import RunConfig
-from roles.base import Role, serve_role
-from roles.context import RoleContext, read_run_started
 from roles.orchestrator.policy import decide, trains_on
 from roles.orchestrator.state import OrchestratorState
+from roles.runtime.context import RoleContext, read_run_started
+from roles.runtime.role import Role, serve_role
 from schemas import (
     AlgorithmAttached,
     AlgorithmDetached,

@@ -19,8 +19,8 @@ from typing import Any
 
 from bus import rpc
 from bus.subjects import infer_queue, infer_subject
-from roles.base import Role, serve_role
-from roles.context import RoleContext
+from roles.runtime.context import RoleContext
+from roles.runtime.role import Role, serve_role
 from schemas import GenerateRequest, GenerateResult, InferenceFailed, ScoreRequest
 from schemas.arrays import i32, pack_f32, pack_i32
 
@@ -49,8 +49,8 @@ class Teacher(Role):
         self.answered = 0
 
     async def setup(self) -> None:
-        from roles.model.loading import load_tokenizer
-        from roles.model.render import Renderer
+        from roles.lib.model.loading import load_tokenizer
+        from roles.lib.model.render import Renderer
 
         # The teacher speaks the policy's tokenizer: its tokens are what the policy trains on.
         self.tokenizer = load_tokenizer(self.ctx.model_dir())
@@ -70,7 +70,7 @@ class Teacher(Role):
 
     def env(self, env_id: str) -> Any:
         if env_id not in self.envs:
-            from roles.env.registry import make_env
+            from roles.lib.envs.registry import make_env
 
             args = next((e.args for e in self.ctx.cfg.orchestrator.train.env if e.id == env_id), {})
             self.envs[env_id] = make_env(env_id, args)

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from configs import RunConfig
-from roles.model.loading import load_model, resolve_device
-from roles.model.weights import digest, load_state_bytes, state_dict_to_bytes
+from roles.lib.model.loading import load_model, resolve_device
+from roles.lib.model.weights import digest, load_state_bytes, state_dict_to_bytes
 from roles.trainer.loss import LossStats, loss_denominators, policy_loss
 from roles.trainer.packing import collate, pack
 from schemas import BatchAssembled, stable_seed

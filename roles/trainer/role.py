@@ -49,9 +49,9 @@ from bus.reader import last_seq, read_log
 from bus.registry import Heartbeat
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
-from roles.base import Role, serve_role
-from roles.context import RoleContext
-from roles.model.weights import digest
+from roles.lib.model.weights import digest
+from roles.runtime.context import RoleContext
+from roles.runtime.role import Role, serve_role
 from roles.trainer.core import TrainerCore, latest_checkpoint
 from schemas import (
     BatchAssembled,

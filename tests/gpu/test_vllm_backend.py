@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 
 from roles.inference.torch_backend import TorchBackend  # noqa: E402
 from roles.inference.vllm_backend import VllmBackend  # noqa: E402
-from roles.model.loading import load_model  # noqa: E402
-from roles.model.tiny import build_tiny_model  # noqa: E402
-from roles.model.weights import WeightsDigestMismatch, digest, state_dict_to_bytes  # noqa: E402
+from roles.lib.model.loading import load_model  # noqa: E402
+from roles.lib.model.tiny import build_tiny_model  # noqa: E402
+from roles.lib.model.weights import WeightsDigestMismatch, digest, state_dict_to_bytes  # noqa: E402
 from schemas import GenerateRequest, GenerateResult, SamplingParams  # noqa: E402
 from schemas.arrays import f32, i32, pack_i32  # noqa: E402
 

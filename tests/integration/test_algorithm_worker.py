@@ -15,8 +15,8 @@ from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, durable_name, filter_subject
 from roles.algorithm import create
-from roles.algorithm.worker import AlgorithmWorker
-from roles.base import serve_role
+from roles.algorithm.role import AlgorithmWorker
+from roles.runtime.role import serve_role
 from schemas import (
     Branch,
     Message,

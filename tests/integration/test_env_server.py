@@ -24,12 +24,12 @@ from bus import rpc
 from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import TOPICS, Topic, durable_name, filter_subject, infer_queue, infer_subject
-from roles.base import serve_role
-from roles.clients import InferenceClient
-from roles.env.builtin.alphabet_sort import parse_names
-from roles.env.server import EnvServer, client_generate
-from roles.model.render import Renderer
-from roles.model.tokenizer import build_tokenizer
+from roles.env_server.role import EnvServer, client_generate
+from roles.lib.clients import InferenceClient
+from roles.lib.envs.builtin.alphabet_sort import parse_names
+from roles.lib.model.render import Renderer
+from roles.lib.model.tokenizer import build_tokenizer
+from roles.runtime.role import serve_role
 from schemas import (
     EvalCompleted,
     Event,
@@ -245,11 +245,11 @@ async def test_inference_timeout_gives_errored_trace_and_acks(
 _REPLICA = """
 import asyncio, sys
 from bus.runtime import Bus, BusSettings
-from roles.base import serve_role
-from roles.clients import InferenceClient
-from roles.env.server import EnvServer, client_generate
-from roles.model.render import Renderer
-from roles.model.tokenizer import build_tokenizer
+from roles.runtime.role import serve_role
+from roles.lib.clients import InferenceClient
+from roles.env_server.role import EnvServer, client_generate
+from roles.lib.model.render import Renderer
+from roles.lib.model.tokenizer import build_tokenizer
 
 async def main(url, run):
     bus = await Bus.connect(url, run=run, producer="doomed",

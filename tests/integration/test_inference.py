@@ -18,12 +18,12 @@ from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, infer_subject, subject
 from configs import ConfigError, RunConfig, load_config
-from roles.base import serve_role
-from roles.clients import InferenceClient
 from roles.inference.role import InferenceRole, resolve_served_model
-from roles.model.loading import load_model
-from roles.model.tiny import build_tiny_model
-from roles.model.weights import state_dict_to_bytes
+from roles.lib.clients import InferenceClient
+from roles.lib.model.loading import load_model
+from roles.lib.model.tiny import build_tiny_model
+from roles.lib.model.weights import state_dict_to_bytes
+from roles.runtime.role import serve_role
 from schemas import (
     GenerateResult,
     InferenceFailed,

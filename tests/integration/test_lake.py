@@ -213,7 +213,7 @@ async def test_live_lake_role_follows_the_run(
     """The lake role syncs on its interval while events arrive, and once more on stop."""
     from configs import load_config
     from replay.lake import main
-    from roles.context import RoleContext
+    from roles.runtime.context import RoleContext
 
     cfg = load_config("smoke", [f"bus.data_dir={tmp_path}"])
     ctx = RoleContext(run=bus.run, url=nats_server.url, cfg=cfg, instance="lake-test")

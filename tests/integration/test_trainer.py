@@ -21,11 +21,11 @@ from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, filter_subject, subject
 from configs import RunConfig, dump_toml, load_config
-from roles.base import serve_role
-from roles.context import RoleContext
-from roles.model.loading import load_model
-from roles.model.tiny import build_tiny_model
-from roles.model.weights import load_state_bytes
+from roles.lib.model.loading import load_model
+from roles.lib.model.tiny import build_tiny_model
+from roles.lib.model.weights import load_state_bytes
+from roles.runtime.context import RoleContext
+from roles.runtime.role import serve_role
 from roles.trainer.core import TrainerCore, latest_checkpoint
 from roles.trainer.role import TrainerRole
 from schemas import DeadLettered, MetricsReported, WeightsPublished

@@ -16,7 +16,7 @@ from bus.consumer import Delivery, Subscription
 from bus.log import configure
 from bus.runtime import Bus, BusSettings
 from bus.subjects import Topic
-from roles.base import Role, serve_role
+from roles.runtime.role import Role, serve_role
 from schemas import Event, MetricsReported, TaskRequested, derive_id
 
 

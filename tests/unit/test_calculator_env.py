@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from roles.env.builtin.calculator import MAX_ABS, calc, evaluate
-from roles.env.harness import run_rollout
-from roles.env.registry import make_env
-from roles.model.render import Renderer
-from roles.model.tokenizer import build_tokenizer
+from roles.lib.envs.builtin.calculator import MAX_ABS, calc, evaluate
+from roles.lib.envs.harness import run_rollout
+from roles.lib.envs.registry import make_env
+from roles.lib.model.render import Renderer
+from roles.lib.model.tokenizer import build_tokenizer
 from roles.teacher.role import parse_conversation
 from schemas import GenerateResult, SamplingParams, TaskRef
 from schemas.arrays import i32, mask, pack_f32, pack_i32

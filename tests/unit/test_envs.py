@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from roles.env.base import Environment, GeneratedTaskset, Harness, Rubric, split_of_key
-from roles.env.builtin.alphabet_sort import names_by_turn, parse_names
-from roles.env.builtin.reverse_text import lcs_len
-from roles.env.registry import UnknownEnv, builtin_names, env_key, make_env
-from roles.model.render import Renderer
-from roles.model.tokenizer import ALPHABET, build_tokenizer
+from roles.lib.envs.base import Environment, GeneratedTaskset, Harness, Rubric, split_of_key
+from roles.lib.envs.builtin.alphabet_sort import names_by_turn, parse_names
+from roles.lib.envs.builtin.reverse_text import lcs_len
+from roles.lib.envs.registry import UnknownEnv, builtin_names, env_key, make_env
+from roles.lib.model.render import Renderer
+from roles.lib.model.tokenizer import ALPHABET, build_tokenizer
 
 ENV_IDS = [
     "reverse-text",
@@ -194,7 +194,7 @@ def test_taskset_deterministic_and_json_able(env_id: str) -> None:
 def test_taskset_same_in_another_process() -> None:
     """Tasks do not depend on the process (no hash() randomisation, no global RNG)."""
     code = (
-        "import json; from roles.env.registry import make_env; "
+        "import json; from roles.lib.envs.registry import make_env; "
         "print(json.dumps([[make_env(e, {}).task(s, i) for i in range(10)] "
         "for e in ('reverse-text', 'alphabet-sort', 'tool-calc') for s in ('train', 'eval')]))"
     )

@@ -9,11 +9,11 @@ import nats.errors
 import pytest
 
 from bus.errors import RequestTimeout
-from roles.env.base import Environment, Harness, Rubric
-from roles.env.harness import completion_tokens, run_rollout, split_initial_prompt
-from roles.env.registry import make_env
-from roles.model.render import Renderer
-from roles.model.tokenizer import build_tokenizer
+from roles.lib.envs.base import Environment, Harness, Rubric
+from roles.lib.envs.harness import completion_tokens, run_rollout, split_initial_prompt
+from roles.lib.envs.registry import make_env
+from roles.lib.model.render import Renderer
+from roles.lib.model.tokenizer import build_tokenizer
 from schemas import (
     GenerateResult,
     InferenceFailed,

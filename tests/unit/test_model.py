@@ -1,4 +1,4 @@
-"""Unit tests for roles.model: tokenizer, tiny model build/load, weights as bytes."""
+"""Unit tests for roles.lib.model: tokenizer, tiny model build/load, weights as bytes."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roles.model.loading import ModelNotFound, ensure_tiny_model, load_model, load_tokenizer
-from roles.model.tiny import build_tiny_model, count_params, init_model
-from roles.model.tokenizer import ALPHABET, build_tokenizer
-from roles.model.weights import (
+from roles.lib.model.loading import ModelNotFound, ensure_tiny_model, load_model, load_tokenizer
+from roles.lib.model.tiny import build_tiny_model, count_params, init_model
+from roles.lib.model.tokenizer import ALPHABET, build_tokenizer
+from roles.lib.model.weights import (
     WeightsDigestMismatch,
     bytes_to_state_dict,
     digest,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from roles.launcher import RoleProcess
-from roles.monitor import RunMonitor, sparkline
-from roles.plots import plot_curves
-from roles.view import LiveView
+from roles.up.monitor import RunMonitor, sparkline
+from roles.up.plots import plot_curves
+from roles.up.processes import RoleProcess
+from roles.up.view import LiveView
 from schemas import MetricsReported, RunStarted, RunStopped, WeightsPublished
 from schemas.run import ObjectRef
 

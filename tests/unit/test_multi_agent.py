@@ -7,8 +7,8 @@ import numpy as np
 from roles.algorithm import create
 from roles.algorithm.checks import routing_problems
 from roles.algorithm.samples import branch_views, score_group
-from roles.env.harness import run_rollout
-from roles.env.registry import make_env
+from roles.lib.envs.harness import run_rollout
+from roles.lib.envs.registry import make_env
 from schemas import SamplingParams, TaskRef, TraceCompleted, derive_id
 from schemas.arrays import f32
 from tests.unit.test_calculator_env import TOK, R, TeacherGenerate

@@ -1,12 +1,12 @@
-"""Unit tests for roles.model.render: token-in/token-out multi-turn rendering."""
+"""Unit tests for roles.lib.model.render: token-in/token-out multi-turn rendering."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roles.model.render import Renderer
-from roles.model.tokenizer import ALPHABET, build_tokenizer
+from roles.lib.model.render import Renderer
+from roles.lib.model.tokenizer import ALPHABET, build_tokenizer
 
 TOKENIZER = build_tokenizer()
 R = Renderer(TOKENIZER)

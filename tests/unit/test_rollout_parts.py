@@ -8,9 +8,15 @@ import numpy as np
 import pytest
 
 from bus.errors import NoResponders, RequestTimeout
-from roles.env.harness import run_rollout
-from roles.env.registry import make_env
-from roles.env.server import client_generate, failed_group, outputs_for, rollout_group, rollout_id
+from roles.env_server.role import (
+    client_generate,
+    failed_group,
+    outputs_for,
+    rollout_group,
+    rollout_id,
+)
+from roles.lib.envs.harness import run_rollout
+from roles.lib.envs.registry import make_env
 from schemas import (
     EvalCompleted,
     TaskRef,

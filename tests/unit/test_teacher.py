@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from roles.env.registry import make_env
-from roles.model.render import Renderer
-from roles.model.tokenizer import build_tokenizer
+from roles.lib.envs.registry import make_env
+from roles.lib.model.render import Renderer
+from roles.lib.model.tokenizer import build_tokenizer
 from roles.teacher.role import parse_conversation
 
 TOK = build_tokenizer()

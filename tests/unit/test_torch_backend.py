@@ -17,10 +17,10 @@ import torch
 
 from roles.inference import sampling
 from roles.inference.torch_backend import TorchBackend, TorchEngine
-from roles.model.loading import load_model, load_tokenizer
-from roles.model.render import Renderer
-from roles.model.tiny import build_tiny_model
-from roles.model.weights import WeightsDigestMismatch, digest, state_dict_to_bytes
+from roles.lib.model.loading import load_model, load_tokenizer
+from roles.lib.model.render import Renderer
+from roles.lib.model.tiny import build_tiny_model
+from roles.lib.model.weights import WeightsDigestMismatch, digest, state_dict_to_bytes
 from schemas import (
     GenerateRequest,
     GenerateResult,

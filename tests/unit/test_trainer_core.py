@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from configs import RunConfig, load_config
-from roles.model.tiny import build_tiny_model
-from roles.model.tokenizer import build_tokenizer
+from roles.lib.model.tiny import build_tiny_model
+from roles.lib.model.tokenizer import build_tokenizer
 from roles.trainer.core import StepOutOfOrder, TrainerCore, latest_checkpoint, lr_at
 from schemas import BatchAssembled, Sample, derive_id, stable_seed
 from schemas.arrays import pack_f32, pack_i32, pack_mask

@@ -7,5 +7,5 @@
 - `render`: token-in/token-out chat rendering for multi-turn episodes
 
 Submodules import torch/transformers; import them directly (this package imports
-nothing, so `import roles.model` stays cheap).
+nothing, so `import roles.lib.model` stays cheap).
 """

@@ -15,64 +15,14 @@ then ``summary.json`` and ``curves.png`` are written next to the logs.
 from __future__ import annotations
 
 import asyncio
-import json
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from configs import RunConfig, dump_toml
-from roles.context import policy_model_dir
-
-
-@dataclass
-class RoleProcess:
-    name: str  # unique: "env-reverse-text", "inference-policy-0", ...
-    argv: list[str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-    log_file: IO[bytes] | None = None
-    exit_codes: list[int] = field(default_factory=list)
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_file = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, lines: int = 20) -> str:
-        """The end of the role's log, for error messages."""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def terminate(self) -> None:
-        if self.alive and self.proc is not None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.log_file:
-            self.log_file.close()
-
-
-def role_argv(args: list[str], run: str, url: str, config_path: Path) -> list[str]:
-    """The ``rlbus role ...`` command line of one role process of ``run``."""
-    common = ["--run", run, "--nats-url", url, "--config", str(config_path)]
-    return [sys.executable, "-m", "roles.cli", "role", *args, *common]
+from roles.runtime.context import policy_model_dir
+from roles.up.processes import RoleProcess, role_argv
+from roles.up.supervisor import supervise
 
 
 def role_specs(
@@ -128,15 +78,7 @@ def launch(cfg: RunConfig, nats_url: str | None = None, live_view: bool = True) 
     try:
         policy_model_dir(cfg, run)  # build the tiny model once, before roles race to it
         roles = role_specs(cfg, run, nats_url, config_path, logs)
-        from roles.supervisor import supervise
-
         return asyncio.run(supervise(cfg, run, nats_url, roles, run_dir, live_view))
     finally:
         if server is not None:
             server.stop()
-
-
-def write_summary(run_dir: Path, summary: dict[str, object]) -> Path:
-    path = run_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    return path

@@ -42,8 +42,8 @@ from roles.algorithm.base import Algorithm
 from roles.algorithm.registry import create
 from roles.algorithm.samples import GroupBuffer, ToolSft, score_group
 from roles.algorithm.scoring import RefScorer
-from roles.base import Role, serve_role
-from roles.context import RoleContext
+from roles.runtime.context import RoleContext
+from roles.runtime.role import Role, serve_role
 from schemas import AlgorithmAttached, Event, MetricsReported, SamplesScored, TraceCompleted
 
 # Scored groups published per pipelined window while catching up on the log.
@@ -292,9 +292,9 @@ def needs_scorer(algorithm: Algorithm) -> bool:
 
 def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
     """The inference client, the run's renderer and the run's envs, for distillation."""
-    from roles.clients import InferenceClient
-    from roles.env.registry import make_env
-    from roles.env.server import load_renderer
+    from roles.env_server.role import load_renderer
+    from roles.lib.clients import InferenceClient
+    from roles.lib.envs.registry import make_env
 
     specs = {token_for(e.id): e for e in ctx.cfg.orchestrator.train.env}
     envs: dict[str, Any] = {}

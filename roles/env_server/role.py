@@ -38,11 +38,11 @@ from bus.consumer import Delivery, Subscription
 from bus.errors import NoResponders
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
-from roles.base import Role, serve_role
-from roles.context import RoleContext
-from roles.env.base import Environment
-from roles.env.harness import Generate, completion_tokens, run_rollout
-from roles.env.registry import env_key, make_env
+from roles.lib.envs.base import Environment
+from roles.lib.envs.harness import Generate, completion_tokens, run_rollout
+from roles.lib.envs.registry import env_key, make_env
+from roles.runtime.context import RoleContext
+from roles.runtime.role import Role, serve_role
 from schemas import (
     Branch,
     EvalCompleted,
@@ -361,9 +361,9 @@ class EnvServer(Role):
 
 def load_renderer(ctx: RoleContext) -> Any:
     """A Renderer over the run model's tokenizer (the tiny model is built if absent)."""
-    from roles.context import policy_model_dir
-    from roles.model.loading import load_tokenizer
-    from roles.model.render import Renderer
+    from roles.lib.model.loading import load_tokenizer
+    from roles.lib.model.render import Renderer
+    from roles.runtime.context import policy_model_dir
 
     path = policy_model_dir(ctx.cfg, ctx.run)
     return Renderer(load_tokenizer(path, local_files_only=ctx.cfg.model.local_files_only))
@@ -379,7 +379,7 @@ def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
 
 async def main(ctx: RoleContext, env: str) -> None:
     renderer = await asyncio.to_thread(load_renderer, ctx)
-    from roles.clients import InferenceClient
+    from roles.lib.clients import InferenceClient
 
     bus = await ctx.connect()
     timeout = ctx.cfg.inference.request_timeout_s

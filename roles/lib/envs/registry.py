@@ -15,9 +15,9 @@ import inspect
 from typing import Any
 
 from bus.subjects import token_for
-from roles.env.base import Environment
-from roles.env.builtin import BUILTINS
-from roles.plugins import load_named
+from roles.lib.envs.base import Environment
+from roles.lib.envs.builtin import BUILTINS
+from roles.lib.plugins import load_named
 
 
 class UnknownEnv(ValueError):

@@ -19,7 +19,7 @@ Rewards: ``answer`` (weight 1) = 1 iff the second assistant message, stripped, i
 ``solve`` (the scripted teacher) answers from the conversation alone: turn 1 the user's
 expression, turn 2 the tool's result.
 
-    python -c "from roles.env.registry import make_env; e = make_env('tool-calc', {}); print(e.task('train', 0))"
+    python -c "from roles.lib.envs.registry import make_env; e = make_env('tool-calc', {}); print(e.task('train', 0))"
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import random
 import re
 from typing import Any
 
-from roles.env.base import (
+from roles.lib.envs.base import (
     Environment,
     GeneratedTaskset,
     Harness,

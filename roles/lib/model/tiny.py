@@ -1,11 +1,11 @@
 """A tiny Llama-style model for CPU runs and tests, built from a seed.
 
-The model is sized to the character tokenizer (`roles.model.tokenizer`) and saved as an
+The model is sized to the character tokenizer (`roles.lib.model.tokenizer`) and saved as an
 ordinary Hugging Face model directory (safetensors weights, config, generation config,
 tokenizer), so every role loads it with `AutoModelForCausalLM.from_pretrained` exactly as
 it would load a real model. Same seed and sizes => byte-identical files.
 
-    python -c "from roles.model.tiny import init_model; print(init_model('/tmp/tiny', 0))"
+    python -c "from roles.lib.model.tiny import init_model; print(init_model('/tmp/tiny', 0))"
 
 (`rlbus model init` wraps `init_model`.)
 """
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from roles.model.tokenizer import END, build_tokenizer
-from roles.model.weights import digest, state_dict_to_bytes
+from roles.lib.model.tokenizer import END, build_tokenizer
+from roles.lib.model.weights import digest, state_dict_to_bytes
 
 
 def tiny_config(
@@ -112,7 +112,7 @@ def init_model(out_dir: str | Path, seed: int = 0, **sizes: Any) -> dict[str, An
     The digest is of `state_dict_to_bytes`, i.e. the same digest the trainer would
     publish for these weights, so version 0 of a run can be checked against it.
     """
-    from roles.model.loading import load_model
+    from roles.lib.model.loading import load_model
 
     path = build_tiny_model(out_dir, seed=seed, **sizes)
     model = load_model(path)

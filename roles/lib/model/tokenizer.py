@@ -4,7 +4,7 @@ Built in memory with the `tokenizers` library (no files, no network) and wrapped
 `transformers.PreTrainedTokenizerFast`, so the tiny model and any real Hugging Face model
 go through the same tokenizer API (`encode`, `decode`, `apply_chat_template`).
 
-    python -c "from roles.model.tokenizer import build_tokenizer; \
+    python -c "from roles.lib.model.tokenizer import build_tokenizer; \
 print(build_tokenizer().apply_chat_template([{'role': 'user', 'content': 'hi'}], \
 tokenize=False, add_generation_prompt=True))"
 

@@ -10,7 +10,7 @@ Texts are ``min_len``..``max_len`` (default 3..8) random lowercase letters drawn
 ``seed``. Reward ``lcs``: LCS(answer, target) / max(len(answer), len(target)), in [0, 1]
 and 1 iff the answer (stripped of surrounding whitespace) equals the reversed text.
 
-    python -c "from roles.env.registry import make_env; e = make_env('reverse-text', {}); print(e.task('train', 0))"
+    python -c "from roles.lib.envs.registry import make_env; e = make_env('reverse-text', {}); print(e.task('train', 0))"
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import random
 import string
 from typing import Any
 
-from roles.env.base import (
+from roles.lib.envs.base import (
     Environment,
     GeneratedTaskset,
     Harness,

@@ -1,6 +1,6 @@
 """Keeps a run's role processes alive and watches the run through its stream.
 
-Started by ``rlbus up`` (``roles/launcher.py``). It reads metrics, weights and stop
+Started by ``rlbus up`` (``roles/up/launcher.py``). It reads metrics, weights and stop
 events (and only the headers of completed traces, to count rollouts) with ordered
 consumers, restarts a role process that dies, and on ``run.stopped`` or Ctrl-C stops
 every role with SIGTERM so each drains its in-flight work.
@@ -21,8 +21,8 @@ from bus.log import get_logger
 from bus.runtime import Bus
 from bus.subjects import Topic, filter_subject
 from configs import RunConfig
-from roles.launcher import RoleProcess, write_summary
-from roles.monitor import RunMonitor
+from roles.up.monitor import RunMonitor
+from roles.up.processes import RoleProcess, write_summary
 from schemas import MetricsReported, RunStarted, RunStopped, WeightsPublished
 
 TYPES = (MetricsReported, RunStarted, RunStopped, WeightsPublished)
@@ -109,7 +109,7 @@ async def supervise(
         )
     stop_reading = asyncio.Event()
     reader = asyncio.create_task(follow_events(bus, monitor, stop_reading))
-    from roles.view import LiveView
+    from roles.up.view import LiveView
 
     view = LiveView(monitor, roles, enabled=live_view)
     failed: str | None = None
@@ -147,7 +147,7 @@ async def supervise(
     if failed:
         summary["failed"] = failed
     path = write_summary(run_dir, summary)
-    from roles.plots import plot_curves
+    from roles.up.plots import plot_curves
 
     curves = plot_curves(monitor, run_dir / "curves.png")
     print(view.final_report(summary, path, curves))

@@ -5,7 +5,7 @@ to know whether it runs the tiny CPU model or a real checkpoint. Nothing downloa
 default (`local_files_only=True`): a missing model is a `ModelNotFound`, not a hang on
 the network.
 
-    python -c "from roles.model.loading import load_model; print(load_model('runs/x/model/initial'))"
+    python -c "from roles.lib.model.loading import load_model; print(load_model('runs/x/model/initial'))"
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def ensure_tiny_model(
     The build goes to a temporary sibling directory that is renamed into place, so a
     crash mid-build never leaves a half-written model that later runs would trust.
     """
-    from roles.model.tiny import build_tiny_model
+    from roles.lib.model.tiny import build_tiny_model
 
     target = Path(run_dir) / INITIAL_SUBDIR
     if all((target / name).exists() for name in _DONE_MARKERS):

@@ -38,7 +38,7 @@ def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:
     ``run_dir``; anything else is a local directory or hub id, returned as it is."""
     if path != "tiny":
         return Path(path)
-    from roles.model.loading import ensure_tiny_model  # torch-free until a model is built
+    from roles.lib.model.loading import ensure_tiny_model  # torch-free until a model is built
 
     sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})
     return Path(ensure_tiny_model(run_dir, sizes, seed=cfg.model.tiny.init_seed))

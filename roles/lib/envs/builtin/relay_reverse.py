@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from roles.env.base import Environment, Harness, Messages, Rubric, State, assistant_answers
-from roles.env.builtin import reverse_text
-from roles.env.builtin.reverse_text import SYSTEM_PROMPT, lcs_ratio
+from roles.lib.envs.base import Environment, Harness, Messages, Rubric, State, assistant_answers
+from roles.lib.envs.builtin import reverse_text
+from roles.lib.envs.builtin.reverse_text import SYSTEM_PROMPT, lcs_ratio
 
 MEMBERS = ("reverser", "restorer")
 UNDO = "Undo it."

@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from roles.monitor import RunMonitor, sparkline
+from roles.up.monitor import RunMonitor, sparkline
 
 
 class LiveView:

@@ -1,11 +1,11 @@
-"""The built-in environments, by name (see ``roles.env.registry``)."""
+"""The built-in environments, by name (see ``roles.lib.envs.registry``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from roles.env.base import Environment
-from roles.env.builtin import alphabet_sort, calculator, relay_reverse, reverse_text
+from roles.lib.envs.base import Environment
+from roles.lib.envs.builtin import alphabet_sort, calculator, relay_reverse, reverse_text
 
 BUILTINS: dict[str, Callable[..., Environment]] = {
     "reverse-text": reverse_text.make_env,

@@ -22,10 +22,10 @@ An ``Environment`` also declares its ``members`` (multi-agent envs name the agen
 whose messages carry ``Message.member``; single-agent envs leave it empty).
 
 Messages are OpenAI-style dicts ``{"role": ..., "content": ...}`` (tool results add a
-``"name"``). The token-level rollout loop lives in ``roles.env.harness``; an env never
+``"name"``). The token-level rollout loop lives in ``roles.lib.envs.harness``; an env never
 sees tokens.
 
-    env = make_env("reverse-text", {})            # roles.env.registry
+    env = make_env("reverse-text", {})            # roles.lib.envs.registry
     task = env.task("train", 0)
     msgs = env.initial_messages(task)
     msgs.append({"role": "assistant", "content": env.reference_answer(msgs, task)})

@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from bus.errors import RequestTimeout
-from roles.env.base import Environment, Messages
+from roles.lib.envs.base import Environment, Messages
 from schemas import (
     Branch,
     GenerateResult,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from roles.monitor import RunMonitor
+from roles.up.monitor import RunMonitor
 
 
 def plot_curves(monitor: RunMonitor, path: Path) -> Path | None:

@@ -22,7 +22,7 @@ import random
 import re
 from typing import Any
 
-from roles.env.base import (
+from roles.lib.envs.base import (
     Environment,
     GeneratedTaskset,
     Harness,

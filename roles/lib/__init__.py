@@ -1,0 +1,8 @@
+"""Libraries the roles share. None of them is a role or starts a process.
+
+- ``envs``: the Environment API, the rollout harness, the env registry and built-in envs
+  (used by env servers, the teacher, distillation scoring and rubric replay)
+- ``model``: the tiny model, tokenizer, renderer and weights I/O
+- ``clients``: the inference client (request/reply on ``infer.<model>``)
+- ``plugins``: loading a user's class or function by ``module:name``
+"""

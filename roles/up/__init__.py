@@ -1,0 +1,9 @@
+"""``rlbus up``: the launcher, the supervisor and what shows a run while it trains.
+
+- ``launcher``: role processes (argv, start, stop), the run's summary
+- ``supervisor``: keeps the role processes alive and follows the run's events
+- ``monitor``: the fold of a run's events into what the view and the summary show
+- ``view``: the live terminal view; ``plots``: ``curves.png``
+
+Only the CLI imports this package (checked by an import contract).
+"""

@@ -1,0 +1,69 @@
+"""Role processes of ``rlbus up``: the ``rlbus role ...`` command line, start, stop, logs.
+
+Each role runs as its own process in its own session (a Ctrl-C in the terminal reaches
+the launcher only, which then stops the roles in order), logging to
+``runs/<run>/logs/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+
+@dataclass
+class RoleProcess:
+    name: str  # unique: "env-reverse-text", "inference-policy-0", ...
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    log_file: IO[bytes] | None = None
+    exit_codes: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        """The end of the role's log, for error messages."""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def terminate(self) -> None:
+        if self.alive and self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.log_file:
+            self.log_file.close()
+
+
+def role_argv(args: list[str], run: str, url: str, config_path: Path) -> list[str]:
+    """The ``rlbus role ...`` command line of one role process of ``run``."""
+    common = ["--run", run, "--nats-url", url, "--config", str(config_path)]
+    return [sys.executable, "-m", "roles.cli", "role", *args, *common]
+
+
+def write_summary(run_dir: Path, summary: dict[str, object]) -> Path:
+    path = run_dir / "summary.json"
+    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return path
