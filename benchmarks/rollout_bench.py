@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import save
+from bus.reader import LogReader
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
-from bus.subjects import Topic, filter_subject
+from bus.subjects import Topic
 from configs import dump_toml, load_config
 from roles.cli.rollout import build_requests, plan_requests
 from roles.runtime.context import policy_model_dir
@@ -63,16 +64,11 @@ async def measure(
         r.start()
     bus = await Bus.connect(url, run=run, producer="bench")
     await bus.ensure_stream()
-    sub = await bus.js.subscribe(
-        filter_subject(run, Topic.TRACE_COMPLETED), ordered_consumer=True, stream=bus.stream
-    )
+    reader = LogReader(bus, topics=[(Topic.TRACE_COMPLETED, None)], follow=True)
+    traces_in = aiter(reader.events((TraceCompleted,)))
 
     async def collect(n: int) -> list[Any]:
-        out = []
-        while len(out) < n:
-            msg = await sub.next_msg(timeout=300)
-            out.append((await bus.decode_msg(msg, [TraceCompleted])).trace)
-        return out
+        return [(await asyncio.wait_for(anext(traces_in), 300)).trace for _ in range(n)]
 
     try:
         warm = plan_requests(
@@ -88,7 +84,7 @@ async def measure(
         traces = await collect(groups * group_size)
         wall = time.perf_counter() - t0
     finally:
-        await sub.unsubscribe()
+        await traces_in.aclose()  # type: ignore[attr-defined]
         await bus.close()
         for r in roles:
             r.terminate()

@@ -1,5 +1,10 @@
 """The durable pull-consumer loop: fetch, decode, handle, publish outputs, then ack.
 
+A handler returns what its input caused: a list of events, or ``Effects`` (events plus
+an ``after_publish`` hook for state that may only change once they are stored). The
+runtime publishes, runs the hook, then acks; a handler never publishes by itself.
+The other consumer kind, an ordered follower of the log, is ``bus.follower``.
+
 At-least-once with effectively-once effects: the input is acked only after every output
 is acknowledged by JetStream, and outputs carry ids derived from the input, so a
 redelivered input republishes the same ids and the server dedups them.
@@ -33,7 +38,37 @@ from bus.runtime import Bus
 from bus.subjects import TOPICS, Topic, TopicSpec, filter_subject
 from schemas import DeadLettered, Event, derive_id
 
-Handler = Callable[[Any, "Delivery"], Awaitable[Sequence[Event] | None]]
+
+@dataclass(frozen=True)
+class Effects:
+    """What a handler caused: events to publish, and a hook run once they are stored.
+
+    State that must move only after a successful publish (an algorithm's scored set, the
+    trainer's announced step) moves in ``after_publish``: if the publish fails, the hook
+    does not run and the input is redelivered.
+    """
+
+    events: Sequence[Event] = ()
+    after_publish: Callable[[], Awaitable[None] | None] | None = None
+
+
+Outputs = Sequence[Event] | Effects | None
+Handler = Callable[[Any, "Delivery"], Awaitable[Outputs]]
+
+
+async def commit(bus: Bus, outputs: Outputs) -> None:
+    """Publish a handler's outputs, then run its after-publish hook (if any)."""
+    if outputs is None:
+        return
+    if isinstance(outputs, Effects):
+        if outputs.events:
+            await bus.publish_many(list(outputs.events))
+        if outputs.after_publish is not None:
+            done = outputs.after_publish()
+            if done is not None:
+                await done
+    elif outputs:
+        await bus.publish_many(list(outputs))
 
 
 @dataclass(frozen=True)
@@ -57,6 +92,9 @@ class Subscription:
     fetch_timeout_s: float = 1.0
     deliver_new: bool = False  # start at new messages instead of the start of the log
     start_seq: int | None = None  # start at this stream sequence (a worker attached mid-run)
+    # Recreate the durable at this sequence when the role starts, dropping its old
+    # position (the trainer: its position is derived from its checkpoint and catch-up).
+    restart_at: int | None = None
     max_ack_pending: int = 1000
     types: tuple[type, ...] = field(init=False)
 
@@ -79,22 +117,30 @@ class Consumer:
 
     def config(self) -> ConsumerConfig:
         s = self.bus.settings
+        start = self.sub.start_seq if self.sub.restart_at is None else self.sub.restart_at
         policy = DeliverPolicy.NEW if self.sub.deliver_new else DeliverPolicy.ALL
-        if self.sub.start_seq is not None and self.sub.start_seq > 1:
+        if start is not None and start > 1:
             policy = DeliverPolicy.BY_START_SEQUENCE
         return ConsumerConfig(
             durable_name=self.sub.durable,
             filter_subjects=[filter_subject(self.bus.run, t, k) for t, k in self.sub.topics],
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=policy,
-            opt_start_seq=self.sub.start_seq if policy == DeliverPolicy.BY_START_SEQUENCE else None,
+            opt_start_seq=start if policy == DeliverPolicy.BY_START_SEQUENCE else None,
             ack_wait=s.ack_wait_s,
             max_deliver=-1,  # we count deliveries ourselves so the last one is dead-lettered
             max_ack_pending=self.sub.max_ack_pending,
         )
 
     async def ensure(self) -> None:
-        """Create the durable consumer, or reuse it as it is (a restart resumes its position)."""
+        """Create the durable consumer, or reuse it as it is (a restart resumes its position);
+        with ``restart_at``, recreate it there."""
+        if self.sub.restart_at is not None:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self.bus.js.delete_consumer(self.bus.stream, self.sub.durable)
+            await self.bus.js.add_consumer(self.bus.stream, self.config())
+            self.log.info("consumer.positioned", start_seq=self.sub.restart_at)
+            return
         try:
             await self.bus.js.consumer_info(self.bus.stream, self.sub.durable)
         except nats.js.errors.NotFoundError:
@@ -175,9 +221,7 @@ class Consumer:
             return
         self._active[id(msg)] = msg
         try:
-            outputs = await self.sub.handler(event, delivery)
-            if outputs:
-                await self.bus.publish_many(list(outputs))
+            await commit(self.bus, await self.sub.handler(event, delivery))
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await msg.nak()

@@ -1,76 +1,242 @@
-"""Reading a run's stored log in order (ordered push consumer, NATS_NOTES #11).
+"""The log reader: a run's stored events, in stream order, from where you say.
 
-``read_log`` yields every event stored so far on the given topics, decoded, in stream
-order, and returns once it has caught up: the fold that rebuilds a role's state at start
-(algorithm workers, the trainer's catch-up), and the base of replay and the lake.
+    reader = LogReader(bus, from_seq=1)            # or since=datetime, start="last"|"new"
+    async for entry in reader.entries():          # Entry(seq, subject, stored_ns, ..., event)
+        ...
+    reader.last_seq, reader.skipped                # where it stopped; what it stepped over
+
+    async for seq, event in read_log(bus, [(Topic.BATCH_ASSEMBLED, None)], (BatchAssembled,),
+                                     with_seq=True):   # the same reader, as a catch-up fold
+
+It is the one place rlbus reads the log in order: the fold that rebuilds a role's state
+at start (algorithm workers, the trainer's catch-up), the followers a role declares
+(``bus.consumer.Follow``: the orchestrator, inference's weights), the launcher's view,
+``rlbus events``, replay, export and the lake. Underneath is an ordered push consumer
+(NATS_NOTES #11): no acks, flow-controlled, recreated by nats-py after a gap, the
+fastest way to read a stream in order; ``ordered_config`` is the only place that
+describes one.
+
+Stored events are decoded as current or legacy versions and upcast
+(``schemas.legacy.upcast``), so every reader sees current events only. A message it
+cannot read (an unknown or newer schema, a corrupt payload, a missing offloaded body)
+is logged, recorded in ``skipped`` with its sequence and stepped over: the durable
+consumer that owns it dead-letters it, and one bad message never stops a fold or an
+analytics job. ``last_seq`` counts skipped messages too.
+
+Finished or live: without ``follow`` it returns once caught up (no message pending, or
+``until_seq`` reached; a stall before ``until_seq`` is a ``TimeoutError``, since those
+messages are known to exist); with ``follow`` it keeps waiting for new events until
+``stop`` is set or it is cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import datetime as dt
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import nats.errors
 import nats.js.errors
+from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from bus import codec
 from bus.errors import BodyError, DecodeError
+from bus.offload import BodyStore
 from bus.runtime import Bus
 from bus.subjects import Topic, filter_subject
+from schemas import EVENT_TYPES, Event
+from schemas.legacy import LEGACY_TYPES, upcast
+
+ALL_TYPES: tuple[type[Event], ...] = EVENT_TYPES + LEGACY_TYPES
+Topics = Sequence[tuple[Topic, str | None]]  # (topic, key or None for every key)
 
 
-async def read_log(
+def decode_event(payload: bytes | memoryview, schema: str | None = None) -> Event:
+    """Decode a current or legacy event and upcast it (pure; raises ``DecodeError`` and
+    its subclass ``UnknownSchema``)."""
+    event: Event = codec.decode(payload, ALL_TYPES, schema)
+    return upcast(event)
+
+
+def ordered_config(
+    run: str,
+    topics: Topics | None,
+    from_seq: int = 1,
+    since: dt.datetime | None = None,
+    start: Literal["last", "new"] | None = None,
+    headers_only: bool = False,
+) -> ConsumerConfig:
+    """The ordered consumer of a read: where it starts and which subjects it sees."""
+    filters = [filter_subject(run, t, k) for t, k in topics] if topics else None
+    if start == "last":  # the newest message per filter, then whatever comes after it
+        policy, extra = DeliverPolicy.LAST, {}
+    elif start == "new":
+        policy, extra = DeliverPolicy.NEW, {}
+    elif since is not None:
+        since = since if since.tzinfo else since.astimezone()
+        policy, extra = DeliverPolicy.BY_START_TIME, {"opt_start_time": since.astimezone(dt.UTC)}
+    else:
+        policy, extra = DeliverPolicy.BY_START_SEQUENCE, {"opt_start_seq": max(1, from_seq)}
+    # filter_subjects even for one: nats-py's subscribe("") overwrites filter_subject.
+    return ConsumerConfig(
+        deliver_policy=policy,
+        filter_subjects=filters,
+        headers_only=headers_only or None,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored event with where and when the stream stored it."""
+
+    seq: int  # stream sequence
+    subject: str
+    stored_ns: int  # server time of storage (the event's own ts_ns is the producer's clock)
+    schema: str  # the tag as stored, before upcasting ("trace_completed/0")
+    size: int  # bytes of the encoded event (of the body when offloaded)
+    offloaded: bool
+    event: Event  # decoded and upcast to the current version
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A stored message the reader could not turn into an event, and why."""
+
+    seq: int
+    subject: str
+    schema: str
+    reason: str
+
+
+@dataclass
+class LogReader:
+    bus: Bus
+    from_seq: int = 1
+    since: dt.datetime | None = None  # start at the first event stored at or after this
+    topics: Topics | None = None  # None: every topic
+    follow: bool = False
+    until_seq: int | None = None  # stop after this sequence (a bounded catch-up)
+    idle_timeout_s: float = 5.0
+    start: Literal["last", "new"] | None = None  # the newest message on, or new ones only
+    headers_only: bool = False  # messages() only: no payloads are sent
+    stop: asyncio.Event | None = None  # with ``follow``: return once set
+    skipped: list[Skipped] = field(default_factory=list)
+    last_seq: int = 0  # the last sequence read, skipped ones included
+
+    def __post_init__(self) -> None:
+        self.last_seq = max(self.last_seq, self.from_seq - 1)
+
+    async def messages(self) -> AsyncIterator[Msg]:
+        """The raw stored messages from the start position on, in order."""
+        if self.until_seq is not None and self.from_seq > self.until_seq:
+            return
+        config = ordered_config(
+            self.bus.run, self.topics, self.from_seq, self.since, self.start, self.headers_only
+        )
+        sub = await self.bus.js.subscribe(
+            "", ordered_consumer=True, config=config, stream=self.bus.stream
+        )
+        try:
+            if not self.follow:
+                info = await sub.consumer_info()
+                delivered = info.delivered.consumer_seq if info.delivered else 0
+                if not info.num_pending and not delivered:
+                    return  # nothing at or after the start: do not wait for it
+            while True:
+                if self.stop is not None and self.stop.is_set():
+                    return
+                try:
+                    msg = await sub.next_msg(timeout=self.idle_timeout_s)
+                except (TimeoutError, nats.errors.TimeoutError) as e:
+                    if self.follow:
+                        continue
+                    if self.until_seq is not None and self.last_seq < self.until_seq:
+                        raise TimeoutError(
+                            f"reading {self.bus.stream} up to seq {self.until_seq} stalled "
+                            f"at seq {self.last_seq}"
+                        ) from e
+                    return
+                meta = msg.metadata
+                seq = meta.sequence.stream
+                self.last_seq = seq
+                yield msg
+                if not self.follow and (
+                    meta.num_pending == 0 or (self.until_seq is not None and seq >= self.until_seq)
+                ):
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def entries(self) -> AsyncIterator[Entry]:
+        """The decoded events from the start position on, in order (see the module doc)."""
+        async with contextlib.aclosing(self.messages()) as messages:
+            async for msg in messages:
+                entry = await self._entry(msg)
+                if entry is not None:
+                    yield entry
+
+    async def events(
+        self, types: tuple[type, ...] | None = None, with_seq: bool = False
+    ) -> AsyncIterator[Any]:
+        """The events (or ``(seq, event)`` pairs) of ``types`` (None: every type)."""
+        async with contextlib.aclosing(self.entries()) as entries:
+            async for entry in entries:
+                if types is None or isinstance(entry.event, types):
+                    yield (entry.seq, entry.event) if with_seq else entry.event
+
+    async def _entry(self, msg: Msg) -> Entry | None:
+        headers = msg.headers or {}
+        schema = headers.get(codec.H_SCHEMA, "?")
+        payload: bytes = msg.data
+        offloaded = headers.get(codec.H_BODY) == "ref"
+        seq = msg.metadata.sequence.stream
+        try:
+            if offloaded:
+                ref = codec.decode_ref(payload)
+                payload = await BodyStore(self.bus.js, ref.bucket).get(ref.name, ref.digest)
+            event = decode_event(payload, headers.get(codec.H_SCHEMA))
+        except (DecodeError, BodyError) as e:
+            self.skipped.append(Skipped(seq, msg.subject, schema, str(e)))
+            self.bus.log.warning(
+                "log.skipped", seq=seq, subject=msg.subject, schema=schema, error=str(e)
+            )
+            return None
+        ts = msg.metadata.timestamp
+        return Entry(
+            seq=seq,
+            subject=msg.subject,
+            stored_ns=int(ts.timestamp() * 1e9) if ts else 0,
+            schema=schema,
+            size=len(payload),
+            offloaded=offloaded,
+            event=event,
+        )
+
+
+def read_log(
     bus: Bus,
-    topics: Sequence[tuple[Topic, str | None]],
+    topics: Topics,
     types: tuple[type, ...],
     from_seq: int = 1,
     stall_timeout_s: float = 10.0,
     with_seq: bool = False,
     until_seq: int | None = None,
 ) -> AsyncIterator[Any]:
-    """Every event on ``topics`` ((topic, key or None) pairs) stored so far, in stream order.
+    """Every event of ``types`` on ``topics`` stored so far, in stream order: a fold.
 
-    Undecodable entries are logged and stepped over (the durable consumer that owns them
-    dead-letters them). With ``with_seq`` it yields ``(stream_seq, event)`` pairs. With
-    ``until_seq`` it stops after that sequence, and a stall before it is a ``TimeoutError``
-    (those messages are known to exist). Close it with ``contextlib.aclosing`` if you
-    break out early, so its consumer is removed at once.
+    With ``with_seq`` it yields ``(stream_seq, event)`` pairs. Close it with
+    ``contextlib.aclosing`` if you break out early, so its consumer is removed at once.
     """
-    if until_seq is not None and until_seq < from_seq:
-        return
-    filters = [filter_subject(bus.run, t, k) for t, k in topics]
-    stored = 0
-    for f in filters:
-        info = await bus.js.stream_info(bus.stream, subjects_filter=f)
-        stored += sum((info.state.subjects or {}).values())
-    if not stored:
-        return  # nothing to read: do not wait for a message that will never come
-    config = ConsumerConfig(
-        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-        opt_start_seq=max(1, from_seq),
-        filter_subjects=filters,
+    reader = LogReader(
+        bus, from_seq=from_seq, topics=topics, until_seq=until_seq, idle_timeout_s=stall_timeout_s
     )
-    sub = await bus.js.subscribe("", ordered_consumer=True, config=config, stream=bus.stream)
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=stall_timeout_s)
-            except (TimeoutError, nats.errors.TimeoutError) as e:
-                if until_seq is not None:
-                    raise TimeoutError(f"reading {filters} up to seq {until_seq} stalled") from e
-                return  # nothing (more) at or after from_seq
-            seq = msg.metadata.sequence.stream
-            try:
-                event = await bus.decode_msg(msg, types)
-                yield (seq, event) if with_seq else event
-            except (DecodeError, BodyError) as e:
-                bus.log.warning("log.undecodable", subject=msg.subject, error=str(e))
-            if msg.metadata.num_pending == 0 or (until_seq is not None and seq >= until_seq):
-                return
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+    return reader.events(types, with_seq=with_seq)
 
 
 async def last_seq(bus: Bus, topic: Topic, key: str | None = None) -> int:
@@ -85,9 +251,10 @@ async def last_seq(bus: Bus, topic: Topic, key: str | None = None) -> int:
 async def last_event(
     bus: Bus, topic: Topic, types: tuple[type, ...], key: str | None = None
 ) -> Any:
-    """The newest event on ``topic`` (decoded, offloaded body resolved), or None."""
+    """The newest event on ``topic`` (decoded, offloaded body resolved, upcast), or None."""
     try:
         msg = await bus.js.get_last_msg(bus.stream, filter_subject(bus.run, topic, key))
     except nats.js.errors.NotFoundError:
         return None
-    return await bus.decode_msg(msg, types)
+    event = upcast(await bus.decode_msg(msg, ALL_TYPES))
+    return event if isinstance(event, types) else None

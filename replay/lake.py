@@ -7,7 +7,7 @@
 Layout: ``runs/<run>/lake/<table>/part-<first_seq>-<last_seq>.parquet`` (sequences
 zero-padded so names sort), one folder per table of ``replay.tables.SCHEMAS``, and
 ``_state.json``: the last stream sequence each table covers. A sync reads the log from
-the oldest table's position + 1 (``replay.log.LogReader``: legacy events upcast,
+the oldest table's position + 1 (``bus.reader.LogReader``: legacy events upcast,
 unreadable ones reported and skipped), keeps for each table only rows past that
 table's position, writes each table's new rows as one part (temp file + rename), then
 records the new positions. Running it twice adds nothing.
@@ -41,8 +41,8 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from bus.reader import LogReader, Skipped
 from bus.runtime import Bus
-from replay.log import LogReader, Skipped
 from replay.tables import DYNAMIC_PREFIX, SCHEMAS, TABLES, rows_for
 from schemas import RunStopped
 

@@ -33,11 +33,11 @@ from typing import Any
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus import codec
 from bus.errors import BusError, DecodeError
 from bus.offload import BodyStore, sha256_digest
+from bus.reader import LogReader
 from bus.runtime import Bus
 from bus.subjects import objects_bucket, stream_subjects, topic_of_subject
 from schemas import EVENT_TYPES, Event, ObjectRef, RunStarted, WeightsPublished
@@ -70,29 +70,13 @@ def _sha(data: bytes) -> str:
 
 
 async def stored_messages(bus: Bus) -> list[LogRecord]:
-    """Every message of the run's stream, raw, in order (ordered push consumer)."""
-    info = await bus.js.stream_info(bus.stream)
-    if not info.state.messages:
-        return []
-    config = ConsumerConfig(
-        deliver_policy=DeliverPolicy.ALL, filter_subjects=stream_subjects(bus.run)
-    )
-    sub = await bus.js.subscribe("", ordered_consumer=True, config=config, stream=bus.stream)
+    """Every message of the run's stream, raw, in order (the log reader, undecoded)."""
     out: list[LogRecord] = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=10.0)
-            except (TimeoutError, nats.errors.TimeoutError):
-                break
-            meta = msg.metadata
-            stamp = meta.timestamp.timestamp() if meta.timestamp else 0.0
-            out.append(LogRecord(meta.sequence.stream, msg.subject, dict(msg.headers or {}),
-                                 bytes(msg.data), int(stamp * 1e9)))  # fmt: skip
-            if meta.num_pending == 0:
-                break
-    finally:
-        await sub.unsubscribe()
+    async for msg in LogReader(bus, idle_timeout_s=10.0).messages():
+        meta = msg.metadata
+        stamp = meta.timestamp.timestamp() if meta.timestamp else 0.0
+        out.append(LogRecord(meta.sequence.stream, msg.subject, dict(msg.headers or {}),
+                             bytes(msg.data), int(stamp * 1e9)))  # fmt: skip
     return out
 
 

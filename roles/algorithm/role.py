@@ -292,7 +292,6 @@ def needs_scorer(algorithm: Algorithm) -> bool:
 
 def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
     """The inference client, the run's renderer and the run's envs, for distillation."""
-    from roles.env_server.role import load_renderer
     from roles.lib.clients import InferenceClient
     from roles.lib.envs.registry import make_env
 
@@ -306,7 +305,7 @@ def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
         return envs[key]
 
     timeout = ctx.cfg.inference.request_timeout_s
-    return RefScorer(InferenceClient(bus, timeout_s=timeout), load_renderer(ctx), env_for)
+    return RefScorer(InferenceClient(bus, timeout_s=timeout), ctx.load_renderer(), env_for)
 
 
 async def serve_worker(

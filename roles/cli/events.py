@@ -1,4 +1,4 @@
-"""``rlbus events``: read a run's log in order with an ordered push consumer."""
+"""``rlbus events``: a run's log in order (the log reader, ``bus.reader``), one line each."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 from typing import Any
 
 import msgspec
-import nats.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from bus.reader import ALL_TYPES, LogReader
 from bus.runtime import Bus
-from bus.subjects import TOPICS, Topic, filter_subject, relative_subject, stream_subjects
-from schemas import EVENT_TYPES, Event
+from bus.subjects import Topic, relative_subject
+from schemas import Event
+from schemas.legacy import upcast
 
 
 def summary(event: Event) -> str:
@@ -40,25 +40,16 @@ async def print_events(
     bus = await Bus.connect(url, run=run, producer="cli-events")
     try:
         wanted = [Topic(t) for t in topics] if topics else list(Topic)
-        filters = [filter_subject(run, t) for t in wanted] if topics else stream_subjects(run)
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=from_seq,
-            filter_subjects=filters,
-        )
-        sub = await bus.js.subscribe("", ordered_consumer=True, config=config, stream=bus.stream)
-        types = tuple(TOPICS[t].schema for t in wanted) or EVENT_TYPES
+        reader = LogReader(
+            bus, from_seq=from_seq, topics=[(t, None) for t in wanted] if topics else None,
+            follow=follow, idle_timeout_s=2.0 if follow else 0.5,
+        )  # fmt: skip
         shown = 0
-        while limit == 0 or shown < limit:
-            try:
-                msg = await sub.next_msg(timeout=2.0 if follow else 0.5)
-            except (TimeoutError, nats.errors.TimeoutError):
-                if follow:
-                    continue
-                break
+        messages = reader.messages()
+        async for msg in messages:
             meta = msg.metadata
             try:
-                event = await bus.decode_msg(msg, types)
+                event = upcast(await bus.decode_msg(msg, ALL_TYPES))
                 line = summary(event)
                 kind = type(event).__name__
             except Exception as e:  # noqa: BLE001 - show undecodable entries, keep reading
@@ -82,6 +73,8 @@ async def print_events(
                     f"{meta.sequence.stream:>6} {ts} {relative_subject(run, msg.subject):<32} {kind:<16} {eid}{cause}  {line}"
                 )
             shown += 1
-        await sub.unsubscribe()
+            if limit and shown >= limit:
+                break
+        await messages.aclose()
     finally:
         await bus.close()

@@ -22,6 +22,7 @@ Registered in the app by ``roles.cli`` (``app.command("rollout")(rollout)``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import time
@@ -207,10 +208,9 @@ async def _main(
     run_dir: Path,
     timeout_s: float,
 ) -> int:
-    from nats.js.api import ConsumerConfig, DeliverPolicy
-
+    from bus.reader import LogReader
     from bus.runtime import Bus
-    from bus.subjects import Topic, subject
+    from bus.subjects import Topic
     from roles.runtime.context import bus_settings, policy_model_dir
     from schemas import EvalCompleted, TraceCompleted
 
@@ -239,48 +239,58 @@ async def _main(
         eval_split = plan.split == "eval"
         topic = Topic.EVAL_COMPLETED if eval_split else Topic.TRACE_COMPLETED
         schema = EvalCompleted if eval_split else TraceCompleted
-        sub = await bus.js.subscribe(
-            subject(run, topic, plan.key),
-            ordered_consumer=True,
-            stream=bus.stream,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW),
-        )
         requests = build_requests(run, cfg.seed, plan, size)
-        await bus.publish_many(requests)
         wanted = {r.event_id for r in requests}
         total = plan.groups * plan.group_size
         traces: dict[str, Any] = {}
-        code = 0
-        from rich.progress import Progress
+        done = asyncio.Event()
+        # Follow the results from just after the log's end before asking: none is missed.
+        after = (await bus.js.stream_info(bus.stream)).state.last_seq
+        reader = LogReader(
+            bus, from_seq=after + 1, topics=[(topic, plan.key)], follow=True,
+            idle_timeout_s=0.5, stop=done,
+        )  # fmt: skip
 
-        with Progress(transient=True) as progress:
-            bar = progress.add_task(f"{plan.env} rollouts", total=total)
-            while len(traces) < total:
-                for s in started:
-                    if not s.alive and s.proc is not None:
-                        typer.echo(
-                            f"{s.name} exited with {s.proc.returncode}; log tail:\n{s.tail()}",
-                            err=True,
-                        )
-                        return 1
-                if time.monotonic() - t0 > timeout_s:
-                    typer.echo(
-                        f"timed out after {timeout_s:.0f}s with {len(traces)}/{total} traces",
-                        err=True,
-                    )
-                    code = 1
-                    break
-                try:
-                    msg = await sub.next_msg(timeout=0.5)
-                except Exception:  # noqa: BLE001 - nats TimeoutError: nothing new yet
-                    continue
-                event = await bus.decode_msg(msg, [schema])
+        async def collect() -> None:
+            async for event in reader.events((schema,)):
                 if event.request_id not in wanted:
                     continue  # someone else's rollouts on the same env
                 for t in event.traces if eval_split else [event.trace]:
                     traces[t.rollout_id] = t
-                progress.update(bar, completed=len(traces))
-        await sub.unsubscribe()
+                if len(traces) >= total:
+                    done.set()
+
+        collector = asyncio.create_task(collect())
+        await bus.publish_many(requests)
+        code = 0
+        from rich.progress import Progress
+
+        try:
+            with Progress(transient=True) as progress:
+                bar = progress.add_task(f"{plan.env} rollouts", total=total)
+                while not done.is_set():
+                    for s in started:
+                        if not s.alive and s.proc is not None:
+                            typer.echo(
+                                f"{s.name} exited with {s.proc.returncode}; log tail:\n{s.tail()}",
+                                err=True,
+                            )
+                            return 1
+                    if time.monotonic() - t0 > timeout_s:
+                        typer.echo(
+                            f"timed out after {timeout_s:.0f}s with {len(traces)}/{total} traces",
+                            err=True,
+                        )
+                        code = 1
+                        break
+                    if collector.done():
+                        collector.result()  # a reader error surfaces here
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(done.wait(), 0.5)
+                    progress.update(bar, completed=len(traces))
+        finally:
+            done.set()
+            await asyncio.gather(collector, return_exceptions=True)
         wall = time.monotonic() - t0
         print_summary(plan, list(traces.values()), wall)
         if traces:

@@ -26,7 +26,6 @@ with ``model.tiny`` sizes and ``model.tiny.init_seed`` if absent): no torch mode
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections import Counter
@@ -282,12 +281,13 @@ class EnvServer(Role):
         self.log.info("env.ready", env=self.env_id, key=self.key)
 
     def background(self) -> list[Any]:
-        return [self._report_metrics()]
+        return [self.report_every(self.metrics_interval_s, self.metrics)]
 
     async def teardown(self) -> None:
-        if self.stats.rollouts:
+        # The last window, once in-flight groups have drained (best effort, like the rest).
+        if (last := self.metrics(stopping=False)) is not None:
             try:
-                await self._publish_metrics()
+                await self.bus.publish(last)
             except Exception as e:  # noqa: BLE001 - the last report is best effort too
                 self.log.warning("metrics.failed", error=repr(e))
 
@@ -333,40 +333,19 @@ class EnvServer(Role):
         )
         return outputs_for(request, traces)
 
-    async def _report_metrics(self) -> None:
-        # serve_role waits for background tasks on stop: end when the role stops.
-        while not self.stop_event.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop_event.wait(), self.metrics_interval_s)
-            if self.stats.rollouts and not self.stop_event.is_set():
-                try:
-                    await self._publish_metrics()
-                except Exception as e:  # noqa: BLE001 - metrics are best effort
-                    self.log.warning("metrics.failed", error=repr(e))
-
-    async def _publish_metrics(self) -> None:
+    def metrics(self, stopping: bool) -> MetricsReported | None:
+        """The window since the last report (None while stopping: teardown reports the
+        last window once in-flight groups are done; None without rollouts)."""
+        if stopping or not self.stats.rollouts:
+            return None
         stats, self.stats = self.stats, RolloutStats(step=self.stats.step)
-        await self.bus.publish(
-            MetricsReported(
-                run=self.run,
-                role=f"env-{self.key}",
-                step=stats.step,
-                values=stats.values(time.monotonic()),
-            )
-        )
+        return MetricsReported(
+            run=self.run, role=f"env-{self.key}", step=stats.step,
+            values=stats.values(time.monotonic()),
+        )  # fmt: skip
 
 
 # -- the process entry point (``rlbus role env``) ---------------------------------------
-
-
-def load_renderer(ctx: RoleContext) -> Any:
-    """A Renderer over the run model's tokenizer (the tiny model is built if absent)."""
-    from roles.lib.model.loading import load_tokenizer
-    from roles.lib.model.render import Renderer
-    from roles.runtime.context import policy_model_dir
-
-    path = policy_model_dir(ctx.cfg, ctx.run)
-    return Renderer(load_tokenizer(path, local_files_only=ctx.cfg.model.local_files_only))
 
 
 def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
@@ -378,7 +357,7 @@ def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
 
 
 async def main(ctx: RoleContext, env: str) -> None:
-    renderer = await asyncio.to_thread(load_renderer, ctx)
+    renderer = await asyncio.to_thread(ctx.load_renderer)
     from roles.lib.clients import InferenceClient
 
     bus = await ctx.connect()
@@ -400,7 +379,6 @@ __all__ = [
     "client_generate",
     "config_args",
     "failed_group",
-    "load_renderer",
     "main",
     "outputs_for",
     "rollout_group",

@@ -34,16 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
-from nats.js.api import DeliverPolicy
 
 from bus import rpc
+from bus.consumer import Delivery
+from bus.follower import Follow
 from bus.log import get_logger
 from bus.offload import BodyStore
 from bus.reader import last_event
 from bus.runtime import Bus
-from bus.subjects import Topic, infer_queue, infer_subject, subject
+from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend
 from roles.runtime.context import RoleContext, materialize_model
@@ -56,8 +56,6 @@ from schemas import (
     ScoreRequest,
     WeightsPublished,
 )
-
-TINY = "tiny"
 
 
 @dataclass(frozen=True)
@@ -156,6 +154,8 @@ class InferenceRole(Role):
         self.served = resolve_served_model(cfg, model)
         self.run_dir = Path(run_dir)
         self.metrics_interval_s = metrics_interval_s
+        self._prev_stats: dict[str, float] = {}  # backend counters at the last report
+        self._prev_t = time.perf_counter()
         self.log = get_logger(run=bus.run, role=self.role, instance=instance, model=model)
         self.backend: Backend | None = None
         self.ready = asyncio.Event()  # set once the model is loaded and requests are served
@@ -198,10 +198,18 @@ class InferenceRole(Role):
             max_model_len=self.backend.max_model_len,
         )
 
+    def subscriptions(self) -> list[Follow]:  # type: ignore[override]
+        if not self.served.follows_weights:
+            return []
+        # From the newest announcement on; a bad one must not stop following.
+        weights = [(Topic.WEIGHTS_PUBLISHED, None)]
+        return [Follow("weights", weights, self.on_weights, start="last", on_undecodable="skip")]
+
     def background(self) -> list[Any]:
-        tasks = [self._report_metrics()]
+        self._prev_t = time.perf_counter()  # throughput windows start once serving
+        tasks = [self.report_every(self.metrics_interval_s, self.metrics)]
         if self.served.follows_weights:
-            tasks.append(self._follow_weights())
+            tasks.append(self._load_weights())
         return tasks
 
     async def teardown(self) -> None:
@@ -248,38 +256,22 @@ class InferenceRole(Role):
 
     # -- weights ------------------------------------------------------------------------
 
-    async def _follow_weights(self) -> None:
-        """Ordered consumer on weights.published; loads only the newest pending version."""
+    async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
+        """Note the newest announced version; ``_load_weights`` loads it between batches."""
+        pending = self._next_weights.version if self._next_weights else -1
+        if event.event_id in self._rejected:
+            return
+        if event.version > max(self._serving_version(), pending):
+            self._next_weights = event
+            self._weights_arrived.set()
 
-        async def on_msg(msg: Msg) -> None:
-            try:
-                event = await self.bus.decode_msg(msg, [WeightsPublished])
-            except Exception as e:  # noqa: BLE001 - one bad event must not stop following
-                self.log.error("weights.undecodable", error=repr(e))
-                return
-            pending = self._next_weights.version if self._next_weights else -1
-            if event.event_id in self._rejected:
-                return
-            if event.version > max(self._serving_version(), pending):
-                self._next_weights = event
-                self._weights_arrived.set()
-
-        sub = await self.bus.js.subscribe(
-            subject(self.run, Topic.WEIGHTS_PUBLISHED),
-            stream=self.bus.stream,
-            cb=on_msg,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.LAST,
-        )
-        try:
-            while await _wait_either(self._weights_arrived, self.stop_event):
-                self._weights_arrived.clear()
-                event, self._next_weights = self._next_weights, None
-                if event is not None and event.version > self._serving_version():
-                    await self._apply_weights(event)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+    async def _load_weights(self) -> None:
+        """Loads only the newest pending version (older ones are skipped, not queued)."""
+        while await _wait_either(self._weights_arrived, self.stop_event):
+            self._weights_arrived.clear()
+            event, self._next_weights = self._next_weights, None
+            if event is not None and event.version > self._serving_version():
+                await self._apply_weights(event)
 
     def _serving_version(self) -> int:
         return self.backend.policy_version if self.backend is not None else 0
@@ -318,31 +310,20 @@ class InferenceRole(Role):
 
     # -- metrics ------------------------------------------------------------------------
 
-    async def _report_metrics(self) -> None:
-        prev: dict[str, float] = {}
-        prev_t = time.perf_counter()
-        while not await _wait_stop(self.stop_event, self.metrics_interval_s):
-            if self.backend is None:
-                continue
-            now, cur = time.perf_counter(), self.backend.stats()
-            values = throughput(prev, cur, now - prev_t)
-            prev, prev_t = cur, now
-            if values is None:
-                continue  # no traffic: nothing worth a stored event
-            version = self.backend.policy_version
-            self.log.info("inference.throughput", policy_version=version, **values)
-            try:
-                await self.bus.publish(
-                    MetricsReported(
-                        run=self.run,
-                        role=self.role,
-                        step=version,
-                        values=values,
-                        policy_version=version,
-                    )
-                )
-            except Exception as e:  # noqa: BLE001 - metrics are best effort
-                self.log.warning("metrics.publish_failed", error=repr(e))
+    def metrics(self, stopping: bool) -> MetricsReported | None:
+        """Throughput since the last report (None without traffic: nothing worth storing)."""
+        if stopping or self.backend is None:
+            return None
+        now, cur = time.perf_counter(), self.backend.stats()
+        values = throughput(self._prev_stats, cur, now - self._prev_t)
+        self._prev_stats, self._prev_t = cur, now
+        if values is None:
+            return None
+        version = self.backend.policy_version
+        self.log.info("inference.throughput", policy_version=version, **values)
+        return MetricsReported(
+            run=self.run, role=self.role, step=version, values=values, policy_version=version
+        )
 
 
 def throughput(prev: dict[str, float], cur: dict[str, float], dt: float) -> dict[str, float] | None:
@@ -379,14 +360,6 @@ async def _wait_either(event: asyncio.Event, stop: asyncio.Event) -> bool:
                 w.cancel()
             await asyncio.gather(*waiters, return_exceptions=True)
     return not stop.is_set()
-
-
-async def _wait_stop(stop: asyncio.Event, timeout_s: float) -> bool:
-    """Sleep up to ``timeout_s``; True as soon as ``stop`` is set."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout_s):
-            await stop.wait()
-    return stop.is_set()
 
 
 async def main(ctx: RoleContext, model: str = POLICY) -> None:

@@ -3,9 +3,10 @@
     rlbus role orchestrator --run R --nats-url U [--config C]
 
 It has no durable consumer and no state of its own: at start it publishes
-``run.started`` (if the run has none), then reads the run's stream from sequence 1 with
-an ordered consumer, folds every event into ``OrchestratorState`` and, after each one,
-publishes what ``decide`` returns. A restarted orchestrator therefore rebuilds its state
+``run.started`` (if the run has none), then follows the run's log from sequence 1
+(a ``Follow``: an ordered consumer run by the role runtime), folds every event into
+``OrchestratorState`` and, after each one, returns what ``decide`` returns for the
+runtime to publish. A restarted orchestrator therefore rebuilds its state
 and re-makes its past decisions with the same ids, which the server drops as duplicates.
 """
 
@@ -13,27 +14,21 @@ from __future__ import annotations
 
 import hashlib
 
-import nats.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy
-
-from bus.subjects import Topic, filter_subject
+from bus.consumer import Delivery, Effects
+from bus.follower import Follow
+from bus.subjects import Topic
 from configs import RunConfig
 from roles.orchestrator.policy import decide, trains_on
 from roles.orchestrator.state import OrchestratorState
 from roles.runtime.context import RoleContext, read_run_started
 from roles.runtime.role import Role, serve_role
 from schemas import (
-    AlgorithmAttached,
-    AlgorithmDetached,
     BatchAssembled,
-    EvalCompleted,
+    Event,
     MetricsReported,
     ObjectRef,
     RunStarted,
     RunStopped,
-    SamplesScored,
-    TaskRequested,
-    WeightsPublished,
     derive_id,
 )
 
@@ -42,32 +37,24 @@ READS = (
     Topic.BATCH_ASSEMBLED, Topic.WEIGHTS_PUBLISHED, Topic.EVAL_COMPLETED,
     Topic.ALGORITHM_ATTACHED, Topic.ALGORITHM_DETACHED,
 )  # fmt: skip
-TYPES = (
-    RunStarted,
-    RunStopped,
-    TaskRequested,
-    SamplesScored,
-    BatchAssembled,
-    WeightsPublished,
-    EvalCompleted,
-    MetricsReported,
-    AlgorithmAttached,
-    AlgorithmDetached,
-)
 
 
 class Orchestrator(Role):
     role = "orchestrator"
 
-    def __init__(self, ctx: RoleContext, bus):  # type: ignore[no-untyped-def]
+    def __init__(self, bus, ctx: RoleContext):  # type: ignore[no-untyped-def]
         super().__init__(bus, ctx.instance, ctx.cfg.bus.heartbeat_interval_s)
         self.ctx = ctx
         self.cfg: RunConfig = ctx.cfg
         self.state = OrchestratorState(trains_on=trains_on(ctx.cfg))
         self.applied = 0
 
-    def background(self) -> list:  # type: ignore[type-arg]
-        return [self.loop()]
+    async def setup(self) -> None:
+        await self.start_run()
+
+    def subscriptions(self) -> list[Follow]:  # type: ignore[override]
+        topics = [(t, None) for t in READS] + [(Topic.METRICS_REPORTED, "eval")]
+        return [Follow("orchestrator", topics, self.on_event)]
 
     async def status(self) -> dict[str, object]:
         return {
@@ -112,52 +99,27 @@ class Orchestrator(Role):
         )
         self.log.info("run.started", model=str(weights_dir))
 
-    async def loop(self) -> None:
-        await self.start_run()
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.ALL,
-            filter_subjects=[filter_subject(self.run, t) for t in READS]
-            + [filter_subject(self.run, Topic.METRICS_REPORTED, "eval")],
-        )
-        sub = await self.bus.js.subscribe(
-            "", ordered_consumer=True, config=config, stream=self.bus.stream
-        )
-        try:
-            while not self.stop_event.is_set():
-                try:
-                    msg = await sub.next_msg(timeout=1.0)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    continue
-                event = await self.bus.decode_msg(msg, TYPES)
-                self.state.apply(event, skip_zero=self.cfg.orchestrator.skip_zero_advantage_groups)
-                self.applied += 1
-                out = decide(self.state, self.cfg, cause=event.event_id)
-                if out:
-                    await self.bus.publish_many(out)
-                    for e in out:
-                        if isinstance(e, BatchAssembled):
-                            self.log.info(
-                                "batch.assembled",
-                                step=e.step,
-                                phase=e.phase,
-                                samples=len(e.samples),
-                                trainer_version=self.state.trainer_version,
-                            )
-                        elif isinstance(e, RunStopped):
-                            self.log.info("run.stopped", reason=e.reason, detail=e.detail)
-                        elif isinstance(e, MetricsReported) and e.role == "eval":
-                            self.log.info(
-                                "eval.reported",
-                                version=e.step,
-                                **{
-                                    k.replace("/", "_").replace("@", "_at_"): v
-                                    for k, v in e.values.items()
-                                },
-                            )
-        finally:
-            await sub.unsubscribe()
+    async def on_event(self, event: object, delivery: Delivery) -> Effects:
+        """Fold one event, then decide: what the decision returns is published."""
+        self.state.apply(event, skip_zero=self.cfg.orchestrator.skip_zero_advantage_groups)
+        self.applied += 1
+        out = decide(self.state, self.cfg, cause=event.event_id)  # type: ignore[attr-defined]
+        return Effects(out, after_publish=lambda: self._log_decisions(out))
+
+    def _log_decisions(self, out: list[Event]) -> None:
+        for e in out:
+            if isinstance(e, BatchAssembled):
+                self.log.info(
+                    "batch.assembled", step=e.step, phase=e.phase, samples=len(e.samples),
+                    trainer_version=self.state.trainer_version,
+                )  # fmt: skip
+            elif isinstance(e, RunStopped):
+                self.log.info("run.stopped", reason=e.reason, detail=e.detail)
+            elif isinstance(e, MetricsReported) and e.role == "eval":
+                values = {k.replace("/", "_").replace("@", "_at_"): v for k, v in e.values.items()}
+                self.log.info("eval.reported", version=e.step, **values)
 
 
 async def main(ctx: RoleContext) -> None:
     bus = await ctx.connect()
-    await serve_role(Orchestrator(ctx, bus))
+    await serve_role(Orchestrator(bus, ctx))

@@ -10,6 +10,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bus.reader import last_event
 from bus.runtime import Bus, BusSettings
@@ -75,6 +76,16 @@ class RoleContext:
 
     def model_dir(self) -> Path:
         return policy_model_dir(self.cfg, self.run)
+
+    def load_renderer(self) -> Any:
+        """A Renderer over the run model's tokenizer (the tiny model is built if absent)."""
+        from roles.lib.model.loading import load_tokenizer
+        from roles.lib.model.render import Renderer
+
+        tokenizer = load_tokenizer(
+            self.model_dir(), local_files_only=self.cfg.model.local_files_only
+        )
+        return Renderer(tokenizer)
 
     async def connect(self, producer: str | None = None) -> Bus:
         bus = await Bus.connect(

@@ -1,8 +1,15 @@
 """The shared role lifecycle: connect, declare consumers, heartbeat, drain on SIGTERM.
 
-A role declares what it consumes next to the handler that consumes it, and its
-handlers return events; the runtime publishes them, then acks the input. Tests of a
-role's logic need no broker, and replay can re-run a handler and diff.
+A role declares what it consumes next to the handler that consumes it: durable
+work-queue ``Subscription``s (``bus.consumer``) and ordered ``Follow``ers of the log
+(``bus.follower``). Its handlers return the events they cause (or ``Effects``: events
+plus an after-publish hook); the runtime publishes them, then acks the input. Tests of
+a role's logic need no broker, and replay runs the roles' pure cores over the log.
+
+Every role is built the same way, ``SomeRole(bus, ...)``: the bus first, then what the
+role needs. Periodic work (metrics every few seconds) uses ``report_every`` and
+``sleep``, which end when the role stops; work in ``setup`` that outlasts a heartbeat
+interval runs under ``beating``.
 
     class Echo(Role):
         role = "echo"
@@ -20,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bus.consumer import Consumer, Subscription
+from bus.follower import Follow, Follower
 from bus.registry import Heartbeat
 from bus.runtime import Bus
+from schemas import MetricsReported
 
 
 class Role:
@@ -39,10 +48,12 @@ class Role:
         self.log = bus.log.bind(role=self.role, instance=instance)
         self.stop_event = asyncio.Event()
         self.consumers: list[Consumer] = []
+        self.followers: list[Follower] = []
 
     # -- what a role overrides ----------------------------------------------------------
 
-    def subscriptions(self) -> list[Subscription]:
+    def subscriptions(self) -> list[Subscription | Follow]:
+        """What the role consumes; called after ``setup``."""
         return []
 
     async def setup(self) -> None:
@@ -68,6 +79,57 @@ class Role:
     def request_stop(self) -> None:
         self.stop_event.set()
 
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True (at once) when the role is stopping."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self.stop_event.wait()
+        return self.stop_event.is_set()
+
+    async def report_every(
+        self, interval_s: float, metrics: Callable[[bool], MetricsReported | None]
+    ) -> None:
+        """Publish ``metrics(stopping)`` every ``interval_s`` until the role stops (a last
+        time as it stops). ``None`` publishes nothing; metrics are best effort: a failed
+        publish is logged and the role goes on."""
+        while True:
+            stopping = await self.sleep(interval_s)
+            event = metrics(stopping)
+            if event is not None:
+                try:
+                    await self.bus.publish(event)
+                except Exception as e:  # noqa: BLE001 - metrics are best effort
+                    self.log.warning("metrics.publish_failed", error=repr(e))
+            if stopping:
+                return
+
+    async def beating(self, work: Awaitable[None], consumer: str | None = None) -> None:
+        """Run ``work`` (long setup: a catch-up, a model load) with the role's heartbeat
+        going, so the registry does not show it stale meanwhile (``serve_role``'s own
+        heartbeat starts after ``setup``)."""
+        hb = Heartbeat(
+            self.bus.js, self.run, self.role, self.instance, self.heartbeat_interval_s,
+            consumer=consumer, probe=self.status,
+        )  # fmt: skip
+        done = asyncio.Event()
+
+        async def beat() -> None:
+            while not done.is_set():
+                with contextlib.suppress(Exception):
+                    await hb.beat()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), self.heartbeat_interval_s)
+
+        # Stopped by an event, not by cancel(): on Python 3.11 a cancel that lands as a
+        # nats request completes is swallowed by asyncio.wait_for, and the loop would
+        # never end.
+        task = asyncio.create_task(beat())
+        try:
+            await work
+        finally:
+            done.set()
+            await task
+
 
 async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     """Run ``role`` until SIGTERM/SIGINT (or ``role.request_stop()``), then drain and exit."""
@@ -81,7 +143,11 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     except BaseException:
         await role.bus.close()  # a role that cannot start must not leak its connection
         raise
-    role.consumers = [Consumer(role.bus, s, role.role) for s in role.subscriptions()]
+    declared = role.subscriptions()
+    role.consumers = [
+        Consumer(role.bus, s, role.role) for s in declared if isinstance(s, Subscription)
+    ]
+    role.followers = [Follower(role.bus, f) for f in declared if isinstance(f, Follow)]
     heartbeat = Heartbeat(
         role.bus.js, role.run, role.role, role.instance, role.heartbeat_interval_s,
         consumer=",".join(c.sub.durable for c in role.consumers) or None, probe=role.status,
@@ -89,6 +155,7 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     heartbeat.start()
     role.log.info("role.started")
     tasks = [asyncio.create_task(c.run(role.stop_event)) for c in role.consumers]
+    tasks += [asyncio.create_task(f.run(role.stop_event)) for f in role.followers]
     background = [asyncio.ensure_future(a) for a in role.background()]
     tasks += background
     stopper = asyncio.create_task(role.stop_event.wait())

@@ -9,17 +9,14 @@ every role with SIGTERM so each drains its in-flight work.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from pathlib import Path
 
-import nats.errors
-from nats.js.api import ConsumerConfig, DeliverPolicy
-
 from bus.log import get_logger
+from bus.reader import LogReader
 from bus.runtime import Bus
-from bus.subjects import Topic, filter_subject
+from bus.subjects import Topic
 from configs import RunConfig
 from roles.up.monitor import RunMonitor
 from roles.up.processes import RoleProcess, write_summary
@@ -30,45 +27,26 @@ MAX_RESTARTS = 5
 
 
 async def follow_events(bus: Bus, monitor: RunMonitor, stop: asyncio.Event) -> None:
-    config = ConsumerConfig(
-        deliver_policy=DeliverPolicy.ALL,
-        filter_subjects=[
-            filter_subject(bus.run, t)
-            for t in (
-                Topic.RUN_STARTED,
-                Topic.RUN_STOPPED,
-                Topic.WEIGHTS_PUBLISHED,
-                Topic.METRICS_REPORTED,
-            )
-        ],
-    )
-    sub = await bus.js.subscribe("", ordered_consumer=True, config=config, stream=bus.stream)
-    traces = await bus.js.subscribe(
-        "", ordered_consumer=True, stream=bus.stream,
-        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, headers_only=True, filter_subject=filter_subject(bus.run, Topic.TRACE_COMPLETED)),
+    """Fold the run's events into ``monitor`` until ``stop``; completed traces are counted
+    from their headers alone (their bodies are large and the view needs only a count)."""
+    topics = [(t, None) for t in (Topic.RUN_STARTED, Topic.RUN_STOPPED, Topic.WEIGHTS_PUBLISHED, Topic.METRICS_REPORTED)]  # fmt: skip
+    events = LogReader(bus, topics=topics, follow=True, idle_timeout_s=1.0, stop=stop)
+    traces = LogReader(
+        bus, topics=[(Topic.TRACE_COMPLETED, None)], follow=True, idle_timeout_s=1.0,
+        headers_only=True, stop=stop,
     )  # fmt: skip
 
     async def count_traces() -> None:
-        while not stop.is_set():
-            try:
-                await traces.next_msg(timeout=1.0)
-                monitor.trace_completed()
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
+        async for _ in traces.messages():
+            monitor.trace_completed()
 
     counter = asyncio.create_task(count_traces())
     try:
-        while not stop.is_set():
-            try:
-                msg = await sub.next_msg(timeout=1.0)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            monitor.apply(await bus.decode_msg(msg, TYPES))
+        async for event in events.events(TYPES):
+            monitor.apply(event)
     finally:
         counter.cancel()
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-            await traces.unsubscribe()
+        await asyncio.gather(counter, return_exceptions=True)
 
 
 # Producers stop before the roles they depend on: the orchestrator stops dispatching, env

@@ -13,11 +13,11 @@ import pytest
 
 import replay
 from bus import codec
+from bus.reader import LogReader
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, subject
 from replay.lake import compact, lake_dir, load_state, parts, repair, sync_run
-from replay.log import LogReader
 from replay.sql import connect
 from schemas import Event, TraceCompleted
 from schemas.legacy import TraceCompletedV0

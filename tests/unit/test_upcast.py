@@ -13,11 +13,10 @@ import pytest
 
 from bus import codec
 from bus.errors import UnknownSchema
-from replay.log import ALL_TYPES, decode_event
+from bus.reader import ALL_TYPES, decode_event
 from replay.tables import rows_for
-from replay.upcast import upcast
 from schemas import EVENT_TYPES, Event, TraceCompleted
-from schemas.legacy import TraceCompletedV0
+from schemas.legacy import TraceCompletedV0, upcast
 from tests.golden.make_golden import golden_path
 from tests.samples import TS, trace
 

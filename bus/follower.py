@@ -1,0 +1,83 @@
+"""The second consumer kind: a follower of the log, declared next to its handler.
+
+    Follow("orchestrator", [(Topic.RUN_STARTED, None), ...], self.on_event)      # from seq 1
+    Follow("weights", [(Topic.WEIGHTS_PUBLISHED, None)], self.on_weights, start="last")
+
+A durable ``Subscription`` (``bus.consumer``) shares work between replicas and keeps a
+position on the server; a follower keeps none. It reads the log in order through the
+one log reader (``bus.reader.LogReader``: an ordered push consumer, legacy versions
+upcast) from a sequence, from the newest message (``start="last"``) or from new
+messages only (``start="new"``), and calls its handler on every event. The handler
+returns what the event caused, exactly like a durable handler (a list of events or
+``bus.consumer.Effects``); the runtime publishes it, then runs the after-publish hook.
+There is nothing to ack: a restarted follower reads the log again, and the events it
+re-derives carry the same ids, which the server drops as duplicates.
+
+An event the follower cannot decode raises (``on_undecodable="raise"``: a fold must not
+silently miss an event) or is logged and stepped over (``"skip"``). Roles declare
+followers in ``Role.subscriptions()``, and ``serve_role`` runs them beside the durables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from bus.consumer import Delivery, Handler, commit
+from bus.errors import BodyError, DecodeError
+from bus.reader import ALL_TYPES, LogReader, Topics
+from bus.runtime import Bus
+from schemas.legacy import upcast
+
+
+@dataclass
+class Follow:
+    """An ordered follower of the log declared next to its handler (no durable state)."""
+
+    name: str
+    topics: Topics
+    handler: Handler
+    from_seq: int = 1
+    start: Literal["last", "new"] | None = None  # instead of from_seq
+    on_undecodable: Literal["raise", "skip"] = "raise"
+    idle_timeout_s: float = 1.0  # how often it looks at the stop event while idle
+
+
+class Follower:
+    """Runs one ``Follow`` until ``stop`` is set."""
+
+    def __init__(self, bus: Bus, follow: Follow):
+        self.bus = bus
+        self.follow = follow
+        self.log = bus.log.bind(follower=follow.name)
+        self.handled = 0
+        self.skipped = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        f = self.follow
+        reader = LogReader(
+            self.bus, from_seq=f.from_seq, topics=f.topics, follow=True, start=f.start,
+            idle_timeout_s=f.idle_timeout_s, stop=stop,
+        )  # fmt: skip
+        async with contextlib.aclosing(reader.messages()) as messages:
+            async for msg in messages:
+                meta = msg.metadata
+                delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered)
+                try:
+                    event = upcast(await self.bus.decode_msg(msg, ALL_TYPES))
+                except (DecodeError, BodyError) as e:
+                    if f.on_undecodable == "raise":
+                        raise
+                    self.skipped += 1
+                    self.log.error("follower.undecodable", seq=delivery.stream_seq, error=repr(e))
+                    continue
+                await commit(self.bus, await f.handler(event, delivery))
+                self.handled += 1
+
+
+def followers(bus: Bus, declared: Sequence[object]) -> list[Follower]:
+    """A ``Follower`` for every ``Follow`` among a role's declared consumers."""
+    return [Follower(bus, f) for f in declared if isinstance(f, Follow)]
