@@ -60,6 +60,13 @@ class EnvConfig(_Section):
     max_turns: int | None = Field(default=None, ge=1)
     sft: EnvSftConfig = Field(default_factory=EnvSftConfig)
 
+    @property
+    def key(self) -> str:
+        """The env's token on subjects and consumer names (``bus.subjects.token_for``)."""
+        from bus.subjects import token_for  # a pure string function; keeps configs light
+
+        return token_for(self.id)
+
 
 def _default_envs() -> list[EnvConfig]:
     return [EnvConfig(id="reverse-text")]
@@ -155,6 +162,32 @@ class OrchestratorConfig(_Section):
     models: dict[str, ModelEndpointConfig] = {}
     eval: EvalConfig = Field(default_factory=EvalConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+
+    # -- lookups and routing (one place for each; roles and replay ask these) ------------
+
+    def env(self, id_or_key: str) -> EnvConfig | None:
+        """The train env with this id, or with this subject key (None if not configured)."""
+        envs = self.train.env
+        return next((e for e in envs if e.id == id_or_key), None) or next(
+            (e for e in envs if e.key == id_or_key), None
+        )
+
+    def algorithm(self, algorithm_id: str) -> AlgorithmConfig | None:
+        return next((a for a in self.algorithms if a.id == algorithm_id), None)
+
+    def algorithm_spec(self, algorithm_id: str) -> tuple[str, dict[str, Any]]:
+        """(registered name, options) of an algorithm id; an id absent from the config is
+        taken as a registered name with no options."""
+        spec = self.algorithm(algorithm_id)
+        return (spec.name or spec.id, dict(spec.options)) if spec else (algorithm_id, {})
+
+    def routed_envs(self, algorithm_id: str) -> set[str] | None:
+        """Env keys a config algorithm trains on (None: every env, e.g. a shadow, an id not
+        in the config, the warm start's)."""
+        spec = self.algorithm(algorithm_id)
+        if spec is None or spec.shadow:
+            return None
+        return {e.key for e in self.train.env if not e.algorithms or algorithm_id in e.algorithms}
 
     @model_validator(mode="after")
     def _default_subject_models(self) -> OrchestratorConfig:
