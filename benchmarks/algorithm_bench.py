@@ -32,6 +32,7 @@ from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from bus.subjects import Topic
 from roles.algorithm import create
+from roles.algorithm.core import ScoringCore
 from roles.algorithm.role import AlgorithmWorker
 from schemas import BatchAssembled, Sample, TraceCompleted, arrays
 from tests.samples import every_event, trace
@@ -66,7 +67,7 @@ async def bench_catch_up(n: int, rounds: int) -> dict[str, Any]:
             assert count == n
             best["read_log"] = min(best.get("read_log", 1e9), time.perf_counter() - t)
             for name in ("grpo", "echo"):
-                worker = AlgorithmWorker(bus, "bench", f"{name}-{r}", create(name))
+                worker = AlgorithmWorker(bus, "bench", ScoringCore(f"{name}-{r}", create(name)))
                 t = time.perf_counter()
                 await worker.catch_up()
                 assert worker.scored_total == n // GROUP

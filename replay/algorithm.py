@@ -4,16 +4,14 @@
     rlbus replay <run> algorithm rloo      # not recorded: a shadow table to compare in SQL
 
 An algorithm is a pure fold (``roles.algorithm``): the same traces in the same order
-give the same advantages, bit for bit. Replay reads ``trace.completed.*`` in log order,
-groups traces by group id exactly as the worker does (``GroupBuffer``: a group is
-complete at ``group_size`` distinct rollouts; redeliveries never count twice), scores
-each complete group with ``score_group`` and folds a stateful algorithm's state in the
-order the groups complete. Like the worker: the name and options come from the run's
-config (``orchestrator.algorithms``) or, for a worker attached at runtime, from its
-``algorithm.attached`` event (which also gives the first sequence it scored and its
-envs); the env's tool-output SFT rule applies; a distillation algorithm's reference
-logprobs are the ones it recorded (replay has no model to ask, so such an algorithm
-can only be replayed where it was recorded).
+give the same advantages, bit for bit. Replay reads ``trace.completed.*`` in log order
+and feeds them to the worker's own pure core (``roles.algorithm.core.ScoringCore``:
+route, buffer per group, score, fold the state), built the way the worker builds it:
+from the run's config (``orchestrator.algorithms``) or, for a worker attached at
+runtime, from its ``algorithm.attached`` event (which also gives the first sequence it
+scored and its envs). A distillation algorithm's reference logprobs are the ones it
+recorded (replay has no model to ask, so such an algorithm can only be replayed where
+it was recorded).
 
 - **Recorded** (``samples.scored.<id>`` exists in the run): every recomputed sample is
   compared with the recorded one of the same (group, rollout, branch): the scalar
@@ -27,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bus.reader import read_log
 from bus.runtime import Bus
@@ -42,6 +40,9 @@ from schemas import (
     TraceCompleted,
     arrays,
 )
+
+if TYPE_CHECKING:
+    from roles.algorithm.base import Refs
 
 SHADOW_DIR = Path("lake") / "shadow_samples"
 
@@ -81,52 +82,29 @@ async def read_algorithm_log(bus: Bus, algorithm_id: str) -> AlgorithmLog:
     return AlgorithmLog(resolve(started.config), traces, recorded, last, attached)
 
 
-def recompute(
+async def recompute(
     algorithm_id: str, log: AlgorithmLog, options: dict[str, Any] | None = None
 ) -> list[tuple[int, SamplesScored]]:
     """(seq of the trace that completed the group, SamplesScored) per group, in order."""
-    from roles.algorithm.registry import create
-    from roles.algorithm.role import (
-        algorithm_spec,
-        attached_envs,
-        needs_scorer,
-        routed_envs,
-        tool_sft_rules,
-    )
-    from roles.algorithm.samples import GroupBuffer, score_group
+    from roles.algorithm.core import ScoringCore
 
-    name, spec_options = algorithm_spec(log.cfg, algorithm_id)
-    envs = routed_envs(log.cfg, algorithm_id)
-    from_seq = 1
-    declared = any(a.id == algorithm_id for a in log.cfg.orchestrator.algorithms)
-    if log.attached is not None and not declared:
-        a = log.attached
-        name, spec_options, from_seq = a.name, dict(a.options), a.from_seq
-        envs = attached_envs(a)
-    algorithm = create(name, spec_options if options is None else options)
-    scores = needs_scorer(algorithm)
-    tool_sft = tool_sft_rules(log.cfg)
-    buffer = GroupBuffer()
-    state = algorithm.initial_state()
+    core = ScoringCore.for_run(log.cfg, algorithm_id, log.attached, options)
+
+    async def recorded(group: list[TraceCompleted]) -> Refs:
+        return recorded_refs(log, algorithm_id, group[0].trace.group_id)
+
     out = []
     for seq, event in log.traces:
-        if seq < from_seq or (envs is not None and event.env not in envs):
+        if seq < core.from_seq:
             continue
-        group = buffer.add(event)
-        if group is None:
-            continue
-        refs = recorded_refs(log, algorithm_id, event.trace.group_id) if scores else None
-        scored = score_group(algorithm_id, algorithm, group, state, refs, tool_sft.get(event.env))
-        buffer.mark_scored(scored.group_id)
-        if algorithm.stateful:
-            state = algorithm.fold(state, scored)
-        out.append((seq, scored))
+        scored = await core.step(event, recorded)
+        if scored is not None:
+            core.done(scored)
+            out.append((seq, scored))
     return out
 
 
-def recorded_refs(
-    log: AlgorithmLog, algorithm_id: str, group_id: str
-) -> dict[tuple[str, int], Any]:
+def recorded_refs(log: AlgorithmLog, algorithm_id: str, group_id: str) -> Refs:
     """The reference logprobs the worker recorded for a group (replay has no model)."""
     scored = log.recorded.get(group_id)
     if scored is None:

@@ -5,9 +5,13 @@
 One worker per algorithm id (``orchestrator.algorithms[].id``; an id absent from the
 config is taken as a registered algorithm name with no options). It reads
 ``trace.completed.*`` with its own durable consumer ``algorithm-<id>`` (a worker
-attached mid-run starts from the beginning of the log), buffers traces per group until
-``group_size`` distinct rollouts arrived, and publishes one ``SamplesScored`` per group
-with the id ``derive_id("scored", id, group_id)``: a re-publish is deduplicated.
+attached mid-run starts from the beginning of the log), and hands each trace to its pure core
+(``roles.algorithm.core.ScoringCore``: route, buffer per group until ``group_size``
+distinct rollouts arrived, score, fold the state; algorithm replay drives the same
+object). A complete group is one ``SamplesScored`` with the id
+``derive_id("scored", id, group_id)``, returned for the runtime to publish: a
+re-publish is deduplicated, and the core marks the group scored only after the
+publish is acknowledged.
 
 A worker attached to a live run (``rlbus algorithm attach``) may start at a later
 sequence (``from_seq``: the attach event, unless ``--from-start``), and stops by itself
@@ -17,7 +21,7 @@ every worker adds the env's tool-output cross-entropy when the env's config asks
 (``[orchestrator.train.env.sft]``).
 
 The worker keeps no state the log cannot rebuild. At start it folds over the log with
-ordered consumers (NATS_NOTES #11): first its own ``samples.scored.<id>`` (which groups
+the log reader (``bus.reader``): first its own ``samples.scored.<id>`` (which groups
 are done, and the state of a stateful algorithm), then ``trace.completed.*`` (the traces
 of groups not scored yet, scoring any group the log already completes). Only then does
 the durable consumer start; a trace is acked as soon as it is buffered, because a
@@ -26,61 +30,24 @@ restarted worker gets it back from the log, not from the consumer.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.consumer import Delivery, Subscription
-from bus.errors import PublishError
+from bus.consumer import Delivery, Effects, Subscription
 from bus.reader import last_seq, read_log
 from bus.runtime import Bus
-from bus.subjects import Topic, check_token, durable_name, token_for
-from configs import RunConfig
-from roles.algorithm.base import Algorithm
-from roles.algorithm.registry import create
-from roles.algorithm.samples import GroupBuffer, ToolSft, score_group
+from bus.subjects import Topic, check_token, durable_name
+from roles.algorithm.base import Refs
+from roles.algorithm.core import ScoringCore
+from roles.algorithm.samples import GroupBuffer
 from roles.algorithm.scoring import RefScorer
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
-from schemas import AlgorithmAttached, Event, MetricsReported, SamplesScored, TraceCompleted
+from schemas import MetricsReported, SamplesScored, TraceCompleted
 
 # Scored groups published per pipelined window while catching up on the log.
 CATCH_UP_WINDOW = 64
-
-
-def algorithm_spec(cfg: RunConfig, algorithm_id: str) -> tuple[str, dict[str, Any]]:
-    """(registered name, options) of ``algorithm_id`` in ``orchestrator.algorithms``."""
-    for spec in cfg.orchestrator.algorithms:
-        if spec.id == algorithm_id:
-            return spec.name or spec.id, dict(spec.options)
-    return algorithm_id, {}
-
-
-def routed_envs(cfg: RunConfig, algorithm_id: str) -> set[str] | None:
-    """Env keys a config algorithm trains on (None: every env, e.g. a shadow or warm start)."""
-    spec = next((a for a in cfg.orchestrator.algorithms if a.id == algorithm_id), None)
-    if spec is None or spec.shadow:
-        return None
-    envs = cfg.orchestrator.train.env
-    return {token_for(e.id) for e in envs if not e.algorithms or algorithm_id in e.algorithms}
-
-
-def attached_envs(event: AlgorithmAttached) -> set[str] | None:
-    """Env keys a worker attached at runtime scores (None: every env; always for a shadow)."""
-    return set(event.envs) if event.envs and not event.shadow else None
-
-
-def tool_sft_rules(cfg: RunConfig) -> dict[str, ToolSft]:
-    """Env key -> its tool-output SFT rule, for envs with ``sft.on_tool_outputs``."""
-    return {
-        token_for(e.id): ToolSft(
-            e.sft.alpha, None if e.sft.tool_names is None else tuple(e.sft.tool_names)
-        )
-        for e in cfg.orchestrator.train.env
-        if e.sft.on_tool_outputs
-    }
 
 
 @dataclass
@@ -102,33 +69,34 @@ class AlgorithmWorker(Role):
         self,
         bus: Bus,
         instance: str,
-        name: str,
-        algorithm: Algorithm,
+        core: ScoringCore,
         metrics_interval_s: float = 10.0,
         heartbeat_interval_s: float = 2.0,
         *,
         scorer: RefScorer | None = None,
-        tool_sft: dict[str, ToolSft] | None = None,
-        from_seq: int = 1,
         exit_when_done: bool = False,
-        envs: set[str] | None = None,
     ):
         super().__init__(bus, instance, heartbeat_interval_s)
-        self.name = check_token(name, "algorithm id")
-        self.algorithm = algorithm
+        self.name = check_token(core.algorithm_id, "algorithm id")
+        self.core = core
+        self.algorithm = core.algorithm
         self.scorer = scorer
-        self.tool_sft = dict(tool_sft or {})
-        self.from_seq = max(1, from_seq)
+        self.from_seq = core.from_seq
         self.detach_floor = 0  # newest algorithm.detached seq for our id when we started
         self.exit_when_done = exit_when_done  # attached by hand: exit once the run stopped
-        self.envs = envs  # env keys whose groups it scores (None: every env)
         self.metrics_interval_s = metrics_interval_s
-        self.buffer = GroupBuffer()
-        self.state: Any = algorithm.initial_state()
         self.scored_total = 0  # groups this instance published (catch-up included)
         self.last_step = 0
         self.window = _Window()
-        self.log = self.log.bind(algorithm=name)
+        self.log = self.log.bind(algorithm=self.name)
+
+    @property
+    def buffer(self) -> GroupBuffer:
+        return self.core.buffer
+
+    @property
+    def state(self) -> Any:
+        return self.core.state
 
     def subscriptions(self) -> list[Subscription]:
         # batch 32: traces are up to the offload threshold (512 KiB) each, and a fetch of
@@ -148,7 +116,7 @@ class AlgorithmWorker(Role):
         await self.catch_up()
 
     def background(self) -> list[Awaitable[Any]]:
-        return [self._report_metrics(), self._watch_end()]
+        return [self.report_every(self.metrics_interval_s, self.metrics), self._watch_end()]
 
     async def _watch_end(self, interval_s: float = 1.0) -> None:
         """For a worker attached by hand (``exit_when_done``): stop when ``rlbus algorithm
@@ -157,9 +125,7 @@ class AlgorithmWorker(Role):
         longer train; the supervisor would only restart it)."""
         if not self.exit_when_done:
             return
-        while not self.stop_event.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop_event.wait(), interval_s)
+        while not await self.sleep(interval_s):
             if await last_seq(self.bus, Topic.ALGORITHM_DETACHED, self.name) > self.detach_floor:
                 self.log.info("algorithm.detached")
                 self.stop_event.set()
@@ -185,7 +151,7 @@ class AlgorithmWorker(Role):
         async for scored in read_log(
             self.bus, [(Topic.SAMPLES_SCORED, self.name)], (SamplesScored,)
         ):
-            self._fold(scored)
+            self.core.done(scored)
             folded += 1
         traces = 0
         # Catching up, results are published in pipelined windows: a failed publish
@@ -208,34 +174,35 @@ class AlgorithmWorker(Role):
             pending_groups=len(self.buffer),
         )
 
-    async def on_trace(self, event: TraceCompleted, delivery: Delivery) -> list[Event]:
-        # We publish ourselves (not by returning the event) so the scored set and the
-        # state only move once the publish is acknowledged; if it fails, the handler
-        # raises, the trace is redelivered, and the still-complete group is retried.
-        await self._add(event)
-        return []
+    async def on_trace(self, event: TraceCompleted, delivery: Delivery) -> Effects | None:
+        """Buffer one trace; a group it completes is returned for the runtime to publish,
+        and the scored set and state move only once that publish is acknowledged (if it
+        fails, the trace is redelivered and the still-complete group is scored again)."""
+        scored = await self._step(event)
+        if scored is None:
+            return None
+        return Effects([scored], after_publish=lambda: self._scored(scored))
 
-    async def _add(self, event: TraceCompleted, backlog: list[SamplesScored] | None = None) -> None:
-        """Buffer one trace; score its group once complete. Live (``backlog`` None), the
-        result is published before the state moves; catching up, it joins ``backlog``."""
-        if self.envs is not None and event.env not in self.envs:
-            return  # not routed here: scoring it would only cost (distillation: a model call)
-        self.last_step = max(self.last_step, event.step)
-        group = self.buffer.add(event)
-        if group is None:
-            return
-        refs = None
-        if self.scorer is not None:
-            ok = [e.trace for e in group if e.trace.ok]
-            refs = await self.scorer.refs(self.algorithm, self.name, ok)
-        scored = score_group(
-            self.name, self.algorithm, group, self.state, refs, self.tool_sft.get(event.env)
-        )
-        if backlog is None:
-            await self.bus.publish(scored)
-        else:
+    async def _add(self, event: TraceCompleted, backlog: list[SamplesScored]) -> None:
+        """Catching up: a group the trace completes joins ``backlog`` (published in windows)."""
+        scored = await self._step(event)
+        if scored is not None:
             backlog.append(scored)
-        self._fold(scored)
+            self._scored(scored)
+
+    async def _step(self, event: TraceCompleted) -> SamplesScored | None:
+        if self.core.routes(event):
+            self.last_step = max(self.last_step, event.step)
+        return await self.core.step(event, self._refs if self.scorer is not None else None)
+
+    async def _refs(self, group: list[TraceCompleted]) -> Refs:
+        assert self.scorer is not None
+        ok = [e.trace for e in group if e.trace.ok]
+        return await self.scorer.refs(self.algorithm, self.name, ok)
+
+    def _scored(self, scored: SamplesScored) -> None:
+        """A scored group is stored (or joins the catch-up backlog): fold it in."""
+        self.core.done(scored)
         self.scored_total += 1
         w = self.window
         w.groups += 1
@@ -243,22 +210,17 @@ class AlgorithmWorker(Role):
         w.excluded += scored.excluded
         w.rewards.extend(scored.rewards)
         self.log.debug(
-            "group.scored",
-            group_id=scored.group_id,
-            samples=len(scored.samples),
-            excluded=scored.excluded,
-            zero_advantage=scored.zero_advantage,
-        )
-
-    def _fold(self, scored: SamplesScored) -> None:
-        self.buffer.mark_scored(scored.group_id)
-        if self.algorithm.stateful:
-            self.state = self.algorithm.fold(self.state, scored)
+            "group.scored", group_id=scored.group_id, samples=len(scored.samples),
+            excluded=scored.excluded, zero_advantage=scored.zero_advantage,
+        )  # fmt: skip
 
     # -- metrics ------------------------------------------------------------------------
 
-    def metrics(self) -> MetricsReported:
-        """The metrics of the last window; starts a new window."""
+    def metrics(self, stopping: bool = False) -> MetricsReported | None:
+        """The metrics of the last window; starts a new window (as the worker stops, only
+        if it scored something since the last report)."""
+        if stopping and not self.window.groups:
+            return None
         w, self.window = self.window, _Window()
         values = {
             "groups_scored": float(self.scored_total),
@@ -274,33 +236,17 @@ class AlgorithmWorker(Role):
             run=self.run, role=f"algorithm-{self.name}", step=self.last_step, values=values
         )
 
-    async def _report_metrics(self) -> None:
-        while not self.stop_event.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop_event.wait(), self.metrics_interval_s)
-            if self.stop_event.is_set() and not self.window.groups:
-                return
-            try:
-                await self.bus.publish(self.metrics())
-            except PublishError as e:  # metrics are best effort; scoring goes on
-                self.log.warning("metrics.publish_failed", error=str(e))
-
-
-def needs_scorer(algorithm: Algorithm) -> bool:
-    return type(algorithm).score_spec is not Algorithm.score_spec
-
 
 def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
     """The inference client, the run's renderer and the run's envs, for distillation."""
     from roles.lib.clients import InferenceClient
     from roles.lib.envs.registry import make_env
 
-    specs = {token_for(e.id): e for e in ctx.cfg.orchestrator.train.env}
     envs: dict[str, Any] = {}
 
     def env_for(key: str) -> Any:
         if key not in envs:
-            spec = specs.get(key)
+            spec = ctx.cfg.orchestrator.env(key)
             envs[key] = make_env(spec.id if spec else key, dict(spec.args) if spec else {})
         return envs[key]
 
@@ -308,29 +254,19 @@ def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
     return RefScorer(InferenceClient(bus, timeout_s=timeout), ctx.load_renderer(), env_for)
 
 
-async def serve_worker(
-    ctx: RoleContext,
-    name: str,
-    registered: str,
-    options: dict[str, Any],
-    from_seq: int = 1,
-    exit_when_done: bool = False,
-    envs: set[str] | None = None,
-) -> None:
+async def serve_worker(ctx: RoleContext, core: ScoringCore, exit_when_done: bool = False) -> None:
     """Run one worker until SIGTERM or its detach (``rlbus role algorithm`` and ``attach``)."""
-    check_token(name, "algorithm id")
-    algorithm = create(registered, options)  # bad name or options: fail before connecting
     bus = await ctx.connect()
-    scorer = make_scorer(ctx, bus) if needs_scorer(algorithm) else None
+    scorer = make_scorer(ctx, bus) if core.needs_refs else None
     worker = AlgorithmWorker(
-        bus, ctx.instance, name, algorithm,
-        scorer=scorer, tool_sft=tool_sft_rules(ctx.cfg), from_seq=from_seq,
-        exit_when_done=exit_when_done, envs=envs,
+        bus, ctx.instance, core, scorer=scorer, exit_when_done=exit_when_done,
+        heartbeat_interval_s=ctx.cfg.bus.heartbeat_interval_s,
     )  # fmt: skip
     await serve_role(worker)
 
 
 async def main(ctx: RoleContext, name: str) -> None:
     """Entry point of ``rlbus role algorithm --name <id>``."""
-    registered, options = algorithm_spec(ctx.cfg, name)
-    await serve_worker(ctx, name, registered, options, envs=routed_envs(ctx.cfg, name))
+    check_token(name, "algorithm id")
+    core = ScoringCore.for_run(ctx.cfg, name)  # bad name or options: fail before connecting
+    await serve_worker(ctx, core)

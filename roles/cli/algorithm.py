@@ -76,12 +76,11 @@ def attach(
             f"attached); `rlbus algorithm detach {wid} --run {run}` detaches it.",
             err=True,
         )
-        from roles.algorithm.role import attached_envs, serve_worker
+        from roles.algorithm.core import ScoringCore
+        from roles.algorithm.role import serve_worker
 
-        run_async(serve_worker(
-            ctx, wid, attached.name, dict(attached.options), attached.from_seq,
-            exit_when_done=True, envs=attached_envs(attached),
-        ))  # fmt: skip
+        core = ScoringCore.attached(ctx.cfg, attached)  # the worker runs as the log says
+        run_async(serve_worker(ctx, core, exit_when_done=True))
 
 
 async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> AlgorithmAttached:  # type: ignore[no-untyped-def]

@@ -175,7 +175,7 @@ def algorithm(ctx: typer.Context, name: str = typer.Argument(..., help="Algorith
     with server_for(run, ctx.obj["nats_url"]) as url:
         log = run_async(load(url))
     try:
-        scored = recompute(name, log)
+        scored = run_async(recompute(name, log))
     except ValueError as e:  # an unknown algorithm or bad options
         console.print(f"[red]cannot replay:[/] {e}")
         raise typer.Exit(2) from None

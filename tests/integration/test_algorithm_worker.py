@@ -15,6 +15,7 @@ from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, durable_name, filter_subject
 from roles.algorithm import create
+from roles.algorithm.core import ScoringCore
 from roles.algorithm.role import AlgorithmWorker
 from roles.runtime.role import serve_role
 from schemas import (
@@ -73,7 +74,7 @@ async def start_worker(
     server: EmbeddedServer, run: str, name: str, instance: str
 ) -> tuple[AlgorithmWorker, asyncio.Task[None]]:
     bus = await Bus.connect(server.url, run=run, producer=instance, settings=SETTINGS)
-    role = AlgorithmWorker(bus, instance, name, create(name))
+    role = AlgorithmWorker(bus, instance, ScoringCore(name, create(name)))
     return role, asyncio.create_task(serve_role(role, install_signals=False))
 
 

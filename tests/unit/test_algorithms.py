@@ -138,7 +138,7 @@ def test_worker_resolves_algorithm_ids_from_the_config() -> None:
     """An id in orchestrator.algorithms maps to its registered name + options; others are names."""
     from configs import load_config
     from configs.orchestrator import AlgorithmConfig
-    from roles.algorithm.role import algorithm_spec
+    from roles.algorithm.core import algorithm_spec
 
     cfg = load_config("smoke")
     cfg.orchestrator.algorithms.append(
