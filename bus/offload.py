@@ -19,6 +19,10 @@ from nats.js.object_store import ObjectStore
 
 from bus.errors import BodyError
 
+# Weights larger than this are not put in a run's object store: they go to a path under
+# the run directory, named by an ObjectRef of kind "path" (trainer and orchestrator).
+OBJECT_STORE_MAX_BYTES = 200 * 1024 * 1024
+
 
 def sha256_digest(data: bytes | memoryview) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()

@@ -151,15 +151,6 @@ def make_core(cfg: RunConfig, model_dir: Path) -> Any:
     return TrainerCore(cfg, model_dir, device="cpu")
 
 
-def reconfigure(core: Any, cfg: RunConfig) -> None:
-    """Continue ``core`` under ``cfg``: the fold reads its config every step; AdamW's
-    hyper-parameters live in its param groups (the learning rate is set per step)."""
-    core.cfg = cfg
-    for group in core.optimizer.param_groups:
-        group["betas"] = tuple(cfg.trainer.betas)
-        group["weight_decay"] = cfg.trainer.weight_decay
-
-
 def replay_steps(
     core: Any,
     batches: Sequence[BatchAssembled],
@@ -188,7 +179,7 @@ def replay_steps(
             result.stopped = f"batch {batch.step} was never trained in the recorded run"
             break
         if config_for is not None and (cfg := config_for(batch.step)) is not core.cfg:
-            reconfigure(core, cfg)
+            core.reconfigure(cfg)
         metrics = core.train_step(batch)
         data = core.weights_bytes()
         rec = StepRecord(batch.step, metrics, sha256_digest(data))
@@ -248,7 +239,7 @@ def run_fork(
     prefix = replay_steps(core, log.batches, log.recorded, from_step, on_step, kept, log.config)
     if not prefix.ok or core.step != from_step:
         return ForkResult(prefix, ReplayResult(), cfg, weights=kept)
-    reconfigure(core, cfg)
+    core.reconfigure(cfg)
     fork = replay_steps(core, log.batches, None, until, on_fork_step, kept)
     return ForkResult(
         prefix, fork, cfg, first_series_divergence(log.recorded, fork.steps),

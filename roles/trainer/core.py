@@ -51,6 +51,10 @@ class StepOutOfOrder(Exception):
     """A batch that is not the next step of this trainer (a gap or a replayed step)."""
 
 
+class BatchGap(StepOutOfOrder):
+    """A batch past the next step: an earlier batch is missing."""
+
+
 def lr_at(cfg: RunConfig, step: int, phase: str = "rl") -> float:
     """Learning rate of batch ``step`` (1-based).
 
@@ -124,10 +128,28 @@ class TrainerCore:
             torch.use_deterministic_algorithms(prev_det, warn_only=prev_warn)
             torch.set_num_threads(prev_threads)
 
-    def train_step(self, batch: BatchAssembled) -> dict[str, float]:
-        """Train on ``batch`` (which must be step ``self.step + 1``); returns its metrics."""
+    def check_next(self, batch: BatchAssembled) -> None:
+        """Raise unless ``batch`` is step ``self.step + 1`` (``BatchGap`` if past it)."""
+        if batch.step > self.step + 1:
+            raise BatchGap(
+                f"batch {batch.event_id} has step {batch.step} but the trainer is at step "
+                f"{self.step}: step {self.step + 1} is missing"
+            )
         if batch.step != self.step + 1:
             raise StepOutOfOrder(f"batch step {batch.step} is not the next step ({self.step + 1})")
+
+    def reconfigure(self, cfg: RunConfig) -> None:
+        """Continue under ``cfg`` (a replay's fork): the fold reads its config every step;
+        AdamW's hyper-parameters live in its param groups (the learning rate is set per
+        step)."""
+        self.cfg = cfg
+        for group in self.optimizer.param_groups:
+            group["betas"] = tuple(cfg.trainer.betas)
+            group["weight_decay"] = cfg.trainer.weight_decay
+
+    def train_step(self, batch: BatchAssembled) -> dict[str, float]:
+        """Train on ``batch`` (which must be step ``self.step + 1``); returns its metrics."""
+        self.check_next(batch)
         start = time.perf_counter()
         cfg = self.cfg.trainer
         lr = lr_at(self.cfg, batch.step, batch.phase)

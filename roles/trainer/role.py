@@ -14,18 +14,22 @@ it, so a restart never trains a batch twice or skips one:
    ``WeightsPublished`` for the step is already on the stream, the recomputed digest
    must equal the recorded one (``trainer.replay_diverged`` is logged if not, and the
    recorded announcement and object are left as they are).
-3. **the durable consumer** ``trainer`` is then (re)created to start right after what
-   catch-up read, and handles the rest with one message in flight
+3. **the durable consumer** ``trainer`` is then repositioned by the role runtime
+   (``Subscription.restart_at``) to start right after what catch-up read, and handles
+   the rest with one message in flight
    (``max_ack_pending=1``, so a retried batch can never be overtaken by the next): a
    batch whose step <= the current step is acked without training (idempotent by
    step); a batch with step > current + 1 is a gap and raises, so it is retried and
    then dead-lettered, never silently skipped (catch-up stops at a gap and leaves it
    to this consumer).
 
-Each step runs in a worker thread so heartbeats and ``in_progress`` keep flowing. Its
-outputs are published *before* any checkpoint that includes it is written (a
-checkpoint past an unannounced step would hide that step from the catch-up), and the
-input is acked after both. Weights go to the run's object store as ``weights.v<N>``,
+Each step runs in a worker thread so heartbeats and ``in_progress`` keep flowing. The
+handler returns the step's announcement (``Effects``: the weights are stored, the
+events are for the runtime to publish); its after-publish hook marks the step announced
+and writes a checkpoint when one is due, so a checkpoint never includes an unannounced
+step (that would hide it from the catch-up), and the input is acked after both. A step
+whose announcement failed stays pending and is announced again, with the same ids,
+before anything else. Weights go to the run's object store as ``weights.v<N>``,
 or, past 200 MB, to ``<run_dir>/weights/v<N>.safetensors`` (an ``ObjectRef`` of kind
 ``path``). Checkpoints every ``trainer.checkpoint_interval`` steps and on graceful stop.
 """
@@ -36,17 +40,12 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
-import nats.errors
-import nats.js.errors
-from nats.js.api import DeliverPolicy
-
-from bus.consumer import Consumer, Delivery, Subscription
+from bus.consumer import Delivery, Effects, Subscription, commit
+from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
-from bus.registry import Heartbeat
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
 from roles.lib.model.weights import digest
@@ -62,14 +61,8 @@ from schemas import (
     derive_id,
 )
 
-# Weights above this go to a shared path instead of the object store.
-OBJECT_STORE_MAX_BYTES = 200 * 1024 * 1024
 # How long catch-up waits for the next message it knows is on the stream.
 _READ_TIMEOUT_S = 30.0
-
-
-class BatchGap(Exception):
-    """A batch arrived whose step is past the next one: an earlier batch is missing."""
 
 
 @dataclass
@@ -80,6 +73,8 @@ class _Pending:
     seq: int  # its stream sequence (recorded in checkpoints for catch-up)
     metrics: dict[str, float]
     recorded: WeightsPublished | None  # its announcement already on the stream (catch-up)
+    events: list[Event] | None = None  # its announcement, once its weights are stored
+    digest: str = ""
 
 
 class TrainerRole(Role):
@@ -100,7 +95,7 @@ class TrainerRole(Role):
         )
         self.saved_step = 0  # step of the newest checkpoint on disk
         self.last_batch_seq = 0  # stream seq of the batch behind ``core.step``
-        self.pending: _Pending | None = None  # trained but not yet announced
+        self.pending: list[_Pending] = []  # trained but not yet announced, in step order
         self.idle_since = time.monotonic()
 
     @property
@@ -134,33 +129,7 @@ class TrainerRole(Role):
         self.log.info(
             "trainer.loaded", model=str(model_dir), checkpoint=str(checkpoint), step=self.core.step
         )
-        await self._with_heartbeat(self._catch_up(start_seq))
-
-    async def _with_heartbeat(self, work: Awaitable[None]) -> None:
-        """Keep the registry entry alive while setup works (serve_role's starts after)."""
-        hb = Heartbeat(
-            self.bus.js, self.run, self.role, self.instance, self.heartbeat_interval_s,
-            consumer=self.sub.durable, probe=self.status,
-        )  # fmt: skip
-
-        done = asyncio.Event()
-
-        async def beat() -> None:
-            while not done.is_set():
-                with contextlib.suppress(Exception):
-                    await hb.beat()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), self.heartbeat_interval_s)
-
-        # Stopped by an event, not by cancel(): on Python 3.11 a cancel that lands as a
-        # nats request completes is swallowed by asyncio.wait_for, and the loop would
-        # never end.
-        task = asyncio.create_task(beat())
-        try:
-            await work
-        finally:
-            done.set()
-            await task
+        await self.beating(self._catch_up(start_seq), consumer=self.sub.durable)
 
     async def _catch_up(self, start_seq: int) -> None:
         end = await last_seq(self.bus, Topic.BATCH_ASSEMBLED)
@@ -188,7 +157,13 @@ class TrainerRole(Role):
                         break
                     await self._advance(batch, seq, wait_s=0.0, recorded=recorded.get(batch.step))
         if not self.stop_event.is_set():
-            await self._reset_durable(resume_seq)
+            # The durable's position is derived state: catch-up just trained everything
+            # before ``resume_seq``. Repositioning it (rather than resuming an old one)
+            # means a batch in flight when the last process died is not waited for until
+            # its ack_wait expires (with one message in flight, that would stall every
+            # newer batch), and a fresh trainer does not download every batch body twice.
+            self.sub.restart_at = resume_seq
+            self.log.info("trainer.consumer_ready", start_seq=resume_seq, step=self.core.step)
 
     async def _recorded_weights(self, start_seq: int) -> dict[int, WeightsPublished]:
         """WeightsPublished already on the stream (first per step), from ``start_seq``."""
@@ -202,42 +177,19 @@ class TrainerRole(Role):
             out.setdefault(event.step, event)
         return out
 
-    async def _reset_durable(self, start_seq: int) -> None:
-        """(Re)create the durable consumer to start right after what catch-up covered.
-
-        Its position is derived state: catch-up just trained everything before
-        ``start_seq``. Recreating it (rather than resuming an old one) means a batch that
-        was in flight when the last process died is not waited for until its ack_wait
-        expires (with one message in flight, that would stall every newer batch), and a
-        fresh trainer does not download every batch body a second time.
-        """
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.bus.js.delete_consumer(self.bus.stream, self.sub.durable)
-        config = Consumer(self.bus, self.sub, self.role).config()
-        config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
-        config.opt_start_seq = start_seq
-        await self.bus.js.add_consumer(self.bus.stream, config)
-        self.log.info("trainer.consumer_ready", start_seq=start_seq, step=self.core.step)
-
     # -- the durable consumer -------------------------------------------------------------
 
-    async def on_batch(self, batch: BatchAssembled, delivery: Delivery) -> list[Event]:
+    async def on_batch(self, batch: BatchAssembled, delivery: Delivery) -> Effects | None:
         wait_s = time.monotonic() - self.idle_since
-        if self.pending is not None:
-            await self._announce()  # a trained step whose announcement failed comes first
-        if batch.step <= self.core.step:
+        if batch.step > self.core.step:
+            for p in self.pending:  # announced again first (their weights, before the next step)
+                await self._prepare(p)
+            self.core.check_next(batch)  # a gap raises BatchGap: retried, then dead-lettered
+            await self._train(batch, delivery.stream_seq, wait_s)
+        elif not self.pending:
             self.log.info("trainer.batch_already_trained", step=batch.step, current=self.core.step)
-            return []  # idempotent by step: its effects are already on the stream
-        self._check_next(batch)
-        await self._advance(batch, delivery.stream_seq, wait_s=wait_s)
-        return []
-
-    def _check_next(self, batch: BatchAssembled) -> None:
-        if batch.step != self.core.step + 1:
-            raise BatchGap(
-                f"batch {batch.event_id} has step {batch.step} but the trainer is at step "
-                f"{self.core.step}: step {self.core.step + 1} is missing"
-            )
+            return None  # idempotent by step: its effects are already on the stream
+        return await self._announcement()
 
     async def _advance(
         self,
@@ -246,30 +198,46 @@ class TrainerRole(Role):
         wait_s: float,
         recorded: WeightsPublished | None = None,
     ) -> None:
-        """Train one batch, then announce it (weights, metrics, checkpoint if due)."""
+        """Catch-up: train one batch, then announce it (weights, metrics, checkpoint if due)."""
+        await self._train(batch, seq, wait_s, recorded)
+        await commit(self.bus, await self._announcement())
+
+    async def _train(
+        self,
+        batch: BatchAssembled,
+        seq: int,
+        wait_s: float,
+        recorded: WeightsPublished | None = None,
+    ) -> None:
         metrics = await asyncio.to_thread(self.core.train_step, batch)
-        self.pending = _Pending(batch, seq, {**metrics, "wait_s": wait_s}, recorded)
-        await self._announce()
+        self.pending.append(_Pending(batch, seq, {**metrics, "wait_s": wait_s}, recorded))
 
-    async def _announce(self) -> None:
-        """Store and announce the weights of the step just trained; safe to repeat.
+    async def _announcement(self) -> Effects:
+        """The announcement of every pending step: weights stored, events to publish, and
+        the hook that marks them announced once the events are stored."""
+        for p in self.pending:
+            await self._prepare(p)
+        done = list(self.pending)
+        events = [e for p in done for e in p.events or ()]
+        return Effects(events, after_publish=lambda: self._announced(done))
 
-        Until this succeeds ``pending`` stays set, so a failure (object store, publish,
-        checkpoint) is redone on the next delivery instead of the step going unannounced.
-        """
-        p = self.pending
-        assert p is not None and p.batch.step == self.core.step
+    async def _prepare(self, p: _Pending) -> None:
+        """Store the weights of a step just trained and build its events (once: a retry
+        republishes the same events, which the server drops as duplicates)."""
+        if p.events is not None:
+            return
         batch = p.batch
+        assert batch.step == self.core.step, "a pending step's weights are the current ones"
         data = await asyncio.to_thread(self.core.weights_bytes)
-        weights_digest = digest(data)
+        p.digest = digest(data)
         events: list[Event] = []
-        if p.recorded is not None and p.recorded.weights.digest != weights_digest:
+        if p.recorded is not None and p.recorded.weights.digest != p.digest:
             self.log.error(
                 "trainer.replay_diverged", step=batch.step,
-                recorded=p.recorded.weights.digest, recomputed=weights_digest,
+                recorded=p.recorded.weights.digest, recomputed=p.digest,
             )  # fmt: skip
         if p.recorded is None:
-            ref = await self._store_weights(batch.step, data, weights_digest)
+            ref = await self._store_weights(batch.step, data, p.digest)
             events.append(
                 WeightsPublished(
                     run=self.run,
@@ -292,17 +260,21 @@ class TrainerRole(Role):
                 policy_version=batch.step,
             )
         )
-        await self.bus.publish_many(events)
-        self.last_batch_seq = p.seq
-        self.log.info(
-            "trainer.step", step=batch.step, loss=p.metrics["loss"],
-            grad_norm=p.metrics["grad_norm"], step_s=round(p.metrics["step_s"], 3),
-            digest=weights_digest[:19],
-        )  # fmt: skip
+        p.events = events
+
+    async def _announced(self, done: list[_Pending]) -> None:
+        """The steps' events are stored: record them, checkpoint if one is due."""
+        for p in done:
+            self.last_batch_seq = p.seq
+            self.log.info(
+                "trainer.step", step=p.batch.step, loss=p.metrics["loss"],
+                grad_norm=p.metrics["grad_norm"], step_s=round(p.metrics["step_s"], 3),
+                digest=p.digest[:19],
+            )  # fmt: skip
         interval = self.cfg.trainer.checkpoint_interval
-        if interval and batch.step % interval == 0:
+        if interval and any(p.batch.step % interval == 0 for p in done):
             await self._checkpoint()
-        self.pending = None
+        self.pending = [p for p in self.pending if p not in done]
         self.idle_since = time.monotonic()
 
     async def _store_weights(self, version: int, data: bytes, weights_digest: str) -> ObjectRef:
@@ -329,10 +301,10 @@ class TrainerRole(Role):
     async def teardown(self) -> None:
         if self._core is None:
             return
-        if self.pending is not None:
+        if self.pending:
             with contextlib.suppress(Exception):  # best effort; catch-up redoes it otherwise
-                await self._announce()
-        if self.pending is None and self.core.step > self.saved_step and self.last_batch_seq:
+                await commit(self.bus, await self._announcement())
+        if not self.pending and self.core.step > self.saved_step and self.last_batch_seq:
             await self._checkpoint()
 
 
