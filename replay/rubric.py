@@ -33,7 +33,7 @@ from typing import Any
 
 from bus.reader import read_log
 from bus.runtime import Bus
-from bus.subjects import Topic, token_for
+from bus.subjects import Topic
 from configs import RunConfig, resolve
 from replay.diff import ValueDiff, diff_values
 from schemas import EvalCompleted, RunStarted, TaskRequested, Trace, TraceCompleted
@@ -75,7 +75,7 @@ async def read_rubric_log(bus: Bus, env_key: str | None = None, evals: bool = Tr
 
 def env_ids(cfg: RunConfig) -> dict[str, tuple[str, dict[str, Any]]]:
     """Bus env key -> (env id, config args)."""
-    return {token_for(e.id): (e.id, dict(e.args)) for e in cfg.orchestrator.train.env}
+    return {e.key: (e.id, dict(e.args)) for e in cfg.orchestrator.train.env}
 
 
 def chat_of(trace: Trace) -> list[dict[str, Any]]:

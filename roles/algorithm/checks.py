@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bus.subjects import token_for
 from configs import ConfigError, RunConfig
 from configs.orchestrator import POLICY, EnvConfig
 from roles.algorithm.base import Algorithm
@@ -68,7 +67,7 @@ def algorithm_problems(
     envs = [
         (i, e)
         for i, e in enumerate(cfg.orchestrator.train.env)
-        if not env_ids or e.id in env_ids or token_for(e.id) in env_ids
+        if not env_ids or e.id in env_ids or e.key in env_ids
     ]
     return problems + _env_problems(where, algorithm, envs)
 

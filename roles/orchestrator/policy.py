@@ -20,7 +20,6 @@ from typing import Any
 
 import msgspec
 
-from bus.subjects import token_for
 from configs import RunConfig
 from roles.orchestrator.state import OrchestratorState
 from schemas import (
@@ -44,8 +43,8 @@ def trains_on(cfg: RunConfig) -> dict[str, dict[str, set[str]]]:
     """Which algorithms' samples train each env's groups, per phase (shadows never train)."""
     o = cfg.orchestrator
     ids = [a.id for a in o.algorithms if not a.shadow]  # SamplesScored.algorithm is the config id
-    rl = {token_for(e.id): {a for a in (e.algorithms or ids) if a in ids} for e in o.train.env}
-    sft = {token_for(e.id): set(o.warmup.algorithms) for e in o.train.env}
+    rl = {e.key: {a for a in (e.algorithms or ids) if a in ids} for e in o.train.env}
+    sft = {e.key: set(o.warmup.algorithms) for e in o.train.env}
     return {"rl": rl, "sft": sft}
 
 
@@ -173,7 +172,7 @@ class Decider:
             TaskRequested(
                 run=self.run,
                 event_id=derive_id(self.run, "task", n),
-                env=token_for(env.id),
+                env=env.key,
                 task=TaskRef(
                     index=stable_seed(self.cfg.seed, "task", env.id, n) % 2**31, split="train"
                 ),
@@ -187,7 +186,7 @@ class Decider:
                 max_turns=env.max_turns,
                 args=dict(env.args),
                 phase=phase,
-                algorithms=sorted(s.trains_on[phase].get(token_for(env.id), ())),
+                algorithms=sorted(s.trains_on[phase].get(env.key, ())),
             )  # fmt: skip
         )
         return group_size
@@ -219,7 +218,7 @@ class Decider:
                         TaskRequested(
                             run=self.run,
                             event_id=derive_id(self.run, "eval", v, env.id, i),
-                            env=token_for(env.id),
+                            env=env.key,
                             task=TaskRef(index=i, split="eval"),
                             group_id=derive_id(self.run, "eval-group", v, env.id, i),
                             group_size=e.k,
