@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nats.errors
 import pytest
 
+from bus.reader import read_log
 from bus.runtime import Bus
 from bus.server import EmbeddedServer, running_server_url
-from bus.subjects import Topic, filter_subject
+from bus.subjects import Topic
 from schemas import TraceCompleted
 
 pytestmark = pytest.mark.e2e
@@ -32,16 +32,8 @@ async def traces_on_stream(data_dir: Path, run: str) -> list[TraceCompleted]:
     with EmbeddedServer(data_dir / run / "nats") as server:
         bus = await Bus.connect(server.url, run=run, producer="e2e")
         try:
-            sub = await bus.js.subscribe(filter_subject(run, Topic.TRACE_COMPLETED), ordered_consumer=True)  # fmt: skip
-            out = []
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=1.0)
-                except nats.errors.TimeoutError:
-                    break
-                out.append(await bus.decode_msg(msg, [TraceCompleted]))
-            await sub.unsubscribe()
-            return out
+            topics = [(Topic.TRACE_COMPLETED, None)]
+            return [e async for e in read_log(bus, topics, (TraceCompleted,))]
         finally:
             await bus.close()
 

@@ -11,9 +11,10 @@ import nats.js.errors
 import numpy as np
 import pytest
 
+from bus.reader import read_log
 from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
-from bus.subjects import Topic, durable_name, filter_subject
+from bus.subjects import Topic, durable_name
 from roles.algorithm import create
 from roles.algorithm.core import ScoringCore
 from roles.algorithm.role import AlgorithmWorker
@@ -85,19 +86,7 @@ async def stop_worker(role: AlgorithmWorker, task: asyncio.Task[None]) -> None:
 
 async def read_all(bus: Bus, topic: Topic, key: str, cls: type) -> list:
     """Every event stored on one subject, read with an ordered consumer."""
-    sub = await bus.js.subscribe(
-        filter_subject(bus.run, topic, key), ordered_consumer=True, stream=bus.stream
-    )
-    out = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except (TimeoutError, nats.errors.TimeoutError):
-                return out
-            out.append(await bus.decode_msg(msg, [cls]))
-    finally:
-        await sub.unsubscribe()
+    return [e async for e in read_log(bus, [(topic, key)], (cls,))]
 
 
 async def wait_until(

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
+from bus.reader import read_log
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
-from bus.subjects import Topic, filter_subject
+from bus.subjects import Topic
 from schemas import MetricsReported, TaskRef, TaskRequested
 
 pytestmark = pytest.mark.nats
@@ -33,18 +34,9 @@ def start_worker(server: EmbeddedServer, run: str, *extra: str) -> subprocess.Po
 
 async def count_metrics(bus: Bus) -> dict[str, int]:
     """How many MetricsReported events the stream holds per causing request."""
-    sub = await bus.js.subscribe(
-        filter_subject(bus.run, Topic.METRICS_REPORTED), ordered_consumer=True
-    )
     counts: dict[str, int] = {}
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=0.5)
-            cause = (await bus.decode_msg(msg, [MetricsReported])).causation_id
-            counts[cause] = counts.get(cause, 0) + 1
-    except Exception:  # noqa: BLE001 - next_msg timeout: we have read everything
-        pass
-    await sub.unsubscribe()
+    async for event in read_log(bus, [(Topic.METRICS_REPORTED, None)], (MetricsReported,)):
+        counts[event.causation_id] = counts.get(event.causation_id, 0) + 1
     return counts
 
 

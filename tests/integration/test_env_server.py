@@ -17,13 +17,13 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-import nats.errors
 import pytest
 
 from bus import rpc
+from bus.reader import read_log
 from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
-from bus.subjects import TOPICS, Topic, durable_name, filter_subject, infer_queue, infer_subject
+from bus.subjects import TOPICS, Topic, durable_name, infer_queue, infer_subject
 from roles.env_server.role import EnvServer, client_generate
 from roles.lib.clients import InferenceClient
 from roles.lib.envs.builtin.alphabet_sort import parse_names
@@ -128,21 +128,15 @@ def requests(
 async def collect(bus: Bus, topic: Topic, key: str | None, want: int, timeout_s: float = 30.0, settle_s: float = 0.7) -> list[Event]:  # fmt: skip
     """Every event on a topic from the start of the log: waits for ``want``, then reads on
     for ``settle_s`` more so extra (duplicate) events would be seen too."""
-    sub = await bus.js.subscribe(filter_subject(bus.run, topic, key), ordered_consumer=True)
-    out: list[Event] = []
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=settle_s if len(out) >= want else 1.0)
-                except nats.errors.TimeoutError:
-                    if len(out) >= want:
-                        break
-                    continue
-                out.append(await bus.decode_msg(msg, [TOPICS[topic].schema]))
-    finally:
-        await sub.unsubscribe()
-    return out
+
+    async def read() -> list[Event]:
+        return [e async for e in read_log(bus, [(topic, key)], (TOPICS[topic].schema,))]
+
+    async with asyncio.timeout(timeout_s):
+        while len(await read()) < want:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(settle_s)
+        return await read()
 
 
 async def settled(bus: Bus, durable: str, timeout_s: float = 15.0) -> None:

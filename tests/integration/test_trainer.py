@@ -14,12 +14,12 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from bus.reader import read_log
 from bus.registry import list_roles
 from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
-from bus.subjects import Topic, filter_subject, subject
+from bus.subjects import Topic, subject
 from configs import RunConfig, dump_toml, load_config
 from roles.lib.model.loading import load_model
 from roles.lib.model.tiny import build_tiny_model
@@ -49,20 +49,7 @@ def trainer_config(tiny_dir: Path, data_dir: Path, *extra: str) -> RunConfig:
 
 async def read_all(bus: Bus, topic: Topic, types: tuple[type, ...]) -> list[Any]:
     """Every event of ``topic`` on the run's stream, in order."""
-    config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
-    sub = await bus.js.subscribe(
-        filter_subject(bus.run, topic), ordered_consumer=True, config=config, stream=bus.stream
-    )
-    out = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=0.5)
-            except (nats.errors.TimeoutError, TimeoutError):
-                return out
-            out.append(await bus.decode_msg(msg, types))
-    finally:
-        await sub.unsubscribe()
+    return [e async for e in read_log(bus, [(topic, None)], types)]
 
 
 async def wait_for_version(bus: Bus, version: int, timeout_s: float = 60.0) -> None:
