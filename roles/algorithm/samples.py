@@ -118,7 +118,7 @@ class ToolSft:
 
 def _per_token(value: float | np.ndarray, view: BranchView, what: str) -> np.ndarray:
     """A scalar broadcast over the trainable tokens, or a per-token array checked."""
-    if np.isscalar(value):
+    if isinstance(value, (int, float, np.number)):
         return np.where(view.trainable, np.float32(value), np.float32(0.0)).astype(arrays.F32)
     out = np.asarray(value, dtype=arrays.F32)
     if out.shape != (len(view),):
@@ -223,8 +223,8 @@ def score_group(
             env_token_masks(trace, ("tool",), tool_sft.tool_names) if tool_sft is not None else None
         )
         for view, t in zip(trace_views, trace_targets, strict=True):
-            if tool is not None and tool[view.index].any():
-                extra = tool[view.index] * np.float32(tool_sft.alpha)  # type: ignore[union-attr]
+            if tool is not None and tool_sft is not None and tool[view.index].any():
+                extra = tool[view.index].astype(arrays.F32) * np.float32(tool_sft.alpha)
                 ce = extra if t.ce is None else np.maximum(_per_token(t.ce, view, "ce"), extra)
                 t = Targets(t.advantages, ce, t.ref_weights, t.ref_logprobs)
             samples.append(build_sample(view, t, algorithm_id))
