@@ -44,12 +44,13 @@ bench-bus:
 bench-rollouts:
     {{python}} -m benchmarks.rollout_bench
 
-# Lint and type-check.
+# Lint, type-check and check the import contracts ([tool.importlinter] in pyproject.toml).
 [group('check')]
 lint:
     ruff check .
     ruff format --check .
     mypy
+    lint-imports --no-cache
 
 # Format the code.
 [group('check')]

@@ -28,9 +28,10 @@ from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from bus.subjects import Topic
 from configs import dump_toml, load_config
-from roles.cli.rollout import build_requests, plan_requests
+from configs.paths import RunPaths
 from roles.runtime.context import policy_model_dir
-from roles.up.processes import RoleProcess, role_argv
+from roles.up.processes import role_process
+from roles.up.rollout import build_requests, plan_requests
 from schemas import TraceCompleted
 
 
@@ -40,24 +41,13 @@ async def measure(
     run = f"bench{replicas}"
     cfg = load_config("default", [f"bus.data_dir={root}", "model.tiny.init_seed=0"])
     cfg.run = run
-    run_dir = root / run
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.toml"
-    config_path.write_text(dump_toml(cfg))
+    paths = RunPaths.of(cfg)
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    paths.config.write_text(dump_toml(cfg))
     policy_model_dir(cfg, run)
-    roles = [
-        RoleProcess(
-            "env",
-            role_argv(["env", "--env", "reverse-text"], run, url, config_path),
-            run_dir / "logs" / "env.log",
-        )
-    ]
+    roles = [role_process("env", ["env", "--env", "reverse-text"], paths, url)]
     roles += [
-        RoleProcess(
-            f"inference-{i}",
-            role_argv(["inference", "--model", "policy"], run, url, config_path),
-            run_dir / "logs" / f"inf{i}.log",
-        )
+        role_process(f"inference-{i}", ["inference", "--model", "policy"], paths, url)
         for i in range(replicas)
     ]
     for r in roles:

@@ -20,7 +20,7 @@ from typing import Any, Union
 import msgspec
 
 from bus.errors import DecodeError, UnknownSchema
-from schemas import EVENT_TYPES, BodyRef, Event
+from schemas import BodyRef, Event
 
 H_MSG_ID = "Nats-Msg-Id"
 H_SCHEMA = "Rl-Schema"
@@ -29,7 +29,6 @@ H_BODY = "Rl-Body"
 
 _encoder = msgspec.msgpack.Encoder()
 _ref_decoder = msgspec.msgpack.Decoder(BodyRef)
-KNOWN_TAGS = {t.__struct_config__.tag for t in EVENT_TYPES}
 
 
 def tag_of(cls: type[msgspec.Struct]) -> str:
@@ -60,10 +59,6 @@ def _decoder(types: tuple[type, ...]) -> msgspec.msgpack.Decoder[Any]:
 @lru_cache(maxsize=64)
 def _tags(types: tuple[type, ...]) -> frozenset[str]:
     return frozenset(tag_of(t) for t in types)
-
-
-def decoder_for(types: Iterable[type]) -> msgspec.msgpack.Decoder[Any]:
-    return _decoder(tuple(types))
 
 
 def decode(payload: bytes | memoryview, types: Iterable[type], schema: str | None = None) -> Any:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -72,6 +72,7 @@ def ordered_config(
 ) -> ConsumerConfig:
     """The ordered consumer of a read: where it starts and which subjects it sees."""
     filters = [filter_subject(run, t, k) for t, k in topics] if topics else None
+    extra: dict[str, Any]
     if start == "last":  # the newest message per filter, then whatever comes after it
         policy, extra = DeliverPolicy.LAST, {}
     elif start == "new":
@@ -131,7 +132,7 @@ class LogReader:
     def __post_init__(self) -> None:
         self.last_seq = max(self.last_seq, self.from_seq - 1)
 
-    async def messages(self) -> AsyncIterator[Msg]:
+    async def messages(self) -> AsyncGenerator[Msg, None]:
         """The raw stored messages from the start position on, in order."""
         if self.until_seq is not None and self.from_seq > self.until_seq:
             return
@@ -173,7 +174,7 @@ class LogReader:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def entries(self) -> AsyncIterator[Entry]:
+    async def entries(self) -> AsyncGenerator[Entry, None]:
         """The decoded events from the start position on, in order (see the module doc)."""
         async with contextlib.aclosing(self.messages()) as messages:
             async for msg in messages:
@@ -183,7 +184,7 @@ class LogReader:
 
     async def events(
         self, types: tuple[type, ...] | None = None, with_seq: bool = False
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """The events (or ``(seq, event)`` pairs) of ``types`` (None: every type)."""
         async with contextlib.aclosing(self.entries()) as entries:
             async for entry in entries:
@@ -227,7 +228,7 @@ def read_log(
     stall_timeout_s: float = 10.0,
     with_seq: bool = False,
     until_seq: int | None = None,
-) -> AsyncIterator[Any]:
+) -> AsyncGenerator[Any, None]:
     """Every event of ``types`` on ``topics`` stored so far, in stream order: a fold.
 
     With ``with_seq`` it yields ``(stream_seq, event)`` pairs. Close it with

@@ -5,10 +5,14 @@ given data dir, a given or random port. Readiness is read from the server's log,
 only the process this object started is ever stopped.
 
     rlbus nats --data-dir runs/nats     # the same thing in the foreground
+
+``reachable_server`` is how every command finds a run's server: a given URL, the
+embedded server already running on the run's store, or a temporary one started on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,12 +21,17 @@ import signal
 import subprocess
 import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 from bus.errors import ServerBinaryNotFound, ServerStartError
 
 _LISTEN = re.compile(r"Listening for client connections on ([\d.]+):(\d+)")
 _READY = "Server is ready"
+SERVER_FILE = "server.json"  # under the store, while the server runs: {"url", "pid"}
+STORE_SUBDIR = "jetstream"  # the JetStream data under the store
+NATS_URL_ENV = "RLBUS_NATS_URL"  # a NATS URL to use instead of the run's embedded server
 
 
 def find_binary() -> str:
@@ -57,7 +66,7 @@ class EmbeddedServer:
     @property
     def info_path(self) -> Path:
         """Written while running so other CLI commands can find this server."""
-        return self.data_dir / "server.json"
+        return self.data_dir / SERVER_FILE
 
     def start(self, timeout: float = 20.0) -> EmbeddedServer:
         binary = find_binary()
@@ -65,7 +74,7 @@ class EmbeddedServer:
         self.log_path.write_text("")
         cmd = [
             binary, "-js", "-a", self.host, "-p", str(self.port),
-            "-sd", str(self.data_dir / "jetstream"), "-l", str(self.log_path),
+            "-sd", str(self.data_dir / STORE_SUBDIR), "-l", str(self.log_path),
             "--http_port", "0", "-n", f"rlbus-{os.getpid()}",
         ]  # fmt: skip
         # Own session: a terminal Ctrl-C must reach our owner, not the server, so roles can
@@ -119,10 +128,45 @@ class EmbeddedServer:
 
 def running_server_url(data_dir: str | Path) -> str | None:
     """The URL of an embedded server that is running on ``data_dir``, if any."""
-    info = Path(data_dir) / "server.json"
+    info = Path(data_dir) / SERVER_FILE
     try:
         data = json.loads(info.read_text())
         os.kill(int(data["pid"]), 0)
     except (OSError, ValueError, KeyError):
         return None
     return str(data["url"])
+
+
+def has_store(data_dir: str | Path) -> bool:
+    """Whether an embedded server has stored JetStream data under ``data_dir``."""
+    return (Path(data_dir) / STORE_SUBDIR).exists()
+
+
+@contextlib.contextmanager
+def reachable_server(
+    store: str | Path | None,
+    url: str | None = None,
+    *,
+    start: Literal["never", "existing", "always"] = "existing",
+    url_env: bool = True,
+) -> Iterator[str | None]:
+    """The NATS URL that serves the run whose embedded-server store is ``store``.
+
+    In order: ``url`` (a ``--nats-url``); ``$RLBUS_NATS_URL`` (unless ``url_env`` is
+    false); the embedded server already running on ``store``; else a temporary embedded
+    server started on ``store`` and stopped when the block ends, if ``start`` is
+    ``"always"`` (a new run), or ``"existing"`` and the store holds data. None when none
+    of these applies (``store`` None: only the first two are tried).
+    """
+    if url := url or (os.environ.get(NATS_URL_ENV) if url_env else None):
+        yield url
+        return
+    if store is not None:
+        if running := running_server_url(store):
+            yield running
+            return
+        if start == "always" or (start == "existing" and has_store(store)):
+            with EmbeddedServer(store) as server:
+                yield server.url
+            return
+    yield None

@@ -111,7 +111,6 @@ TOPIC_OF: dict[type[Event], Topic] = {spec.schema: t for t, spec in TOPICS.items
 INFER = "infer"
 # Object store and KV bucket names. JetStream names allow [A-Za-z0-9_-].
 ROLES_BUCKET = "rl_roles"  # live role registry, keys "<run>.<role>.<instance>"
-RUNS_BUCKET = "rl_runs"  # run index, key "<run>"
 
 
 def check_token(value: str, what: str = "name") -> str:

@@ -23,6 +23,7 @@ from configs.loading import (
 from configs.models import (
     RUN_ID_PATTERN,
     BusConfig,
+    EnvServerConfig,
     InferenceConfig,
     LossConfig,
     ModelConfig,
@@ -44,6 +45,7 @@ from configs.orchestrator import (
     WarmupConfig,
     orchestrator_problems,
 )
+from configs.paths import RunPaths, resolve_data_dir, settle_data_dir
 from configs.toml_emit import dump_toml
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "ConfigDeprecationWarning",
     "ConfigError",
     "EnvConfig",
+    "EnvServerConfig",
     "EnvSftConfig",
     "EvalConfig",
     "EvalSamplingConfig",
@@ -64,6 +67,7 @@ __all__ = [
     "ModelEndpointConfig",
     "OrchestratorConfig",
     "RunConfig",
+    "RunPaths",
     "SamplingConfig",
     "TinyModelConfig",
     "TrainConfig",
@@ -78,5 +82,7 @@ __all__ = [
     "parse_value",
     "read_raw",
     "resolve",
+    "resolve_data_dir",
+    "settle_data_dir",
     "translate_deprecated",
 ]

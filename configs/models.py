@@ -81,6 +81,14 @@ class InferenceConfig(_Section):
     request_timeout_s: float = Field(default=60.0, gt=0)
 
 
+class EnvServerConfig(_Section):
+    """Env server processes (`rlbus role env`): one per train env, replicas may attach."""
+
+    # Groups one env server process rolls out at once (its task consumer's concurrency).
+    # `orchestrator.max_groups_in_flight` bounds how many groups are requested in all.
+    groups_in_flight: int = Field(default=8, ge=1)
+
+
 class LossConfig(_Section):
     """Policy-gradient loss with an asymmetric trust region on the importance ratio."""
 
@@ -116,6 +124,7 @@ class RunConfig(_Section):
     bus: BusConfig = Field(default_factory=BusConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    env_server: EnvServerConfig = Field(default_factory=EnvServerConfig)
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import json
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,51 +88,32 @@ def scan_table(lake: Path, table: str) -> pl.LazyFrame:
     return pl.scan_parquet(files, schema=schema, missing_columns="insert")
 
 
-@contextlib.contextmanager
-def reachable_server(
-    run: str, data_dir: str | Path, nats_url: str | None = None, start: bool = True
-) -> Iterator[str | None]:
-    """A URL that serves ``run``: ``nats_url``, $RLBUS_NATS_URL, the run's running embedded
-    server, or (``start``) a temporary one on its store; None when there is none."""
-    from bus.server import EmbeddedServer, running_server_url
-
-    if url := nats_url or os.environ.get("RLBUS_NATS_URL"):
-        yield url
-        return
-    store = Path(data_dir) / run / "nats"
-    if running := running_server_url(store):
-        yield running
-    elif start and (store / "jetstream").exists():
-        with EmbeddedServer(store) as server:
-            yield server.url
-    else:
-        yield None
-
-
 def sync_lake(
     run: str, data_dir: str | Path = "runs", nats_url: str | None = None, force: bool = False
 ) -> SyncResult | None:
     """Sync ``run``'s lake if there can be anything new (the policy of ``open_run``'s
     ``sync=None``; ``force`` is ``sync=True``); None when it did not sync. Callable from
     async code too (it then syncs on a thread with its own event loop)."""
-    from bus.server import running_server_url
-    from replay.lake import lake_dir, sync
+    from bus.server import reachable_server, running_server_url
+    from configs.paths import RunPaths
+    from replay.lake import STATE, sync
 
-    data_dir = Path(data_dir)
+    paths = RunPaths(Path(data_dir), run)
     stopped = False
     try:
-        stopped = json.loads((lake_dir(data_dir, run) / "_state.json").read_text())["stopped"]
+        stopped = json.loads((paths.lake / STATE).read_text())["stopped"]
     except (FileNotFoundError, KeyError, ValueError):
         pass
-    live = nats_url or running_server_url(data_dir / run / "nats")
+    live = nats_url or running_server_url(paths.nats)
     if stopped and not live and not force:
         return None  # a finished run whose lake holds its end: nothing to add
-    with reachable_server(run, data_dir, nats_url) as url:
+    # --nats-url, $RLBUS_NATS_URL, the run's running server, or one started on its store.
+    with reachable_server(paths.nats, nats_url) as url:
         if url is None:
             if force:
                 raise LookupError(f"no NATS server for run {run!r} and no store under {data_dir}")
             return None
-        coro = sync(run, url, data_dir)
+        coro = sync(run, url, paths.data_dir)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -160,12 +138,12 @@ def open_run(
     """
     import polars as pl
 
-    from replay.lake import lake_dir
+    from configs.paths import RunPaths
     from replay.tables import TABLES
 
-    root = Path(data_dir)
-    synced = None if sync is False else sync_lake(run, root, nats_url, force=bool(sync))
-    lake = lake_dir(root, run)
+    paths = RunPaths(Path(data_dir), run)
+    synced = None if sync is False else sync_lake(run, paths.data_dir, nats_url, force=bool(sync))
+    lake = paths.lake
     frames = {t: scan_table(lake, t) for t in TABLES}
     trained = (
         frames["batch_samples"]

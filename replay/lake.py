@@ -1,7 +1,7 @@
 """The Parquet lake: a run's log materialised as tables, incrementally and idempotently.
 
     rlbus lake sync <run>               # on demand (a running run's server, or its store)
-    rlbus role lake --run <run>         # live: syncs every few seconds (``main`` below)
+    rlbus role lake --run <run>         # live: syncs every few seconds (``roles.lake``)
     await sync_run(bus, lake_dir("runs", run))
 
 Layout: ``runs/<run>/lake/<table>/part-<first_seq>-<last_seq>.parquet`` (sequences
@@ -29,12 +29,11 @@ import functools
 import json
 import os
 import re
-import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats.js.errors
 import numpy as np
@@ -43,11 +42,9 @@ import pyarrow as pa
 
 from bus.reader import LogReader, Skipped
 from bus.runtime import Bus
+from configs.paths import RunPaths
 from replay.tables import DYNAMIC_PREFIX, SCHEMAS, TABLES, rows_for
 from schemas import RunStopped
-
-if TYPE_CHECKING:
-    from roles.runtime.context import RoleContext
 
 PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
 STATE = "_state.json"
@@ -57,7 +54,7 @@ _NP = {pl.Int32: np.int32, pl.Float32: np.float32, pl.Boolean: np.bool_}
 
 
 def lake_dir(data_dir: str | Path, run: str) -> Path:
-    return Path(data_dir) / run / "lake"
+    return RunPaths(Path(data_dir), run).lake
 
 
 def parts(lake: Path, table: str) -> list[tuple[int, int, Path]]:
@@ -261,48 +258,4 @@ async def sync(run: str, url: str, data_dir: str | Path = "runs") -> SyncResult:
     try:
         return await sync_run(bus, lake_dir(data_dir, run))
     finally:
-        await bus.close()
-
-
-# -- the live role -------------------------------------------------------------------------
-
-
-async def main(
-    ctx: RoleContext, interval_s: float = 5.0, stop: asyncio.Event | None = None
-) -> None:
-    """``rlbus role lake``: sync every ``interval_s`` until SIGTERM (or ``stop``), then once more."""
-    from bus.registry import Heartbeat
-
-    bus = await ctx.connect()
-    lake = ctx.run_dir / "lake"
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT) if stop is None else ()
-    stop = stop or asyncio.Event()
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    last: dict[str, int] = {"seq": 0}
-
-    async def probe() -> dict[str, object]:
-        return {"info": {"lake_seq": str(last["seq"])}}
-
-    heartbeat = Heartbeat(bus.js, ctx.run, "lake", ctx.instance, probe=probe)
-    heartbeat.start()
-    try:
-        while True:
-            result = await sync_run(bus, lake)
-            last["seq"] = result.last_seq
-            bus.log.info("lake.synced", last_seq=result.last_seq, events=result.events,
-                         rows=sum(result.rows.values()), skipped=len(result.skipped))  # fmt: skip
-            async with locked(lake):
-                for t in TABLES:
-                    if len(parts(lake, t)) >= COMPACT_AT:
-                        compact(lake, t)
-            if stop.is_set():
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval_s)
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-        await heartbeat.stop()
         await bus.close()

@@ -8,53 +8,36 @@ batch's samples), rollouts/s over time (from the traces' own timestamps: an even
 ``ts_ns`` is the producer's clock, fine for a rate) and trainer tokens/s per step.
 Nothing here imports a role: ``RunCurves`` is a fold over events, ``plot_run`` draws it
 (matplotlib, Agg backend, so it works without a display).
+
+``MetricCurves`` (``roles.lib.curves``) is the fold of a run's metrics alone, shared
+with ``rlbus up``'s live monitor and ``curves.png``; ``RunCurves`` adds the rollout times.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bus.reader import read_log
-from bus.runtime import Bus
 from bus.subjects import Topic
+from roles.lib.curves import MetricCurves, Series
 from schemas import EvalCompleted, MetricsReported, RunStarted, TraceCompleted
 
-Series = list[tuple[float, float]]
+if TYPE_CHECKING:
+    from bus.runtime import Bus
 
 
 @dataclass
-class RunCurves:
-    run: str
-    warmup_steps: int = 0
-    train: dict[int, dict[str, float]] = field(default_factory=dict)
-    trainer: dict[int, dict[str, float]] = field(default_factory=dict)
-    eval: dict[int, dict[str, float]] = field(default_factory=dict)
+class RunCurves(MetricCurves):
     trace_ns: list[int] = field(default_factory=list)  # completion time of every rollout
 
     def apply(self, event: Any) -> None:
+        super().apply(event)
         match event:
-            case RunStarted():
-                warm = event.config.get("orchestrator", {}).get("warmup", {}).get("steps", 0)
-                self.warmup_steps = int(warm or 0)
-            case MetricsReported(role="orchestrator"):
-                self.train.setdefault(event.step, dict(event.values))
-            case MetricsReported(role="trainer"):
-                self.trainer.setdefault(event.step, dict(event.values))
-            case MetricsReported(role="eval"):
-                self.eval.setdefault(event.step, dict(event.values))
             case TraceCompleted():
                 self.trace_ns.append(event.ts_ns)
             case EvalCompleted():
                 self.trace_ns.extend([event.ts_ns] * len(event.traces))
-
-    @staticmethod
-    def series(table: dict[int, dict[str, float]], key: str) -> Series:
-        return [(float(k), float(v[key])) for k, v in sorted(table.items()) if key in v]
-
-    def eval_keys(self) -> list[str]:
-        return sorted({k for v in self.eval.values() for k in v if "avg@" in k or "pass@" in k})
 
     def rollout_rate(self, max_buckets: int = 30) -> Series:
         """(seconds since the first rollout, rollouts/s) over equal windows (about ten
@@ -72,6 +55,8 @@ class RunCurves:
 
 
 async def read_curves(bus: Bus) -> RunCurves:
+    from bus.reader import read_log
+
     curves = RunCurves(bus.run)
     topics = [(Topic.RUN_STARTED, None), (Topic.TRACE_COMPLETED, None),
               (Topic.EVAL_COMPLETED, None), (Topic.METRICS_REPORTED, "orchestrator"),

@@ -40,6 +40,7 @@ from bus.offload import BodyStore, sha256_digest
 from bus.reader import LogReader
 from bus.runtime import Bus
 from bus.subjects import objects_bucket, stream_subjects, topic_of_subject
+from configs.paths import RunPaths
 from schemas import EVENT_TYPES, Event, ObjectRef, RunStarted, WeightsPublished
 
 FORMAT = "rlbus-run/1"
@@ -136,8 +137,8 @@ def write_archive(
         for i, (obj, data) in enumerate(objects.items()):
             _add(tar, manifest, f"objects/{i:06d}", data)  # object names are not paths
             manifest["objects"][obj] = {"member": f"objects/{i:06d}", "digest": sha256_digest(data)}
-        if (run_dir / "config.toml").is_file():
-            _add(tar, manifest, "config.toml", (run_dir / "config.toml").read_bytes())
+        if (config := RunPaths.at(run_dir).config).is_file():
+            _add(tar, manifest, "config.toml", config.read_bytes())
             manifest["config"] = "config.toml"
         if model_dir is not None and model_dir.is_dir():
             for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
@@ -239,8 +240,8 @@ def restore_files(
         text = members[manifest["config"]].decode()
         if run != manifest["run"]:
             text = re.sub(r'(?m)^run = ".*"$', f'run = "{run}"', text)
-        (run_dir / "config.toml").write_text(text)
-    model = run_dir / "model" / "initial"
+        RunPaths.at(run_dir).config.write_text(text)
+    model = RunPaths.at(run_dir).initial_model
     for name in manifest["model"]:
         model.mkdir(parents=True, exist_ok=True)
         (model / Path(name).name).write_bytes(members[name])
@@ -284,7 +285,7 @@ async def locate_model_dir(bus: Bus, started: RunStarted, cfg: Any, run_dir: Pat
     first for the tiny model). Never uses weights whose digest differs.
     """
     ref = started.initial_weights
-    target = run_dir / "model" / "initial"
+    target = RunPaths.at(run_dir).initial_model
     found, looked = await asyncio.to_thread(_find_local, [Path(started.model_path), target], ref)
     if found is not None:
         return found
@@ -318,9 +319,7 @@ def _find_local(candidates: list[Path], ref: ObjectRef | None) -> tuple[Path | N
 
 def _restore_weights(target: Path, cfg: Any, run_dir: Path, data: bytes) -> bool:
     if not (target / "config.json").is_file() and cfg.model.path == "tiny":
-        from roles.runtime.context import (
-            materialize_model,  # builds config, tokenizer (and weights)
-        )
+        from roles.lib.model.loading import materialize_model  # config, tokenizer, weights
 
         materialize_model(cfg, "tiny", run_dir)
     if not (target / "config.json").is_file():

@@ -28,6 +28,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from configs.paths import RunPaths
 from replay.lake import to_frame
 from replay.tables import TABLES
 
@@ -70,7 +71,7 @@ def _literal(text: str) -> str:
 
 def table_glob(data_dir: str | Path, run: str | None, table: str) -> str:
     """The glob of a table's parts: one run's, or every run's under ``data_dir``."""
-    return str(Path(data_dir) / (run or "*") / "lake" / table / "*.parquet")
+    return str(RunPaths(Path(data_dir), run or "*").lake / table / "*.parquet")
 
 
 def connect(
@@ -93,7 +94,7 @@ def connect(
         con.execute(f"CREATE VIEW {_ident(name)} AS {body}")
     # `rlbus replay <run> algorithm <other>` writes shadow scores beside the lake, with the
     # samples table's columns, so SQL can compare algorithms on the same rollouts.
-    shadow = str(root / (run or "*") / "lake" / "shadow_samples" / "*.parquet")
+    shadow = str(RunPaths(root, run or "*").shadow_samples / "*.parquet")
     if list(root.glob(str(Path(shadow).relative_to(root)))):
         con.execute(
             f"CREATE VIEW shadow_samples AS SELECT * FROM read_parquet({_literal(shadow)}, union_by_name=true)"

@@ -86,21 +86,18 @@ def attach(
 async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> AlgorithmAttached:  # type: ignore[no-untyped-def]
     """Publish the attach event, or find the standing one (a resume), and return it: the
     worker runs as the log says, whatever this command line repeats."""
-    from bus.subjects import token_for
     from roles.algorithm.checks import algorithm_problems
     from roles.cli.attachments import attachment_events, current
     from schemas import AlgorithmAttached
 
     cfg = ctx.cfg
-    keys = {token_for(e.id): e.id for e in cfg.orchestrator.train.env}
     env_keys = []
     for e in envs:
-        key = token_for(e)
-        if key not in keys:
-            raise typer.BadParameter(
-                f"--env {e!r} is not an env of this run ({sorted(keys.values())})"
-            )
-        env_keys.append(key)
+        entry = cfg.orchestrator.env(e)
+        if entry is None:
+            ids = sorted(env.id for env in cfg.orchestrator.train.env)
+            raise typer.BadParameter(f"--env {e!r} is not an env of this run ({ids})")
+        env_keys.append(entry.key)
     bus = await ctx.connect()
     try:
         standing = current(await attachment_events(bus)).get(wid)
@@ -111,7 +108,7 @@ async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> 
                     f"(shadow={standing.shadow}); detach it first or pick another --id"
                 )
             return standing  # resume the standing attachment
-        if any(a.id == wid and not a.shadow for a in cfg.orchestrator.algorithms):
+        if (spec := cfg.orchestrator.algorithm(wid)) is not None and not spec.shadow:
             raise typer.BadParameter(
                 f"{wid!r} is a training algorithm of the config; pick another --id"
             )

@@ -4,43 +4,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-DATA_DIR = os.environ.get("RLBUS_DATA_DIR", "runs")
+if TYPE_CHECKING:
+    from configs.paths import RunPaths
 
 
-def nats_dir(run: str, data_dir: str | Path = DATA_DIR) -> Path:
-    """Where a run's embedded nats-server keeps its JetStream store."""
-    return Path(data_dir) / run / "nats"
+def run_paths(run: str, data_dir: str | Path | None = None) -> RunPaths:
+    """``run``'s paths under ``data_dir`` (a ``--data-dir`` flag; resolved by
+    ``configs.paths.resolve_data_dir``: the flag, else $RLBUS_DATA_DIR, else ``runs``)."""
+    from configs.paths import RunPaths, resolve_data_dir
+
+    return RunPaths(resolve_data_dir(data_dir), run)
 
 
 @contextlib.contextmanager
 def server_for(
-    run: str | None, nats_url: str | None, data_dir: str | Path = DATA_DIR
+    run: str | None, nats_url: str | None, data_dir: str | Path | None = None
 ) -> Iterator[str]:
     """The URL to use: --nats-url, $RLBUS_NATS_URL, the run's running embedded server, or
     a temporary embedded server started on the run's data (stopped afterwards)."""
-    from bus.server import EmbeddedServer, running_server_url
+    from bus.server import reachable_server
 
-    url = nats_url or os.environ.get("RLBUS_NATS_URL")
-    if url:
+    store = None if run is None else run_paths(run, data_dir).nats
+    with reachable_server(store, nats_url) as url:
+        if url is None:
+            if run is None:
+                raise typer.BadParameter("give --run or --nats-url")
+            raise typer.BadParameter(f"no NATS URL given and no run data at {store}")
         yield url
-        return
-    if run is None:
-        raise typer.BadParameter("give --run or --nats-url")
-    store = nats_dir(run, data_dir)
-    if running := running_server_url(store):
-        yield running
-        return
-    if not (store / "jetstream").exists():
-        raise typer.BadParameter(f"no NATS URL given and no run data at {store}")
-    with EmbeddedServer(store) as server:
-        yield server.url
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> Any:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from roles.cli.common import DATA_DIR, run_async, server_for
+from roles.cli.common import run_async, server_for
 
 
 def register(app: typer.Typer) -> None:
@@ -33,10 +33,11 @@ def up(
 ) -> None:
     """Start a run: embedded NATS, every role as a process, a live view; Ctrl-C drains."""
     from configs import ConfigError, dump_toml, load_config
+    from configs.paths import settle_data_dir
     from roles.algorithm.checks import check_routing
 
     try:
-        cfg = load_config(config, overrides or [])
+        cfg = settle_data_dir(load_config(config, overrides or []), overrides or [])
         check_routing(cfg)
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
@@ -52,8 +53,8 @@ def up(
 
 
 def nats(
-    data_dir: Path = typer.Option(
-        Path(DATA_DIR) / "nats", "--data-dir", help="JetStream store directory."
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="JetStream store directory (default: <data dir>/nats)."
     ),
     port: int = typer.Option(4222, "--port", "-p", help="Client port (-1: any free port)."),
 ) -> None:
@@ -63,7 +64,9 @@ def nats(
 
     from bus.errors import BusError
     from bus.server import EmbeddedServer
+    from configs.paths import resolve_data_dir
 
+    data_dir = data_dir or resolve_data_dir() / "nats"
     try:
         server = EmbeddedServer(data_dir, port=port).start()
     except BusError as e:
@@ -110,6 +113,12 @@ def status(
                     table.add_row(info.config.name, str(info.state.messages), str(info.state.bytes))
                 Console().print(table)
                 return
+            from configs import load_config, resolve
+
+            started = await read_run_started(bus)
+            # Liveness is judged against the run's own heartbeat interval.
+            cfg = resolve(started.config) if started is not None else load_config()
+            interval = cfg.bus.heartbeat_interval_s
             table = Table(
                 "role", "instance", "state", "last seen", "policy", "lag", "consumer", "host:pid"
             )
@@ -117,7 +126,7 @@ def status(
             for hb in await list_roles(bus.js, run):
                 state = (
                     "alive"
-                    if is_alive(hb, 2.0, now)
+                    if is_alive(hb, interval, now)
                     else ("stopped" if hb.status == "stopped" else "stale")
                 )
                 table.add_row(
@@ -126,12 +135,10 @@ def status(
                     "" if hb.pending is None else str(hb.pending), hb.consumer or "", f"{hb.host}:{hb.pid}",
                 )  # fmt: skip
             Console().print(table)
-            started = await read_run_started(bus)
             if started is not None:
-                from configs import resolve
                 from roles.cli.algorithm import algorithm_rich_table
 
-                Console().print(await algorithm_rich_table(bus, resolve(started.config)))
+                Console().print(await algorithm_rich_table(bus, cfg))
         finally:
             await bus.close()
 

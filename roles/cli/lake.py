@@ -15,7 +15,6 @@ every run under the data directory.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -37,7 +36,9 @@ MAX_PRINTED = 1000  # rows a terminal table shows
 
 
 def _data_dir(data_dir: str | None) -> Path:
-    return Path(data_dir or os.environ.get("RLBUS_DATA_DIR", "runs"))
+    from configs.paths import resolve_data_dir
+
+    return resolve_data_dir(data_dir)
 
 
 @lake_app.command("sync")
@@ -84,9 +85,12 @@ def info(run: str = typer.Argument(..., help="Run id."), data_dir: str | None = 
 
 
 def _runs(root: Path) -> list[str]:
+    from configs.paths import RunPaths
+
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if (p / "nats").is_dir() or (p / "lake").is_dir())
+    runs = [RunPaths(root, p.name) for p in root.iterdir()]
+    return sorted(r.run for r in runs if r.nats.is_dir() or r.lake.is_dir())
 
 
 def _flat(frame: pl.DataFrame) -> pl.DataFrame:

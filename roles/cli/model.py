@@ -12,8 +12,11 @@ app = typer.Typer(help="Local models.", no_args_is_help=True)
 
 @app.command("init")
 def init(
-    out: Path = typer.Option(
-        Path("runs/model/tiny"), "--out", "-o", help="Directory to write the model to."
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="Directory to write the model to (default: <data dir>/model/tiny).",
     ),
     seed: int = typer.Option(0, help="Initialisation seed: same seed, same bytes."),
     config: str = typer.Option(
@@ -22,9 +25,12 @@ def init(
 ) -> None:
     """Build the tiny Llama-style model and character tokenizer in Hugging Face layout."""
     from configs import load_config
+    from configs.paths import resolve_data_dir
     from roles.lib.model.tiny import init_model
 
-    tiny = load_config(config).model.tiny.model_dump()
+    cfg = load_config(config)
+    out = out or resolve_data_dir(configured=cfg.bus.data_dir) / "model" / "tiny"
+    tiny = cfg.model.tiny.model_dump()
     tiny.pop("init_seed", None)
     summary = init_model(out, seed=seed, **tiny)
     typer.echo(json.dumps(summary, indent=2, default=str))
@@ -47,23 +53,18 @@ def export(
     """
     import shutil
 
-    from roles.cli.common import DATA_DIR
-    from roles.lib.model.loading import INITIAL_SUBDIR
-    from roles.trainer.core import CHECKPOINTS_SUBDIR, latest_checkpoint
+    from roles.cli.common import run_paths
+    from roles.trainer.core import latest_checkpoint
 
-    run_dir = Path(data_dir or DATA_DIR) / run
-    initial = run_dir / INITIAL_SUBDIR
+    paths = run_paths(run, data_dir)
+    initial = paths.initial_model
     if not (initial / "config.json").exists():
         raise typer.BadParameter(
             f"no initial model at {initial} (was {run!r} run with the tiny model?)"
         )
-    ckpt = (
-        latest_checkpoint(run_dir)
-        if step is None
-        else run_dir / CHECKPOINTS_SUBDIR / f"step-{step:08d}"
-    )
+    ckpt = latest_checkpoint(paths.dir) if step is None else paths.checkpoint(step)
     if ckpt is None or not (ckpt / "model.safetensors").exists():
-        raise typer.BadParameter(f"no checkpoint {'' if step is None else step} under {run_dir}")
+        raise typer.BadParameter(f"no checkpoint {'' if step is None else step} under {paths.dir}")
     out.mkdir(parents=True, exist_ok=True)
     for f in initial.iterdir():
         if f.is_file() and f.suffix != ".safetensors":

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from roles.cli.common import DATA_DIR, nats_dir, run_async, server_for
+from roles.cli.common import run_async, run_paths, server_for
 
 replay_app = typer.Typer(
     help="Replay a recorded run's pure roles (trainer, algorithms, rubric) and diff.",
@@ -37,10 +36,6 @@ def _console() -> Any:
     from rich.console import Console
 
     return Console(highlight=False, soft_wrap=True)
-
-
-def run_dir(run: str) -> Path:
-    return Path(DATA_DIR) / run
 
 
 async def _connect(url: str, run: str, producer: str = "replay") -> Any:
@@ -57,14 +52,11 @@ def _replay(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."), 
 @contextlib.contextmanager
 def fork_server(run: str, nats_url: str | None) -> Iterator[str]:
     """Where a fork is written: the given server, else the new run's own embedded one."""
-    from bus.server import EmbeddedServer, running_server_url
+    from bus.server import reachable_server
 
-    url = nats_url or os.environ.get("RLBUS_NATS_URL") or running_server_url(nats_dir(run))
-    if url:
+    with reachable_server(run_paths(run).nats, nats_url, start="always") as url:
+        assert url is not None
         yield url
-        return
-    with EmbeddedServer(nats_dir(run)) as server:
-        yield server.url
 
 
 @replay_app.command("trainer")
@@ -119,8 +111,8 @@ def trainer(
         raise typer.Exit(2) from None
     from configs import dump_toml
 
-    run_dir(fork).mkdir(parents=True, exist_ok=True)
-    (run_dir(fork) / "config.toml").write_text(dump_toml(forked.config.model_copy(update={"run": fork})))  # fmt: skip
+    run_paths(fork).dir.mkdir(parents=True, exist_ok=True)
+    run_paths(fork).config.write_text(dump_toml(forked.config.model_copy(update={"run": fork})))  # fmt: skip
     console.print(f"fork {fork}: {n} events written; {len(forked.fork.steps)} steps after step {from_step} under {list(overrides or [])}")  # fmt: skip
     first, loss = forked.first_difference, forked.first_loss_difference
     if first is None:
@@ -142,7 +134,7 @@ def _load_trainer(run: str, nats_url: str | None) -> Any:
         bus = await _connect(url, run)
         try:
             log = await read_trainer_log(bus)
-            return log, await locate_model_dir(bus, log.started, log.config(), run_dir(run))
+            return log, await locate_model_dir(bus, log.started, log.config(), run_paths(run).dir)
         except PortableError as e:
             raise ReplayError(str(e)) from e
         finally:
@@ -180,7 +172,7 @@ def algorithm(ctx: typer.Context, name: str = typer.Argument(..., help="Algorith
         console.print(f"[red]cannot replay:[/] {e}")
         raise typer.Exit(2) from None
     if not log.recorded:
-        path = write_shadow(run_dir(run), name, shadow_rows(run, scored))
+        path = write_shadow(run_paths(run).dir, name, shadow_rows(run, scored))
         n = sum(len(s.samples) for _, s in scored)
         console.print(f"{name} is not recorded in {run}: shadow table with {len(scored)} groups, {n} samples: {path}")  # fmt: skip
         return
@@ -264,7 +256,7 @@ def _token_text(run: str, events: list[Any]) -> Any:
     from schemas import RunStarted
 
     started = next((e for e in events if isinstance(e, RunStarted)), None)
-    for d in (run_dir(run) / "model" / "initial", Path(started.model_path) if started else None):
+    for d in (run_paths(run).initial_model, Path(started.model_path) if started else None):
         if d is not None and (d / "tokenizer_config.json").is_file():
             from roles.lib.model.loading import load_tokenizer
 
@@ -286,11 +278,11 @@ def export(
     async def main(url: str) -> dict[str, Any]:
         bus = await _connect(url, run)
         try:
-            model_dir = run_dir(run) / "model" / "initial"
+            model_dir = run_paths(run).initial_model
             started = await read_run_started(bus)
             if not model_dir.is_dir() and started is not None:
                 model_dir = Path(started.model_path)
-            return await export_run(bus, file, run_dir(run), model_dir if model else None)
+            return await export_run(bus, file, run_paths(run).dir, model_dir if model else None)
         finally:
             await bus.close()
 
@@ -302,12 +294,14 @@ def export(
 
 def import_run(
     file: Path = typer.Argument(..., help="Archive written by `rlbus export`."),
-    data_dir: Path = typer.Option(Path(DATA_DIR), "--data-dir", help="Root of run directories."),
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="Root of run directories (default: $RLBUS_DATA_DIR or runs)."
+    ),
     new_run: str | None = typer.Option(None, "--run", help="Import under this run id."),
     nats_url: str | None = URL,
 ) -> None:
     """Load an exported run: its stream, objects, config and model, verified by digest."""
-    from bus.server import EmbeddedServer, running_server_url
+    from bus.server import reachable_server
     from replay.portable import PortableError, read_archive
     from replay.portable import import_run as load
 
@@ -317,27 +311,25 @@ def import_run(
         typer.echo(f"import failed: {e}", err=True)
         raise typer.Exit(2) from None
     run = new_run or manifest["run"]
+    paths = run_paths(run, data_dir)
 
     async def main(url: str) -> dict[str, Any]:
         bus = await _connect(url, run, producer="")  # a renamed event keeps its producer
         try:
-            return await load(file, bus, data_dir / run, manifest, members)
+            return await load(file, bus, paths.dir, manifest, members)
         finally:
             await bus.close()
 
-    store = nats_dir(run, data_dir)
     try:
-        if url := nats_url or running_server_url(store):
+        with reachable_server(paths.nats, nats_url, start="always") as url:
+            assert url is not None
             summary = run_async(main(url))
-        else:
-            with EmbeddedServer(store) as server:
-                summary = run_async(main(server.url))
     except PortableError as e:
         typer.echo(f"import failed: {e}", err=True)
         raise typer.Exit(2) from None
     seq_map = summary.pop("seq_map")
-    (data_dir / run / "import.json").write_text(json.dumps({**summary, "archive": str(file), "seq_map": seq_map}))  # fmt: skip
-    typer.echo(f"imported {summary['from_run']} as {run}: {summary['messages']} messages, {summary['objects']} objects, {summary['model_files']} model files into {data_dir / run}")  # fmt: skip
+    paths.import_record.write_text(json.dumps({**summary, "archive": str(file), "seq_map": seq_map}))  # fmt: skip
+    typer.echo(f"imported {summary['from_run']} as {run}: {summary['messages']} messages, {summary['objects']} objects, {summary['model_files']} model files into {paths.dir}")  # fmt: skip
 
 
 def plot(
@@ -357,7 +349,7 @@ def plot(
 
     with server_for(run, nats_url) as url:
         curves = run_async(main(url))
-    path = plot_run(curves, out or run_dir(run) / "plot.png")
+    path = plot_run(curves, out or run_paths(run).plot)
     if path is None:
         typer.echo(f"run {run} has no metrics yet: nothing to plot", err=True)
         raise typer.Exit(2)

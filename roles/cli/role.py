@@ -1,9 +1,10 @@
 """``rlbus role <name>``: run one role process attached to a run.
 
 Every role takes ``--run``, ``--nats-url`` and optionally ``--config`` (default: the
-config recorded in the run's ``run.started`` event). ``rlbus up`` starts these same
-commands as subprocesses; on another machine the same command attaches one more
-replica to a live run.
+config recorded in the run's ``run.started`` event) and ``--data-dir`` (default:
+$RLBUS_DATA_DIR, else the config's ``bus.data_dir``: ``configs.paths.resolve_data_dir``).
+``rlbus up`` starts these same commands as subprocesses; on another machine the same
+command attaches one more replica to a live run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ URL = typer.Option(None, "--nats-url", help="NATS URL (default: the run's embedd
 CONFIG = typer.Option(
     None, "--config", "-c", help="Config (default: the run's run.started config)."
 )
+DATA = typer.Option(
+    None, "--data-dir", help="Runs directory (default: $RLBUS_DATA_DIR, else bus.data_dir)."
+)
 
 
 def _start(
@@ -31,6 +35,7 @@ def _start(
     run: str,
     nats_url: str | None,
     config: str | None,
+    data_dir: str | None,
     suffix: str | None = None,
     **options: Any,
 ) -> None:
@@ -40,64 +45,96 @@ def _start(
 
     module, func = target.split(":")
     main = getattr(importlib.import_module(module), func)
-    with server_for(run, nats_url) as url:
-        ctx = run_async(role_context(run, url, role, config, suffix))
+    with server_for(run, nats_url, data_dir) as url:
+        ctx = run_async(role_context(run, url, role, config, suffix, data_dir=data_dir))
         configure(run=run, role=role, instance=ctx.instance)
         run_async(main(ctx, **options))
 
 
 @app.command("inference")
 def inference(
-    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG, data_dir: str | None = DATA,
     model: str = typer.Option("policy", "--model", "-m", help="Model key to serve (policy, or a key of orchestrator.models)."),
 ) -> None:  # fmt: skip
     """Answer generate/score requests for one model (queue group; replicas share load)."""
-    _start("roles.inference.role:main", "inference", run, nats_url, config, model, model=model)
+    _start(
+        "roles.inference.role:main",
+        "inference",
+        run,
+        nats_url,
+        config,
+        data_dir,
+        model,
+        model=model,
+    )
 
 
 @app.command("env")
 def env(
-    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG, data_dir: str | None = DATA,
     env: str = typer.Option(..., "--env", "-e", help="Environment id (built-in name or module:function)."),
 ) -> None:  # fmt: skip
     """Run rollouts of one environment (replicas share one durable consumer)."""
-    _start("roles.env_server.role:main", "env", run, nats_url, config, token_for(env), env=env)
+    _start(
+        "roles.env_server.role:main",
+        "env",
+        run,
+        nats_url,
+        config,
+        data_dir,
+        token_for(env),
+        env=env,
+    )
 
 
 @app.command("teacher")
 def teacher(
-    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG, data_dir: str | None = DATA,
     model: str = typer.Option("teacher", "--model", "-m", help="Model key it answers as."),
 ) -> None:  # fmt: skip
     """A scripted frozen teacher that answers the built-in tasks correctly (warm start)."""
-    _start("roles.teacher.role:main", "teacher", run, nats_url, config, model, model=model)
+    _start(
+        "roles.teacher.role:main", "teacher", run, nats_url, config, data_dir, model, model=model
+    )
 
 
 @app.command("algorithm")
 def algorithm(
-    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG, data_dir: str | None = DATA,
     name: str = typer.Option("grpo", "--name", "-n", help="Algorithm id from orchestrator.algorithms."),
 ) -> None:  # fmt: skip
     """Turn complete groups of traces into scored samples (one worker per algorithm)."""
-    _start("roles.algorithm.role:main", "algorithm", run, nats_url, config, name, name=name)
+    _start(
+        "roles.algorithm.role:main", "algorithm", run, nats_url, config, data_dir, name, name=name
+    )
 
 
 @app.command("orchestrator")
-def orchestrator(run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG) -> None:
+def orchestrator(
+    run: str = RUN,
+    nats_url: str | None = URL,
+    config: str | None = CONFIG,
+    data_dir: str | None = DATA,
+) -> None:
     """Dispatch tasks, assemble batches, run evals, stop the run (one per run)."""
-    _start("roles.orchestrator.role:main", "orchestrator", run, nats_url, config)
+    _start("roles.orchestrator.role:main", "orchestrator", run, nats_url, config, data_dir)
 
 
 @app.command("trainer")
-def trainer(run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG) -> None:
+def trainer(
+    run: str = RUN,
+    nats_url: str | None = URL,
+    config: str | None = CONFIG,
+    data_dir: str | None = DATA,
+) -> None:
     """Train on assembled batches in order and publish new weights."""
-    _start("roles.trainer.role:main", "trainer", run, nats_url, config)
+    _start("roles.trainer.role:main", "trainer", run, nats_url, config, data_dir)
 
 
 @app.command("lake")
 def lake(
-    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG,
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG, data_dir: str | None = DATA,
     interval: float = typer.Option(5.0, "--interval", help="Seconds between syncs."),
 ) -> None:  # fmt: skip
     """Keep the run's Parquet lake in sync while it runs (optional live role)."""
-    _start("replay.lake:main", "lake", run, nats_url, config, interval_s=interval)
+    _start("roles.lake.role:main", "lake", run, nats_url, config, data_dir, interval_s=interval)

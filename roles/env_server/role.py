@@ -5,8 +5,8 @@
 Every replica of an env binds one shared durable consumer, ``env-<env key>``, on
 ``task.requested.<env key>`` (a work queue: each request goes to one replica, and a
 request whose replica dies is redelivered to another after ``ack_wait``). Up to
-``concurrency`` groups are in flight per replica; the rollouts of a group run
-concurrently. For a ``TaskRequested`` the server builds ``make_env(env, request.args)``,
+``concurrency`` groups (config ``env_server.groups_in_flight``) are in flight per
+replica; the rollouts of a group run concurrently. For a ``TaskRequested`` the server builds ``make_env(env, request.args)``,
 takes ``task(split, index)`` and runs ``group_size`` rollouts (rollout ``i`` samples with
 seed ``stable_seed(request.seed, i)``), then returns:
 
@@ -37,6 +37,7 @@ from bus.consumer import Delivery, Subscription
 from bus.errors import NoResponders
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
+from configs import EnvServerConfig
 from roles.lib.envs.base import Environment
 from roles.lib.envs.harness import Generate, completion_tokens, run_rollout
 from roles.lib.envs.registry import env_key, make_env
@@ -57,7 +58,6 @@ from schemas import (
     stable_seed,
 )
 
-GROUPS_IN_FLIGHT = 8
 METRICS_INTERVAL_S = 10.0
 
 
@@ -248,7 +248,7 @@ class EnvServer(Role):
         generate: Generate,
         *,
         default_args: dict[str, Any] | None = None,
-        concurrency: int = GROUPS_IN_FLIGHT,
+        concurrency: int = EnvServerConfig().groups_in_flight,
         metrics_interval_s: float = METRICS_INTERVAL_S,
         heartbeat_interval_s: float = 2.0,
     ) -> None:
@@ -350,10 +350,18 @@ class EnvServer(Role):
 
 def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
     """The env's args from ``orchestrator.train.env`` (empty if the env is not listed)."""
-    for env in ctx.cfg.orchestrator.train.env:
-        if env.id == env_id:
-            return dict(env.args)
-    return {}
+    entry = ctx.cfg.orchestrator.env(env_id)
+    return dict(entry.args) if entry is not None else {}
+
+
+def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
+    """``EnvServer``'s keyword arguments from the run's config: the env's args, the groups
+    in flight (``env_server.groups_in_flight``), the heartbeat interval."""
+    return {
+        "default_args": config_args(ctx, env_id),
+        "concurrency": ctx.cfg.env_server.groups_in_flight,
+        "heartbeat_interval_s": ctx.cfg.bus.heartbeat_interval_s,
+    }
 
 
 async def main(ctx: RoleContext, env: str) -> None:
@@ -368,8 +376,7 @@ async def main(ctx: RoleContext, env: str) -> None:
         env,
         renderer,
         client_generate(InferenceClient(bus, timeout_s=timeout), wait_for_responders_s=timeout),
-        default_args=config_args(ctx, env),
-        heartbeat_interval_s=ctx.cfg.bus.heartbeat_interval_s,
+        **server_options(ctx, env),
     )
     await serve_role(server)
 
@@ -383,4 +390,5 @@ __all__ = [
     "outputs_for",
     "rollout_group",
     "rollout_id",
+    "server_options",
 ]

@@ -16,6 +16,7 @@ import hashlib
 
 from bus.consumer import Delivery, Effects
 from bus.follower import Follow
+from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.subjects import Topic
 from configs import RunConfig
 from roles.orchestrator.policy import decide, trains_on
@@ -69,7 +70,7 @@ class Orchestrator(Role):
         weights_dir = self.ctx.model_dir()
         initial = None
         files = sorted(weights_dir.glob("*.safetensors"))
-        if len(files) == 1 and files[0].stat().st_size < 512 * 1024 * 1024:
+        if len(files) == 1 and files[0].stat().st_size <= OBJECT_STORE_MAX_BYTES:
             data = files[0].read_bytes()
             name = "weights.v0"
             digest = await self.bus.objects.put(name, data)

@@ -1,7 +1,9 @@
 """What every role process starts from: its run, its bus, its config, its run directory.
 
 A role gets its config from ``--config`` (what ``rlbus up`` passes) or, when attached
-to a live run, from the run's own ``run.started`` event: the log is the run.
+to a live run, from the run's own ``run.started`` event: the log is the run. Its data
+directory is resolved like every command's (``configs.paths.resolve_data_dir``: a
+``--data-dir`` flag, else $RLBUS_DATA_DIR, else the config's ``bus.data_dir``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from bus.reader import last_event
 from bus.runtime import Bus, BusSettings
 from bus.subjects import Topic
 from configs import RunConfig, load_config, resolve
+from configs.paths import RunPaths, settle_data_dir
 from schemas import RunStarted
 
 
@@ -31,22 +34,13 @@ def bus_settings(cfg: RunConfig) -> BusSettings:
 
 
 def run_dir(cfg: RunConfig, run: str) -> Path:
-    return Path(cfg.bus.data_dir) / run
-
-
-def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:
-    """A loadable model directory: ``"tiny"`` builds (once) the run's tiny model under
-    ``run_dir``; anything else is a local directory or hub id, returned as it is."""
-    if path != "tiny":
-        return Path(path)
-    from roles.lib.model.loading import ensure_tiny_model  # torch-free until a model is built
-
-    sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})
-    return Path(ensure_tiny_model(run_dir, sizes, seed=cfg.model.tiny.init_seed))
+    return RunPaths.of(cfg, run).dir
 
 
 def policy_model_dir(cfg: RunConfig, run: str) -> Path:
     """The initial policy weights (policy version 0)."""
+    from roles.lib.model.loading import materialize_model  # torch loads here, not at import
+
     return materialize_model(cfg, cfg.model.path, run_dir(cfg, run))
 
 
@@ -71,8 +65,12 @@ class RoleContext:
     instance: str
 
     @property
+    def paths(self) -> RunPaths:
+        return RunPaths.of(self.cfg, self.run)
+
+    @property
     def run_dir(self) -> Path:
-        return run_dir(self.cfg, self.run)
+        return self.paths.dir
 
     def model_dir(self) -> Path:
         return policy_model_dir(self.cfg, self.run)
@@ -99,9 +97,15 @@ class RoleContext:
 
 
 async def role_context(
-    run: str, url: str, role: str, config: str | None, suffix: str | None = None
+    run: str,
+    url: str,
+    role: str,
+    config: str | None,
+    suffix: str | None = None,
+    data_dir: str | Path | None = None,
 ) -> RoleContext:
-    """Build a role's context: config from ``--config`` if given, else from ``run.started``."""
+    """Build a role's context: config from ``--config`` if given, else from ``run.started``;
+    ``bus.data_dir`` settled (``data_dir``: a ``--data-dir`` flag)."""
     instance = instance_name(role, suffix)
     if config is not None:
         cfg = load_config(config)
@@ -115,4 +119,5 @@ async def role_context(
             raise SystemExit(f"run {run!r} has no run.started event yet; pass --config")
         cfg = resolve(started.config)
     cfg.run = run
+    settle_data_dir(cfg, flag=data_dir)
     return RoleContext(run=run, url=url, cfg=cfg, instance=instance)

@@ -42,7 +42,7 @@ def parse_conversation(prompt: str) -> list[dict[str, str]]:
 class Teacher(Role):
     role = "teacher"
 
-    def __init__(self, ctx: RoleContext, bus: Any, model: str):
+    def __init__(self, bus: Any, ctx: RoleContext, model: str):
         super().__init__(bus, ctx.instance, ctx.cfg.bus.heartbeat_interval_s)
         self.ctx, self.model = ctx, model
         self.envs: dict[str, Any] = {}
@@ -69,11 +69,15 @@ class Teacher(Role):
         return {"policy_version": 0, "info": {"answered": str(self.answered)}}
 
     def env(self, env_id: str) -> Any:
+        """The env a request names (an id, or a train env's key), built with its config args."""
         if env_id not in self.envs:
             from roles.lib.envs.registry import make_env
 
-            args = next((e.args for e in self.ctx.cfg.orchestrator.train.env if e.id == env_id), {})
-            self.envs[env_id] = make_env(env_id, args)
+            entry = self.ctx.cfg.orchestrator.env(env_id)
+            if entry is None:
+                self.envs[env_id] = make_env(env_id, {})
+            else:
+                self.envs[env_id] = make_env(entry.id, dict(entry.args))
         return self.envs[env_id]
 
     async def answer(self, req: GenerateRequest | ScoreRequest) -> GenerateResult | InferenceFailed:
@@ -111,7 +115,7 @@ class Teacher(Role):
 
 async def main(ctx: RoleContext, model: str = "teacher") -> None:
     bus = await ctx.connect()
-    await serve_role(Teacher(ctx, bus, model))
+    await serve_role(Teacher(bus, ctx, model))
 
 
 __all__ = ["Teacher", "main", "parse_conversation"]

@@ -4,6 +4,7 @@
 - ``supervisor``: keeps the role processes alive and follows the run's events
 - ``monitor``: the fold of a run's events into what the view and the summary show
 - ``view``: the live terminal view; ``plots``: ``curves.png``
+- ``rollout``: ``rlbus rollout``'s work (plan, requests, the missing roles, the traces)
 
-Only the CLI imports this package (checked by an import contract).
+Only the CLI (and the benchmarks) import this package.
 """

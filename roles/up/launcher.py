@@ -3,7 +3,8 @@
     rlbus up                       # the default preset
     rlbus up -c smoke --no-view    # the smoke preset with plain log lines
 
-It starts an embedded nats-server under ``runs/<run>/nats`` (unless ``--nats-url``),
+It starts an embedded nats-server under ``runs/<run>/nats`` (unless ``--nats-url``, or
+the run's embedded server is already running there),
 builds the tiny model if that is the configured policy, writes the resolved config to
 ``runs/<run>/config.toml``, and starts each role with the same ``rlbus role ...``
 command a user would type, logging to ``runs/<run>/logs/<role>.log``. A role that dies
@@ -17,17 +18,15 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 from configs import RunConfig, dump_toml
+from configs.paths import RunPaths
 from roles.runtime.context import policy_model_dir
-from roles.up.processes import RoleProcess, role_argv
+from roles.up.processes import RoleProcess, role_process
 from roles.up.supervisor import supervise
 
 
-def role_specs(
-    cfg: RunConfig, run: str, url: str, config_path: Path, logs: Path
-) -> list[RoleProcess]:
+def role_specs(cfg: RunConfig, paths: RunPaths, url: str) -> list[RoleProcess]:
     """Every role process the config needs."""
     o = cfg.orchestrator
     specs: list[tuple[str, list[str]]] = [
@@ -46,10 +45,7 @@ def role_specs(
         algorithms += [a for a in o.warmup.algorithms if a not in algorithms]
     for a in algorithms:
         specs.append((f"algorithm-{a}", ["algorithm", "--name", a]))
-    return [
-        RoleProcess(name, role_argv(args, run, url, config_path), logs / f"{name}.log")
-        for name, args in specs
-    ]
+    return [role_process(name, args, paths, url) for name, args in specs]
 
 
 def new_run_id() -> str:
@@ -59,26 +55,21 @@ def new_run_id() -> str:
 def launch(cfg: RunConfig, nats_url: str | None = None, live_view: bool = True) -> int:
     """Run the whole thing; returns the process exit code."""
     from bus.log import configure
-    from bus.server import EmbeddedServer
+    from bus.server import reachable_server
 
     run = cfg.run or new_run_id()
     cfg.run = run
-    run_dir = Path(cfg.bus.data_dir) / run
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    paths = RunPaths.of(cfg)  # cfg.bus.data_dir is settled by the command
+    paths.logs.mkdir(parents=True, exist_ok=True)
     live = live_view and sys.stdout.isatty()
     # With the live view on a terminal, routine lines would scroll it away: warnings only.
     configure(run=run, role="launcher", json=not live, level="WARNING" if live else "INFO")
-    config_path = run_dir / "config.toml"
-    config_path.write_text(dump_toml(cfg))
-    server = None
-    if nats_url is None:
-        server = EmbeddedServer(run_dir / "nats").start()
-        nats_url = server.url
-    try:
+    paths.config.write_text(dump_toml(cfg))
+    # --nats-url or bus.url, else the run's own embedded server (started unless running).
+    with reachable_server(
+        paths.nats, nats_url or cfg.bus.url, start="always", url_env=False
+    ) as url:
+        assert url is not None
         policy_model_dir(cfg, run)  # build the tiny model once, before roles race to it
-        roles = role_specs(cfg, run, nats_url, config_path, logs)
-        return asyncio.run(supervise(cfg, run, nats_url, roles, run_dir, live_view))
-    finally:
-        if server is not None:
-            server.stop()
+        roles = role_specs(cfg, paths, url)
+        return asyncio.run(supervise(cfg, paths, url, roles, live_view))

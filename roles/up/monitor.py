@@ -2,32 +2,29 @@
 
 The launcher's live view, ``summary.json`` and ``curves.png`` all read this one object,
 fed from the run's stream (metrics, weights, stop) and the headers of completed traces.
+Its metric tables are ``roles.lib.curves.MetricCurves``, the same fold as ``rlbus plot``'s.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from roles.lib.curves import MetricCurves
 from schemas import Event, MetricsReported, RunStarted, RunStopped, WeightsPublished
 
 
-@dataclass
-class RunMonitor:
-    run: str
+@dataclass(kw_only=True)
+class RunMonitor(MetricCurves):
+    # The view and the summary report avg@k (``rlbus plot`` draws pass@k as well).
+    eval_kinds: ClassVar[tuple[str, ...]] = ("avg@",)
+
     max_steps: int
     started_at: float = field(default_factory=time.monotonic)
     policy_version: int = 0
     assembled: int = 0
     phase: str = "rl"
-    train: dict[int, dict[str, float]] = field(
-        default_factory=dict
-    )  # orchestrator metrics per step
-    trainer: dict[int, dict[str, float]] = field(default_factory=dict)  # trainer metrics per step
-    eval: dict[int, dict[str, float]] = field(
-        default_factory=dict
-    )  # eval metrics per policy version
     rollouts: int = 0
     rollout_times: list[tuple[float, int]] = field(
         default_factory=list
@@ -37,6 +34,7 @@ class RunMonitor:
     final_digest: str | None = None
 
     def apply(self, event: Event) -> None:
+        super().apply(event)  # the metric tables
         match event:
             case RunStarted():
                 self.started = event
@@ -47,13 +45,8 @@ class RunMonitor:
                 if event.version >= self.policy_version:
                     self.final_digest = event.weights.digest
             case MetricsReported(role="orchestrator"):
-                self.train[event.step] = dict(event.values)
                 self.assembled = max(self.assembled, event.step)
                 self.phase = "sft" if event.values.get("sft") else "rl"
-            case MetricsReported(role="trainer"):
-                self.trainer[event.step] = dict(event.values)
-            case MetricsReported(role="eval"):
-                self.eval[event.step] = dict(event.values)
 
     def trace_completed(self, n: int = 1) -> None:
         self.rollouts += n
@@ -71,22 +64,12 @@ class RunMonitor:
         (t0, n0), (t1, n1) = recent[0], recent[-1]
         return (n1 - n0) / max(1e-6, t1 - t0)
 
-    def series(self, table: dict[int, dict[str, float]], key: str) -> list[tuple[int, float]]:
-        return [(k, v[key]) for k, v in sorted(table.items()) if key in v]
-
-    def eval_keys(self) -> list[str]:
-        return sorted({k for v in self.eval.values() for k in v if "avg@" in k})
-
     def last(self, table: dict[int, dict[str, float]], key: str) -> float | None:
         s = self.series(table, key)
         return s[-1][1] if s else None
 
     def summary(self) -> dict[str, Any]:
-        warm = (
-            (self.started.config.get("orchestrator", {}).get("warmup", {}).get("steps", 0))
-            if self.started
-            else 0
-        )
+        warm = self.warmup_steps
         evals = {k: self.series(self.eval, k) for k in self.eval_keys()}
         out: dict[str, Any] = {
             "run": self.run,

@@ -1,13 +1,17 @@
-"""Curves of a run: train reward, eval reward, loss (matplotlib, written to PNG)."""
+"""Curves of a run: train reward, eval reward, loss (matplotlib, written to PNG).
+
+Drawn from the monitor's metric tables (``roles.lib.curves.MetricCurves``, the fold
+``rlbus plot`` draws its six panels from).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from roles.up.monitor import RunMonitor
+from roles.lib.curves import MetricCurves
 
 
-def plot_curves(monitor: RunMonitor, path: Path) -> Path | None:
+def plot_curves(monitor: MetricCurves, path: Path) -> Path | None:
     """Three panels side by side; returns None when there is nothing to plot yet."""
     if not monitor.train and not monitor.eval:
         return None
@@ -25,9 +29,7 @@ def plot_curves(monitor: RunMonitor, path: Path) -> Path | None:
     ]
     if reward:
         axes[0].plot(*zip(*reward, strict=True), marker=".", label="train reward (RL batch mean)")
-    warm = 0
-    if monitor.started:
-        warm = int(monitor.started.config.get("orchestrator", {}).get("warmup", {}).get("steps", 0))
+    warm = monitor.warmup_steps
     for ax in axes[:2]:
         if warm:
             ax.axvspan(0, warm, color="0.9", label="SFT warm start")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from configs.paths import RunPaths
+
 
 @dataclass
 class RoleProcess:
@@ -57,13 +59,25 @@ class RoleProcess:
             self.log_file.close()
 
 
-def role_argv(args: list[str], run: str, url: str, config_path: Path) -> list[str]:
-    """The ``rlbus role ...`` command line of one role process of ``run``."""
-    common = ["--run", run, "--nats-url", url, "--config", str(config_path)]
+def role_argv(
+    args: list[str], paths: RunPaths, url: str, config_path: Path | None = None
+) -> list[str]:
+    """The ``rlbus role ...`` command line of one role process of the run at ``paths``
+    (``config_path``: default the run's ``config.toml``). The data directory is passed
+    on, so the role resolves it to the same place as its launcher."""
+    common = ["--run", paths.run, "--nats-url", url, "--config", str(config_path or paths.config)]
+    common += ["--data-dir", str(paths.data_dir)]
     return [sys.executable, "-m", "roles.cli", "role", *args, *common]
 
 
-def write_summary(run_dir: Path, summary: dict[str, object]) -> Path:
-    path = run_dir / "summary.json"
+def role_process(
+    name: str, args: list[str], paths: RunPaths, url: str, config_path: Path | None = None
+) -> RoleProcess:
+    """One role process of the run at ``paths``, logging to ``logs/<name>.log``."""
+    return RoleProcess(name, role_argv(args, paths, url, config_path), paths.log(name))
+
+
+def write_summary(paths: RunPaths, summary: dict[str, object]) -> Path:
+    path = paths.summary
     path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return path

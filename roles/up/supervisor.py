@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
 
 from bus.log import get_logger
 from bus.reader import LogReader
 from bus.runtime import Bus
 from bus.subjects import Topic
 from configs import RunConfig
+from configs.paths import RunPaths
 from roles.up.monitor import RunMonitor
 from roles.up.processes import RoleProcess, write_summary
 from schemas import MetricsReported, RunStarted, RunStopped, WeightsPublished
@@ -70,8 +70,9 @@ async def stop_in_order(roles: list[RoleProcess], timeout_s: float = 30.0) -> No
 
 
 async def supervise(
-    cfg: RunConfig, run: str, url: str, roles: list[RoleProcess], run_dir: Path, live_view: bool
+    cfg: RunConfig, paths: RunPaths, url: str, roles: list[RoleProcess], live_view: bool
 ) -> int:
+    run = paths.run
     log = get_logger(run=run, role="launcher")
     monitor = RunMonitor(run=run, max_steps=cfg.max_steps)
     interrupted = asyncio.Event()
@@ -124,10 +125,10 @@ async def supervise(
     summary["restarts"] = {r.name: r.restarts for r in roles if r.restarts}
     if failed:
         summary["failed"] = failed
-    path = write_summary(run_dir, summary)
+    path = write_summary(paths, summary)
     from roles.up.plots import plot_curves
 
-    curves = plot_curves(monitor, run_dir / "curves.png")
+    curves = plot_curves(monitor, paths.curves)
     print(view.final_report(summary, path, curves))
     if failed:
         log.error("run.failed", reason=failed)

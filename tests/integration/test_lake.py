@@ -212,7 +212,7 @@ async def test_live_lake_role_follows_the_run(
 ) -> None:
     """The lake role syncs on its interval while events arrive, and once more on stop."""
     from configs import load_config
-    from replay.lake import main
+    from roles.lake.role import main
     from roles.runtime.context import RoleContext
 
     cfg = load_config("smoke", [f"bus.data_dir={tmp_path}"])

@@ -368,3 +368,58 @@ def test_default_preset_documents_every_key():
         is_key = "=" in line and not line.startswith(("#", "["))
         if is_key:
             assert lines[i - 1].startswith("#"), f"undocumented key: {line!r}"
+
+
+def test_env_server_groups_in_flight_reaches_the_env_servers_consumer():
+    """`env_server.groups_in_flight` is what the env server's task consumer runs at once:
+    the config maps to EnvServer's arguments, which set its Subscription's concurrency."""
+    from types import SimpleNamespace
+
+    from bus.log import get_logger
+    from roles.env_server.role import EnvServer, server_options
+    from roles.runtime.context import RoleContext
+
+    assert load_config("default").env_server.groups_in_flight == 8
+    cfg = load_config("smoke", ["env_server.groups_in_flight=3", "bus.heartbeat_interval_s=0.5"])
+    ctx = RoleContext(run="r", url="nats://unused", cfg=cfg, instance="env-test")
+    options = server_options(ctx, "reverse-text")
+    assert options["concurrency"] == 3 and options["heartbeat_interval_s"] == 0.5
+    bus = SimpleNamespace(run="r", log=get_logger())  # no broker: only the declarations
+    server = EnvServer(bus, "env-test", "reverse-text", None, None, **options)  # type: ignore[arg-type]
+    (sub,) = server.subscriptions()
+    assert sub.concurrency == 3 and sub.batch == 3
+    with pytest.raises(ConfigError, match="env_server.groups_in_flight"):
+        load_config("smoke", ["env_server.groups_in_flight=0"])
+
+
+def test_data_dir_resolves_flag_then_env_then_config(monkeypatch, tmp_path):
+    """One resolution for every command and role: an explicit flag or `bus.data_dir`
+    override, then $RLBUS_DATA_DIR, then the config's `bus.data_dir`."""
+    from configs.paths import RunPaths, resolve_data_dir, settle_data_dir
+
+    monkeypatch.delenv("RLBUS_DATA_DIR", raising=False)
+    assert resolve_data_dir() == Path("runs")
+    assert resolve_data_dir(configured="cfg") == Path("cfg")
+    monkeypatch.setenv("RLBUS_DATA_DIR", str(tmp_path / "env"))
+    assert resolve_data_dir(configured="cfg") == tmp_path / "env"
+    assert resolve_data_dir("flag", "cfg") == Path("flag")
+    cfg = load_config("smoke", ["run=r1"])
+    assert settle_data_dir(cfg).bus.data_dir == str(tmp_path / "env")
+    overrides = ["bus.data_dir=/x/runs"]
+    assert settle_data_dir(load_config("smoke", overrides), overrides).bus.data_dir == "/x/runs"
+    assert settle_data_dir(load_config("smoke"), flag="f").bus.data_dir == "f"
+    paths = RunPaths.of(cfg)
+    assert paths.dir == tmp_path / "env" / "r1" and RunPaths.at(paths.dir) == paths
+    assert (
+        paths.nats == paths.dir / "nats"
+        and paths.log("trainer") == paths.dir / "logs" / "trainer.log"
+    )
+
+
+def test_run_paths_server_file_is_what_the_embedded_server_writes(tmp_path):
+    """configs imports no bus: RunPaths spells the server file's name, bus.server writes it."""
+    from bus.server import EmbeddedServer
+    from configs.paths import RunPaths
+
+    paths = RunPaths(tmp_path, "r")
+    assert EmbeddedServer(paths.nats).info_path == paths.server_file

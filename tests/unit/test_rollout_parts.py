@@ -135,7 +135,7 @@ def test_rollout_cli_plans_requests_from_config() -> None:
     """`rlbus rollout` rounds n up to whole groups, takes sampling from the config (eval
     sampling for --split eval), asks for tasks 0.. with fresh ids and stable seeds."""
     from configs import load_config
-    from roles.cli.rollout import build_requests, plan_requests, summarize
+    from roles.up.rollout import build_requests, plan_requests, summarize
 
     cfg = load_config("smoke")
     plan = plan_requests(cfg, "reverse-text", "train", 9, 4, "policy")

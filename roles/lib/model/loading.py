@@ -14,9 +14,12 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from configs import RunConfig
 
 INITIAL_SUBDIR = Path("model") / "initial"
 # Files every finished build has; a directory missing any of them is rebuilt.
@@ -130,3 +133,12 @@ def ensure_tiny_model(
         if tmp.exists():
             shutil.rmtree(tmp)
     return target
+
+
+def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:
+    """A loadable model directory: ``"tiny"`` builds (once) the run's tiny model under
+    ``run_dir``; anything else is a local directory or hub id, returned as it is."""
+    if path != "tiny":
+        return Path(path)
+    sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})
+    return Path(ensure_tiny_model(run_dir, sizes, seed=cfg.model.tiny.init_seed))

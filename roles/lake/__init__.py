@@ -1,0 +1,1 @@
+"""The lake role: keeps a run's Parquet lake (``replay.lake``) in sync while it runs."""
