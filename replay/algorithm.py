@@ -31,6 +31,7 @@ from bus.reader import read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, check_token
 from configs import RunConfig, resolve
+from configs.paths import RunPaths
 from replay.diff import ValueDiff, diff_values
 from schemas import (
     AlgorithmAttached,
@@ -43,8 +44,6 @@ from schemas import (
 
 if TYPE_CHECKING:
     from roles.algorithm.base import Refs
-
-SHADOW_DIR = Path("lake") / "shadow_samples"
 
 
 @dataclass
@@ -204,7 +203,8 @@ def write_shadow(run_dir: Path, algorithm_id: str, rows: list[dict[str, Any]]) -
     """``<run_dir>/lake/shadow_samples/<id>.parquet`` (written atomically)."""
     from replay.lake import to_frame
 
-    path = run_dir / SHADOW_DIR / f"{check_token(algorithm_id, 'algorithm id')}.parquet"
+    shadow = RunPaths.at(run_dir).shadow_samples
+    path = shadow / f"{check_token(algorithm_id, 'algorithm id')}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     to_frame("samples", rows).write_parquet(tmp)

@@ -36,13 +36,13 @@ from typing import Any
 import torch
 
 from configs import RunConfig
+from configs.paths import RunPaths
 from roles.lib.model.loading import load_model, resolve_device
 from roles.lib.model.weights import digest, load_state_bytes, state_dict_to_bytes
 from roles.trainer.loss import LossStats, loss_denominators, policy_loss
 from roles.trainer.packing import collate, pack
 from schemas import BatchAssembled, stable_seed
 
-CHECKPOINTS_SUBDIR = "checkpoints"
 KEEP_CHECKPOINTS = 2
 _PREFIX = "step-"
 
@@ -205,9 +205,10 @@ class TrainerCore:
 
     def save_checkpoint(self, run_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Snapshot under ``<run_dir>/checkpoints/step-N`` (atomic); keeps the newest two."""
-        root = Path(run_dir) / CHECKPOINTS_SUBDIR
+        paths = RunPaths.at(run_dir)
+        root = paths.checkpoints
         root.mkdir(parents=True, exist_ok=True)
-        final = root / f"{_PREFIX}{self.step:08d}"
+        final = paths.checkpoint(self.step)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         try:
             weights = self.weights_bytes()
@@ -256,5 +257,5 @@ def _checkpoints(root: Path) -> list[Path]:
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest finished checkpoint under ``<run_dir>/checkpoints``, or None."""
-    found = _checkpoints(Path(run_dir) / CHECKPOINTS_SUBDIR)
+    found = _checkpoints(RunPaths.at(run_dir).checkpoints)
     return found[-1] if found else None

@@ -285,7 +285,7 @@ class TrainerRole(Role):
                 kind="object", location=name, bucket=self.bus.objects.bucket,
                 size=len(data), digest=stored,
             )  # fmt: skip
-        path = self.run_dir / "weights" / f"v{version}.safetensors"
+        path = self.ctx.paths.weights / f"v{version}.safetensors"
         await asyncio.to_thread(_write_atomic, path, data)
         return ObjectRef(
             kind="path", location=str(path.resolve()), size=len(data), digest=weights_digest

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from configs.paths import RunPaths
+
 if TYPE_CHECKING:
     from configs import RunConfig
 
-INITIAL_SUBDIR = Path("model") / "initial"
 # Files every finished build has; a directory missing any of them is rebuilt.
 _DONE_MARKERS = ("config.json", "model.safetensors", "tokenizer.json")
 # A Hugging Face repo id ("name" or "org/name"), as opposed to a filesystem path.
@@ -117,7 +118,7 @@ def ensure_tiny_model(
     """
     from roles.lib.model.tiny import build_tiny_model
 
-    target = Path(run_dir) / INITIAL_SUBDIR
+    target = RunPaths.at(run_dir).initial_model
     if all((target / name).exists() for name in _DONE_MARKERS):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
