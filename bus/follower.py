@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,8 +75,3 @@ class Follower:
                     continue
                 await commit(self.bus, await f.handler(event, delivery))
                 self.handled += 1
-
-
-def followers(bus: Bus, declared: Sequence[object]) -> list[Follower]:
-    """A ``Follower`` for every ``Follow`` among a role's declared consumers."""
-    return [Follower(bus, f) for f in declared if isinstance(f, Follow)]

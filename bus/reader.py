@@ -24,8 +24,9 @@ consumer that owns it dead-letters it, and one bad message never stops a fold or
 analytics job. ``last_seq`` counts skipped messages too.
 
 Finished or live: without ``follow`` it returns once caught up (no message pending, or
-``until_seq`` reached; a stall before ``until_seq`` is a ``TimeoutError``, since those
-messages are known to exist); with ``follow`` it keeps waiting for new events until
+``until_seq`` reached; with ``raise_on_stall``, as catch-up folds ask, a stall before
+``until_seq`` is a ``TimeoutError``, since those messages are known to exist, while the
+lake just stops there and resumes from ``last_seq`` next time); with ``follow`` it keeps waiting for new events until
 ``stop`` is set or it is cancelled.
 """
 
@@ -126,6 +127,7 @@ class LogReader:
     start: Literal["last", "new"] | None = None  # the newest message on, or new ones only
     headers_only: bool = False  # messages() only: no payloads are sent
     stop: asyncio.Event | None = None  # with ``follow``: return once set
+    raise_on_stall: bool = False  # a stall before ``until_seq`` raises instead of returning
     skipped: list[Skipped] = field(default_factory=list)
     last_seq: int = 0  # the last sequence read, skipped ones included
 
@@ -156,7 +158,11 @@ class LogReader:
                 except (TimeoutError, nats.errors.TimeoutError) as e:
                     if self.follow:
                         continue
-                    if self.until_seq is not None and self.last_seq < self.until_seq:
+                    if (
+                        self.raise_on_stall
+                        and self.until_seq is not None
+                        and self.last_seq < self.until_seq
+                    ):
                         raise TimeoutError(
                             f"reading {self.bus.stream} up to seq {self.until_seq} stalled "
                             f"at seq {self.last_seq}"
@@ -235,8 +241,9 @@ def read_log(
     ``contextlib.aclosing`` if you break out early, so its consumer is removed at once.
     """
     reader = LogReader(
-        bus, from_seq=from_seq, topics=topics, until_seq=until_seq, idle_timeout_s=stall_timeout_s
-    )
+        bus, from_seq=from_seq, topics=topics, until_seq=until_seq,
+        idle_timeout_s=stall_timeout_s, raise_on_stall=True,
+    )  # fmt: skip
     return reader.events(types, with_seq=with_seq)
 
 

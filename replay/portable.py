@@ -319,7 +319,7 @@ def _find_local(candidates: list[Path], ref: ObjectRef | None) -> tuple[Path | N
 
 def _restore_weights(target: Path, cfg: Any, run_dir: Path, data: bytes) -> bool:
     if not (target / "config.json").is_file() and cfg.model.path == "tiny":
-        from roles.lib.model.loading import materialize_model  # config, tokenizer, weights
+        from roles.lib.model import materialize_model  # config, tokenizer, weights
 
         materialize_model(cfg, "tiny", run_dir)
     if not (target / "config.json").is_file():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 from typing import Any
@@ -45,36 +46,35 @@ async def print_events(
             follow=follow, idle_timeout_s=2.0 if follow else 0.5,
         )  # fmt: skip
         shown = 0
-        messages = reader.messages()
-        async for msg in messages:
-            meta = msg.metadata
-            try:
-                event = upcast(await bus.decode_msg(msg, ALL_TYPES))
-                line = summary(event)
-                kind = type(event).__name__
-            except Exception as e:  # noqa: BLE001 - show undecodable entries, keep reading
-                event, kind, line = None, "UNDECODABLE", str(e)
-            ts = dt.datetime.fromtimestamp(
-                meta.timestamp.timestamp() if meta.timestamp else 0
-            ).strftime("%H:%M:%S.%f")[:-3]
-            if as_json:
-                record = {"seq": meta.sequence.stream, "subject": msg.subject, "type": kind}
-                if event is not None:
-                    record["event"] = msgspec.to_builtins(event, enc_hook=lambda b: len(b))
-                print(json.dumps(record, default=str))
-            else:
-                cause = (
-                    f" <- {event.causation_id[:8]}"
-                    if event is not None and event.causation_id
-                    else ""
-                )
-                eid = event.event_id[:8] if event is not None else "-"
-                print(
-                    f"{meta.sequence.stream:>6} {ts} {relative_subject(run, msg.subject):<32} {kind:<16} {eid}{cause}  {line}"
-                )
-            shown += 1
-            if limit and shown >= limit:
-                break
-        await messages.aclose()
+        async with contextlib.aclosing(reader.messages()) as messages:
+            async for msg in messages:
+                meta = msg.metadata
+                try:
+                    event = upcast(await bus.decode_msg(msg, ALL_TYPES))
+                    line = summary(event)
+                    kind = type(event).__name__
+                except Exception as e:  # noqa: BLE001 - show undecodable entries, keep reading
+                    event, kind, line = None, "UNDECODABLE", str(e)
+                ts = dt.datetime.fromtimestamp(
+                    meta.timestamp.timestamp() if meta.timestamp else 0
+                ).strftime("%H:%M:%S.%f")[:-3]
+                if as_json:
+                    record = {"seq": meta.sequence.stream, "subject": msg.subject, "type": kind}
+                    if event is not None:
+                        record["event"] = msgspec.to_builtins(event, enc_hook=lambda b: len(b))
+                    print(json.dumps(record, default=str))
+                else:
+                    cause = (
+                        f" <- {event.causation_id[:8]}"
+                        if event is not None and event.causation_id
+                        else ""
+                    )
+                    eid = event.event_id[:8] if event is not None else "-"
+                    print(
+                        f"{meta.sequence.stream:>6} {ts} {relative_subject(run, msg.subject):<32} {kind:<16} {eid}{cause}  {line}"
+                    )
+                shown += 1
+                if limit and shown >= limit:
+                    break
     finally:
         await bus.close()

@@ -46,6 +46,7 @@ from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend
+from roles.lib.model import materialize_model
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from schemas import (
@@ -170,8 +171,6 @@ class InferenceRole(Role):
     # -- lifecycle ----------------------------------------------------------------------
 
     async def setup(self) -> None:
-        from roles.lib.model.loading import materialize_model  # torch loads here
-
         path = str(
             await asyncio.to_thread(materialize_model, self.cfg, self.served.path, self.run_dir)
         )

@@ -19,6 +19,7 @@ from bus.runtime import Bus, BusSettings
 from bus.subjects import Topic
 from configs import RunConfig, load_config, resolve
 from configs.paths import RunPaths, settle_data_dir
+from roles.lib.model import materialize_model
 from schemas import RunStarted
 
 
@@ -39,8 +40,6 @@ def run_dir(cfg: RunConfig, run: str) -> Path:
 
 def policy_model_dir(cfg: RunConfig, run: str) -> Path:
     """The initial policy weights (policy version 0)."""
-    from roles.lib.model.loading import materialize_model  # torch loads here, not at import
-
     return materialize_model(cfg, cfg.model.path, run_dir(cfg, run))
 
 

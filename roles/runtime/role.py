@@ -177,9 +177,11 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         stopper.cancel()
-        await role.teardown()
-        await heartbeat.stop()
-        await role.bus.close()
+        try:
+            await role.teardown()
+        finally:
+            await heartbeat.stop()
+            await role.bus.close()
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)

@@ -267,8 +267,8 @@ async def run_rollouts(
                     done.set()
 
         collector = asyncio.create_task(collect())
-        await bus.publish_many(requests)
         try:
+            await bus.publish_many(requests)
             while not done.is_set():
                 if died := next((s for s in started if not s.alive and s.proc is not None), None):
                     code = died.proc.returncode if died.proc else None

@@ -6,6 +6,26 @@
 - `weights`: weights <-> deterministic safetensors bytes with a sha256 digest
 - `render`: token-in/token-out chat rendering for multi-turn episodes
 
-Submodules import torch/transformers; import them directly (this package imports
-nothing, so `import roles.lib.model` stays cheap).
+Submodules import torch/transformers; import them directly. This package itself imports
+nothing heavy, so `import roles.lib.model` stays cheap, and `materialize_model` loads
+torch only when it has a tiny model to build.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from configs import RunConfig
+
+
+def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:
+    """A loadable model directory: ``"tiny"`` builds (once) the run's tiny model under
+    ``run_dir``; anything else is a local directory or hub id, returned as it is."""
+    if path != "tiny":
+        return Path(path)
+    from roles.lib.model.loading import ensure_tiny_model  # torch loads here
+
+    sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})
+    return Path(ensure_tiny_model(run_dir, sizes, seed=cfg.model.tiny.init_seed))

@@ -14,14 +14,11 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from configs.paths import RunPaths
-
-if TYPE_CHECKING:
-    from configs import RunConfig
 
 # Files every finished build has; a directory missing any of them is rebuilt.
 _DONE_MARKERS = ("config.json", "model.safetensors", "tokenizer.json")
@@ -134,12 +131,3 @@ def ensure_tiny_model(
         if tmp.exists():
             shutil.rmtree(tmp)
     return target
-
-
-def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:
-    """A loadable model directory: ``"tiny"`` builds (once) the run's tiny model under
-    ``run_dir``; anything else is a local directory or hub id, returned as it is."""
-    if path != "tiny":
-        return Path(path)
-    sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})
-    return Path(ensure_tiny_model(run_dir, sizes, seed=cfg.model.tiny.init_seed))
