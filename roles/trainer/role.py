@@ -155,7 +155,9 @@ class TrainerRole(Role):
                         )
                         resume_seq = seq
                         break
-                    await self._advance(batch, seq, wait_s=0.0, recorded=recorded.get(batch.step))
+                    # Not a handler: catch-up publishes each step's announcement itself.
+                    await self._train(batch, seq, wait_s=0.0, recorded=recorded.get(batch.step))
+                    await commit(self.bus, await self._announcement())
         if not self.stop_event.is_set():
             # The durable's position is derived state: catch-up just trained everything
             # before ``resume_seq``. Repositioning it (rather than resuming an old one)
@@ -190,17 +192,6 @@ class TrainerRole(Role):
             self.log.info("trainer.batch_already_trained", step=batch.step, current=self.core.step)
             return None  # idempotent by step: its effects are already on the stream
         return await self._announcement()
-
-    async def _advance(
-        self,
-        batch: BatchAssembled,
-        seq: int,
-        wait_s: float,
-        recorded: WeightsPublished | None = None,
-    ) -> None:
-        """Catch-up: train one batch, then announce it (weights, metrics, checkpoint if due)."""
-        await self._train(batch, seq, wait_s, recorded)
-        await commit(self.bus, await self._announcement())
 
     async def _train(
         self,
