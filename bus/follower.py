@@ -27,9 +27,8 @@ from typing import Literal
 
 from bus.consumer import Delivery, Handler, commit
 from bus.errors import BodyError, DecodeError
-from bus.reader import ALL_TYPES, LogReader, Topics
+from bus.reader import LogReader, Topics, stored_event
 from bus.runtime import Bus
-from schemas.legacy import upcast
 
 
 @dataclass
@@ -66,7 +65,7 @@ class Follower:
                 meta = msg.metadata
                 delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered)
                 try:
-                    event = upcast(await self.bus.decode_msg(msg, ALL_TYPES))
+                    event = await stored_event(self.bus, msg)
                 except (DecodeError, BodyError) as e:
                     if f.on_undecodable == "raise":
                         raise

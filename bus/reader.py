@@ -42,11 +42,10 @@ from typing import Any, Literal
 import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
 
 from bus import codec
 from bus.errors import BodyError, DecodeError
-from bus.offload import BodyStore
 from bus.runtime import Bus
 from bus.subjects import Topic, filter_subject
 from schemas import EVENT_TYPES, Event
@@ -61,6 +60,12 @@ def decode_event(payload: bytes | memoryview, schema: str | None = None) -> Even
     its subclass ``UnknownSchema``)."""
     event: Event = codec.decode(payload, ALL_TYPES, schema)
     return upcast(event)
+
+
+async def stored_event(bus: Bus, msg: Msg | RawStreamMsg) -> Event:
+    """A stored message as a current event: body resolved, legacy versions upcast (raises
+    ``DecodeError``/``BodyError`` on a message that is no readable event)."""
+    return decode_event(await bus.payload(msg), (msg.headers or {}).get(codec.H_SCHEMA))
 
 
 def ordered_config(
@@ -200,13 +205,10 @@ class LogReader:
     async def _entry(self, msg: Msg) -> Entry | None:
         headers = msg.headers or {}
         schema = headers.get(codec.H_SCHEMA, "?")
-        payload: bytes = msg.data
         offloaded = headers.get(codec.H_BODY) == "ref"
         seq = msg.metadata.sequence.stream
         try:
-            if offloaded:
-                ref = codec.decode_ref(payload)
-                payload = await BodyStore(self.bus.js, ref.bucket).get(ref.name, ref.digest)
+            payload = await self.bus.payload(msg)
             event = decode_event(payload, headers.get(codec.H_SCHEMA))
         except (DecodeError, BodyError) as e:
             self.skipped.append(Skipped(seq, msg.subject, schema, str(e)))
@@ -264,5 +266,5 @@ async def last_event(
         msg = await bus.js.get_last_msg(bus.stream, filter_subject(bus.run, topic, key))
     except nats.js.errors.NotFoundError:
         return None
-    event = upcast(await bus.decode_msg(msg, ALL_TYPES))
+    event = await stored_event(bus, msg)
     return event if isinstance(event, types) else None

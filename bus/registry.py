@@ -105,12 +105,14 @@ class Heartbeat:
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
-    async def stop(self) -> None:
+    async def stop(self, mark_stopped: bool = True) -> None:
         # An event, not cancel(): on Python 3.11 a cancel that lands just as a NATS request
         # completes can be swallowed by wait_for inside nats-py, leaving the loop running.
         self._stop.set()
         if self._task:
             await asyncio.gather(self._task, return_exceptions=True)
+        if not mark_stopped:  # a phase ended (a role's setup), not the role
+            return
         try:
             await self.beat(status="stopped")
         except Exception:  # noqa: BLE001 - best effort on the way out

@@ -206,14 +206,18 @@ class Bus:
 
     # -- reading one message back -----------------------------------------------------
 
+    async def payload(self, msg: Msg | RawStreamMsg) -> bytes:
+        """A stream message's encoded event, its offloaded body fetched and verified."""
+        data: bytes = msg.data or b""
+        if (msg.headers or {}).get(codec.H_BODY) == "ref":
+            ref = codec.decode_ref(data)
+            data = await BodyStore(self.js, ref.bucket).get(ref.name, ref.digest)
+        return data
+
     async def decode_msg(self, msg: Msg | RawStreamMsg, types: Iterable[type]) -> Any:
         """Decode a stream message (resolving an offloaded body) as one of ``types``."""
-        headers = msg.headers or {}
-        payload: bytes = msg.data or b""
-        if headers.get(codec.H_BODY) == "ref":
-            ref = codec.decode_ref(payload)
-            payload = await BodyStore(self.js, ref.bucket).get(ref.name, ref.digest)
-        return codec.decode(payload, types, headers.get(codec.H_SCHEMA))
+        schema = (msg.headers or {}).get(codec.H_SCHEMA)
+        return codec.decode(await self.payload(msg), types, schema)
 
     async def close(self) -> None:
         if self.nc.is_closed:

@@ -34,6 +34,7 @@ from configs.loading import parse_override
 from configs.models import BusConfig, RunConfig
 
 DATA_DIR_ENV = "RLBUS_DATA_DIR"
+CHECKPOINT_PREFIX = "step-"  # checkpoints/step-00000042/
 
 
 def resolve_data_dir(
@@ -158,7 +159,7 @@ class RunPaths:
         return self.dir / "checkpoints"
 
     def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / f"step-{step:08d}"
+        return self.checkpoints / f"{CHECKPOINT_PREFIX}{step:08d}"
 
     @property
     def weights(self) -> Path:
@@ -172,6 +173,7 @@ class RunPaths:
 
 
 __all__ = [
+    "CHECKPOINT_PREFIX",
     "DATA_DIR_ENV",
     "RunPaths",
     "data_dir_override",

@@ -47,11 +47,6 @@ def attached_envs(event: AlgorithmAttached) -> set[str] | None:
     return set(event.envs) if event.envs and not event.shadow else None
 
 
-def algorithm_spec(cfg: RunConfig, algorithm_id: str) -> tuple[str, dict[str, Any]]:
-    """(registered name, options) of ``algorithm_id`` (``OrchestratorConfig.algorithm_spec``)."""
-    return cfg.orchestrator.algorithm_spec(algorithm_id)
-
-
 def needs_refs(algorithm: Algorithm) -> bool:
     """Whether the algorithm scores with a reference model (distillation)."""
     return type(algorithm).score_spec is not Algorithm.score_spec

@@ -9,11 +9,10 @@ from typing import Any
 
 import msgspec
 
-from bus.reader import ALL_TYPES, LogReader
+from bus.reader import LogReader, stored_event
 from bus.runtime import Bus
 from bus.subjects import Topic, relative_subject
 from schemas import Event
-from schemas.legacy import upcast
 
 
 def summary(event: Event) -> str:
@@ -50,7 +49,7 @@ async def print_events(
             async for msg in messages:
                 meta = msg.metadata
                 try:
-                    event = upcast(await bus.decode_msg(msg, ALL_TYPES))
+                    event = await stored_event(bus, msg)
                     line = summary(event)
                     kind = type(event).__name__
                 except Exception as e:  # noqa: BLE001 - show undecodable entries, keep reading

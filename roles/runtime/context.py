@@ -34,13 +34,9 @@ def bus_settings(cfg: RunConfig) -> BusSettings:
     )
 
 
-def run_dir(cfg: RunConfig, run: str) -> Path:
-    return RunPaths.of(cfg, run).dir
-
-
 def policy_model_dir(cfg: RunConfig, run: str) -> Path:
     """The initial policy weights (policy version 0)."""
-    return materialize_model(cfg, cfg.model.path, run_dir(cfg, run))
+    return materialize_model(cfg, cfg.model.path, RunPaths.of(cfg, run).dir)
 
 
 def instance_name(role: str, suffix: str | None = None) -> str:

@@ -111,24 +111,11 @@ class Role:
             self.bus.js, self.run, self.role, self.instance, self.heartbeat_interval_s,
             consumer=consumer, probe=self.status,
         )  # fmt: skip
-        done = asyncio.Event()
-
-        async def beat() -> None:
-            while not done.is_set():
-                with contextlib.suppress(Exception):
-                    await hb.beat()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), self.heartbeat_interval_s)
-
-        # Stopped by an event, not by cancel(): on Python 3.11 a cancel that lands as a
-        # nats request completes is swallowed by asyncio.wait_for, and the loop would
-        # never end.
-        task = asyncio.create_task(beat())
+        hb.start()
         try:
             await work
         finally:
-            done.set()
-            await task
+            await hb.stop(mark_stopped=False)
 
 
 async def serve_role(role: Role, *, install_signals: bool = True) -> None:

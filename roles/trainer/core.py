@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from configs import RunConfig
-from configs.paths import RunPaths
+from configs.paths import CHECKPOINT_PREFIX, RunPaths
 from roles.lib.model.loading import load_model, resolve_device
 from roles.lib.model.weights import digest, load_state_bytes, state_dict_to_bytes
 from roles.trainer.loss import LossStats, loss_denominators, policy_loss
@@ -44,7 +44,6 @@ from roles.trainer.packing import collate, pack
 from schemas import BatchAssembled, stable_seed
 
 KEEP_CHECKPOINTS = 2
-_PREFIX = "step-"
 
 
 class StepOutOfOrder(Exception):
@@ -248,8 +247,8 @@ class TrainerCore:
 def _checkpoints(root: Path) -> list[Path]:
     """Finished checkpoints under ``root``, oldest first."""
     found = []
-    for p in root.glob(f"{_PREFIX}*"):
-        suffix = p.name.removeprefix(_PREFIX)
+    for p in root.glob(f"{CHECKPOINT_PREFIX}*"):
+        suffix = p.name.removeprefix(CHECKPOINT_PREFIX)
         if p.is_dir() and suffix.isdigit() and (p / "state.json").exists():
             found.append((int(suffix), p))
     return [p for _, p in sorted(found)]

@@ -51,7 +51,7 @@ from bus.subjects import Topic, durable_name
 from roles.lib.model.weights import digest
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
-from roles.trainer.core import TrainerCore, latest_checkpoint
+from roles.trainer.core import BatchGap, TrainerCore, latest_checkpoint
 from schemas import (
     BatchAssembled,
     Event,
@@ -147,7 +147,9 @@ class TrainerRole(Role):
                         return
                     if batch.step <= self.core.step:
                         continue
-                    if batch.step != self.core.step + 1:
+                    try:
+                        self.core.check_next(batch)
+                    except BatchGap:
                         # Leave the gap to the durable consumer: it retries the batch, then
                         # dead-letters it, visibly. Nothing after it is trained here.
                         self.log.error(

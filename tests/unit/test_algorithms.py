@@ -138,15 +138,17 @@ def test_worker_resolves_algorithm_ids_from_the_config() -> None:
     """An id in orchestrator.algorithms maps to its registered name + options; others are names."""
     from configs import load_config
     from configs.orchestrator import AlgorithmConfig
-    from roles.algorithm.core import algorithm_spec
 
     cfg = load_config("smoke")
     cfg.orchestrator.algorithms.append(
         AlgorithmConfig(id="norm", name="grpo", options={"std_normalize": True})
     )
-    assert algorithm_spec(cfg, "norm") == ("grpo", {"std_normalize": True})
-    assert algorithm_spec(cfg, "sft") == ("sft", {})  # warm start: a registered name, no options
-    assert create(*algorithm_spec(cfg, "norm")).advantages(group(1, 0), None) == [
+    assert cfg.orchestrator.algorithm_spec("norm") == ("grpo", {"std_normalize": True})
+    assert cfg.orchestrator.algorithm_spec("sft") == (
+        "sft",
+        {},
+    )  # warm start: a registered name, no options
+    assert create(*cfg.orchestrator.algorithm_spec("norm")).advantages(group(1, 0), None) == [
         0.5 / (0.5 + 1e-6),
         -0.5 / (0.5 + 1e-6),
     ]
