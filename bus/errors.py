@@ -20,6 +20,14 @@ class ServerStartError(BusError):
     pass
 
 
+class ServerUnreachable(BusError):
+    """No NATS server answered at the given URL in time."""
+
+
+class ServerLost(BusError):
+    """The NATS server stayed unreachable for longer than ``bus.server_lost_s``."""
+
+
 class PublishError(BusError):
     """A publish was not acknowledged by JetStream after every retry."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy, PubAck, RawStreamMsg, StorageType, StreamConfig
 
 from bus import codec
-from bus.errors import PublishError
+from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore
 from bus.subjects import objects_bucket, stream_name, stream_subjects, subject_for
@@ -49,6 +50,7 @@ class BusSettings:
     max_deliver: int = 5
     ack_wait_s: float = 30.0
     nak_delay_s: float = 1.0
+    server_lost_s: float = 60.0  # unreachable this long: ``watch_server`` gives up
 
 
 _RETRYABLE = (
@@ -62,6 +64,15 @@ _RETRYABLE = (
 )
 
 
+@dataclass
+class _Link:
+    """The connection's state as its callbacks see it."""
+
+    closing: bool = False  # set by close(): a disconnect then is expected, not news
+    lost_since: float | None = None  # monotonic time of the disconnect, while reconnecting
+    last_error: Exception | None = None
+
+
 class Bus:
     def __init__(self, nc: Client, run: str, producer: str, settings: BusSettings):
         self.nc = nc
@@ -72,29 +83,43 @@ class Bus:
         self.stream = stream_name(run)
         self.objects = BodyStore(self.js, objects_bucket(run))
         self.log = get_logger(run=run, role=producer)
-        self._closing = {"now": False}
+        self.url = ""
+        self.lost: ServerLost | None = None  # set by watch_server when it gives up
+        self._link = _Link()
 
     @classmethod
     async def connect(
-        cls, url: str, run: str, producer: str = "", settings: BusSettings | None = None, **kw: Any
+        cls,
+        url: str,
+        run: str,
+        producer: str = "",
+        settings: BusSettings | None = None,
+        connect_timeout_s: float = 20.0,
+        **kw: Any,
     ) -> Bus:
+        """Connect to ``url`` (raises ``ServerUnreachable`` after ``connect_timeout_s``)."""
         log = get_logger(run=run, role=producer)
-        closing = {"now": False}  # set by close(): a disconnect then is expected, not news
+        link = _Link()
 
         async def on_error(e: Exception) -> None:
-            log.warning("nats.error", error=repr(e))
+            link.last_error = e
+            if link.lost_since is None:  # while (re)connecting, one line says it instead
+                log.warning("nats.error", error=repr(e))
 
         async def on_disconnect() -> None:
-            if not closing["now"]:
-                log.warning("nats.disconnected")
+            if not link.closing:
+                link.lost_since = link.lost_since or time.monotonic()
+                log.warning("nats.disconnected", url=url)
 
         async def on_reconnect() -> None:
+            link.lost_since = None
             log.info("nats.reconnected")
 
-        nc = await nats.connect(
+        link.lost_since = time.monotonic()  # until connected: nats-py retries a refused URL
+        connecting = nats.connect(
             url,
             name=f"rlbus-{run}-{producer}",
-            max_reconnect_attempts=-1,
+            max_reconnect_attempts=-1,  # bounded in time by watch_server, not in attempts
             reconnect_time_wait=0.5,
             pending_size=64 * 1024 * 1024,  # large publishes survive a reconnect (NATS_NOTES #14)
             error_cb=on_error,
@@ -102,9 +127,43 @@ class Bus:
             reconnected_cb=on_reconnect,
             **kw,
         )
+        try:
+            nc = await asyncio.wait_for(connecting, connect_timeout_s)
+        except TimeoutError:
+            raise ServerUnreachable(
+                f"cannot reach a NATS server at {url} within {connect_timeout_s:g} s "
+                f"(last error: {link.last_error!r})"
+            ) from None
+        link.lost_since = None
         bus = cls(nc, run, producer, settings or BusSettings())
-        bus._closing = closing
+        bus._link = link
+        bus.url = url
         return bus
+
+    async def watch_server(self, every_s: float = 1.0) -> None:
+        """Return never while the server is reachable; raise ``ServerLost`` (also kept in
+        ``self.lost``) once it has been unreachable for ``settings.server_lost_s``, closing
+        the connection first, so what drains afterwards fails at once instead of waiting
+        on a server that is gone. Says what it waits for every 10 s meanwhile."""
+        said = 0.0
+        while True:
+            await asyncio.sleep(every_s)
+            since = self._link.lost_since
+            if since is None or self._link.closing:
+                said = 0.0
+                continue
+            lost_s = time.monotonic() - since
+            if lost_s >= self.settings.server_lost_s:
+                self.log.error("nats.server_lost", url=self.url, lost_s=round(lost_s, 1))
+                self.lost = ServerLost(
+                    f"lost the NATS server at {self.url} for {lost_s:.0f} s "
+                    f"(bus.server_lost_s = {self.settings.server_lost_s:g}); exiting"
+                )
+                await self.nc.close()
+                raise self.lost
+            if lost_s - said >= 10.0:
+                said = lost_s
+                self.log.warning("nats.waiting_for_server", url=self.url, lost_s=round(lost_s))
 
     async def ensure_stream(self) -> None:
         """Create the run's stream if missing (idempotent; never changes an existing one)."""
@@ -222,7 +281,7 @@ class Bus:
     async def close(self) -> None:
         if self.nc.is_closed:
             return
-        self._closing["now"] = True
+        self._link.closing = True
         try:
             await asyncio.wait_for(self.nc.drain(), 10)
         except (TimeoutError, nats.errors.ConnectionClosedError):

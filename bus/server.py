@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+from bus.children import die_with_parent
 from bus.errors import ServerBinaryNotFound, ServerStartError
 
 _LISTEN = re.compile(r"Listening for client connections on ([\d.]+):(\d+)")
@@ -78,10 +79,12 @@ class EmbeddedServer:
             "--http_port", "0", "-n", f"rlbus-{os.getpid()}",
         ]  # fmt: skip
         # Own session: a terminal Ctrl-C must reach our owner, not the server, so roles can
-        # still drain (ack, publish) through it; the owner stops it last.
+        # still drain (ack, publish) through it; the owner stops it last. If the owner dies
+        # without stopping it (SIGKILL, a closed terminal), the server gets SIGTERM.
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-        )
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )  # fmt: skip
         deadline = time.monotonic() + timeout
         port = None
         while time.monotonic() < deadline:

@@ -175,9 +175,12 @@ def describe_error(err: Any) -> str:
 
 
 def format_validation_error(e: ValidationError, source: str | None = None) -> str:
+    """One line for one problem (the usual typo, read at a glance); a list for several."""
     where = f" ({source})" if source else ""
-    lines = [f"  - {describe_error(err)}" for err in e.errors()]
-    return f"invalid config{where}:\n" + "\n".join(lines)
+    problems = [describe_error(err) for err in e.errors()]
+    if len(problems) == 1:
+        return f"invalid config{where}: {problems[0]}"
+    return f"invalid config{where}:\n" + "\n".join(f"  - {p}" for p in problems)
 
 
 def _resolve(raw: Any, source: str | None, stacklevel: int) -> RunConfig:

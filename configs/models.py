@@ -39,6 +39,8 @@ class BusConfig(_Section):
     # How long the stream remembers Nats-Msg-Id values to drop duplicate publishes.
     duplicate_window_s: float = Field(default=3600.0, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    # A role whose server stays unreachable this long exits with a one-line error.
+    server_lost_s: float = Field(default=60.0, gt=0)
 
 
 class TinyModelConfig(_Section):

@@ -8,6 +8,7 @@ messages can name full dotted paths.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any, Literal
 
@@ -15,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # The built-in name of the model being trained; always a valid actor.
 POLICY = "policy"
+# Algorithm ids and model names become subject tokens and consumer names; the same rule
+# as bus.subjects.check_token (configs imports no bus), checked at load, not in a role.
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 class _Section(BaseModel):
@@ -202,6 +206,18 @@ def _duplicates(items: list[str]) -> list[str]:
     return sorted(x for x, n in Counter(items).items() if n > 1)
 
 
+def _token_problems(o: OrchestratorConfig) -> list[str]:
+    """Names that go on subjects must be plain tokens: a role would fail on them at start."""
+    named = [(f"orchestrator.algorithms.{i}.id", a.id) for i, a in enumerate(o.algorithms)]
+    named += [(f"orchestrator.models.{k}.subject_model", m.subject_model or k)
+              for k, m in o.models.items()]  # fmt: skip
+    return [
+        f"`{key}` = {value!r} must use letters, digits, '-' and '_' only (it names subjects)"
+        for key, value in named
+        if not _TOKEN.match(value)
+    ]
+
+
 def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
     """Cross-field problems of an orchestrator section, each naming its full dotted path."""
     problems: list[str] = []
@@ -211,6 +227,7 @@ def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
             f"`orchestrator.actor` = {o.actor!r} must be {POLICY!r} or a key of "
             f"`orchestrator.models` (declared: {keys or 'none'})"
         )
+    problems += _token_problems(o)
     algo_ids = [a.id for a in o.algorithms]
     if not algo_ids:
         problems.append("`orchestrator.algorithms` must declare at least one algorithm")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,29 +90,23 @@ def scan_table(lake: Path, table: str) -> pl.LazyFrame:
 def sync_lake(
     run: str, data_dir: str | Path = "runs", nats_url: str | None = None, force: bool = False
 ) -> SyncResult | None:
-    """Sync ``run``'s lake if there can be anything new (the policy of ``open_run``'s
-    ``sync=None``; ``force`` is ``sync=True``); None when it did not sync. Callable from
+    """Sync ``run``'s lake if its stream holds events past the lake (the policy of
+    ``open_run``'s ``sync=None``; ``force`` is ``sync=True``: sync whatever the lake
+    says); None when it did not sync. A finished run is asked too: its log can go on
+    after the run (a shadow ``rlbus algorithm attach`` appends samples). Callable from
     async code too (it then syncs on a thread with its own event loop)."""
-    from bus.server import reachable_server, running_server_url
+    from bus.server import reachable_server
     from configs.paths import RunPaths
-    from replay.lake import STATE, sync
+    from replay.lake import sync, sync_if_behind
 
     paths = RunPaths(Path(data_dir), run)
-    stopped = False
-    try:
-        stopped = json.loads((paths.lake / STATE).read_text())["stopped"]
-    except (FileNotFoundError, KeyError, ValueError):
-        pass
-    live = nats_url or running_server_url(paths.nats)
-    if stopped and not live and not force:
-        return None  # a finished run whose lake holds its end: nothing to add
     # --nats-url, $RLBUS_NATS_URL, the run's running server, or one started on its store.
     with reachable_server(paths.nats, nats_url) as url:
         if url is None:
             if force:
                 raise LookupError(f"no NATS server for run {run!r} and no store under {data_dir}")
             return None
-        coro = sync(run, url, paths.data_dir)
+        coro = (sync if force else sync_if_behind)(run, url, paths.data_dir)
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -3,6 +3,7 @@
     rlbus lake sync <run>               # on demand (a running run's server, or its store)
     rlbus role lake --run <run>         # live: syncs every few seconds (``roles.lake``)
     await sync_run(bus, lake_dir("runs", run))
+    await sync_if_behind(run, url, "runs")  # rlbus sql: only if the stream moved past the lake
 
 Layout: ``runs/<run>/lake/<table>/part-<first_seq>-<last_seq>.parquet`` (sequences
 zero-padded so names sort), one folder per table of ``replay.tables.SCHEMAS``, and
@@ -203,12 +204,7 @@ async def sync_run(bus: Bus, lake: Path, chunk_events: int = 2000) -> SyncResult
         state = load_state(lake)
         pos: dict[str, int] = state["tables"]
         start = min(pos.values()) + 1
-        try:
-            until = (await bus.js.stream_info(bus.stream)).state.last_seq
-        except nats.js.errors.NotFoundError:
-            raise LookupError(
-                f"run {bus.run!r} has no stream ({bus.stream}) on this server"
-            ) from None
+        until = await stream_last_seq(bus)
         result = SyncResult(run=bus.run, start_seq=start, last_seq=start - 1)
         reader = LogReader(bus, from_seq=start, until_seq=until)
         buffer: dict[str, list[dict[str, Any]]] = {t: [] for t in TABLES}
@@ -250,6 +246,36 @@ def compact(lake: Path, table: str) -> Path | None:
         if p != merged:
             p.unlink()
     return merged
+
+
+def synced_seq(lake: Path) -> int:
+    """The last stream sequence every table of the lake covers (0: never synced)."""
+    return min(load_state(lake)["tables"].values())
+
+
+async def stream_last_seq(bus: Bus) -> int:
+    """The last sequence stored in the run's stream; ``LookupError`` if it has none."""
+    try:
+        return int((await bus.js.stream_info(bus.stream)).state.last_seq)
+    except nats.js.errors.NotFoundError:
+        raise LookupError(f"run {bus.run!r} has no stream ({bus.stream}) on this server") from None
+
+
+async def sync_if_behind(run: str, url: str, data_dir: str | Path = "runs") -> SyncResult | None:
+    """Sync ``run``'s lake only if its stream holds events past the lake's position.
+
+    The question is asked of the stream, not of the lake: a finished run's lake that
+    holds its ``run.stopped`` can still fall behind, because the log goes on after the
+    run (a shadow ``rlbus algorithm attach`` on a finished run appends its samples).
+    None when the lake was up to date."""
+    lake = lake_dir(data_dir, run)
+    bus = await Bus.connect(url, run=run, producer="lake")
+    try:
+        if await stream_last_seq(bus) <= synced_seq(lake):
+            return None
+        return await sync_run(bus, lake)
+    finally:
+        await bus.close()
 
 
 async def sync(run: str, url: str, data_dir: str | Path = "runs") -> SyncResult:

@@ -26,8 +26,12 @@ def _env_problems(
 
     out = []
     for i, spec in envs:
-        env = make_env(spec.id, dict(spec.args))
         env_where = f"`orchestrator.train.env.{i}` ({spec.id!r})"
+        try:
+            env = make_env(spec.id, dict(spec.args))
+        except Exception as e:  # noqa: BLE001 - an env that cannot be built is a problem to report
+            out.append(f"{env_where} cannot be built: {type(e).__name__}: {e}")
+            continue
         if algorithm.needs_members and not env.members:
             out.append(
                 f"{where} ({algorithm.name}) needs multi-agent traces, but {env_where} "
@@ -100,5 +104,7 @@ def routing_problems(cfg: RunConfig) -> list[str]:
 def check_routing(cfg: RunConfig) -> None:
     """Raise ``ConfigError`` listing every routing problem."""
     problems = routing_problems(cfg)
+    if len(problems) == 1:
+        raise ConfigError(f"invalid algorithm routing: {problems[0]}")
     if problems:
         raise ConfigError("invalid algorithm routing:\n  - " + "\n  - ".join(problems))

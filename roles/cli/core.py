@@ -30,14 +30,28 @@ def up(
     no_view: bool = typer.Option(
         False, "--no-view", help="Plain log lines instead of the live view."
     ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the interrupted run --run, with its own config."
+    ),
+    fresh: bool = typer.Option(
+        False, "--fresh", help="Delete the existing run --run and start it over."
+    ),
 ) -> None:
-    """Start a run: embedded NATS, every role as a process, a live view; Ctrl-C drains."""
+    """Start a run: embedded NATS, every role as a process, a live view; Ctrl-C drains.
+
+    A run id that is live or already has data is refused unless --resume or --fresh."""
     from configs import ConfigError, dump_toml, load_config
     from configs.paths import settle_data_dir
     from roles.algorithm.checks import check_routing
 
+    if resume or fresh:
+        config = _resumed_config(config, overrides or [], run, resume, fresh)
+
     try:
         cfg = settle_data_dir(load_config(config, overrides or []), overrides or [])
+        from roles.up.preflight import check  # model paths, env/algorithm names, disk
+
+        check(cfg)  # first: check_routing builds every env and algorithm it names
         check_routing(cfg)
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
@@ -48,8 +62,34 @@ def up(
         typer.echo(dump_toml(cfg), nl=False)
         return
     from roles.up.launcher import launch
+    from roles.up.run_guard import Mode
 
-    raise typer.Exit(launch(cfg, nats_url=nats_url, live_view=not no_view))
+    mode: Mode = "resume" if resume else "fresh" if fresh else "new"
+    raise typer.Exit(launch(cfg, nats_url=nats_url, live_view=not no_view, mode=mode))
+
+
+def _resumed_config(
+    config: str, overrides: list[str], run: str | None, resume: bool, fresh: bool
+) -> str:
+    """The config ``up`` loads with --resume (the run's own ``config.toml``) or --fresh."""
+    from configs.paths import RunPaths, data_dir_override, resolve_data_dir
+
+    def refuse(msg: str) -> None:
+        typer.echo(f"rlbus up: {msg}", err=True)
+        raise typer.Exit(2)
+
+    if resume and fresh:
+        refuse("--resume and --fresh exclude each other")
+    if not run:
+        refuse(f"--{'resume' if resume else 'fresh'} needs --run")
+    if not resume:
+        return config
+    assert run is not None
+    data_dir = data_dir_override(overrides)
+    if config != "default" or any(not o.startswith("bus.data_dir=") for o in overrides):
+        refuse("--resume continues a run with its own config: drop -c and overrides")
+    own = RunPaths(resolve_data_dir(data_dir), run).config
+    return str(own) if own.exists() else config  # missing: the launcher says why
 
 
 def nats(
@@ -142,7 +182,7 @@ def status(
         finally:
             await bus.close()
 
-    with server_for(run, nats_url) as url:
+    with server_for(run, nats_url, existing=True) as url:
         run_async(main(url))
 
 
@@ -169,7 +209,7 @@ def events(
     """Pretty-print (or follow) a run's log: sequence, time, subject, event summary."""
     from roles.cli.events import print_events
 
-    with server_for(run, nats_url) as url:
+    with server_for(run, nats_url, existing=True) as url:
         run_async(print_events(url, run, topic or [], from_seq, follow, limit, as_json))
 
 

@@ -6,10 +6,12 @@
     rlbus sql --run smoke1 -f csv -o rewards.csv "select * from rollouts"
     rlbus sql --run smoke1                         # interactive: end statements with ';'
 
-``rlbus sql`` syncs first (a live run through its running embedded server or
-``--nats-url``; a finished run whose lake already holds its end is not re-read), then
-queries the views of ``replay.sql`` (docs/analytics.md). Without ``--run`` it covers
-every run under the data directory.
+``rlbus sql`` syncs first, through the run's server (``--nats-url``, its running
+embedded server, or one started on its store), whenever the run's stream holds events
+past the lake's position (``replay.lake.sync_if_behind``): a finished run's log can still
+grow, e.g. by a shadow ``rlbus algorithm attach``. Then it queries the views of
+``replay.sql`` (docs/analytics.md). Without ``--run`` it covers every run under the data
+directory; ``--run`` on a run that is neither here nor on the server fails in one line.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import typer
 
-from roles.cli.common import run_async, server_for
+from roles.cli.common import fail, local_runs, no_run, require_run, run_async, server_for
 
 if TYPE_CHECKING:
     import duckdb
@@ -51,11 +53,8 @@ def sync(
     from replay.lake import sync as sync_run
 
     root = _data_dir(data_dir)
-    with server_for(run, nats_url, root) as url:
-        try:
-            r = run_async(sync_run(run, url, root))
-        except LookupError as e:
-            raise typer.BadParameter(str(e)) from None
+    with server_for(run, nats_url, root, existing=True) as url:
+        r = run_async(sync_run(run, url, root))
     rows = ", ".join(f"{t} {n}" for t, n in sorted(r.rows.items())) or "no new rows"
     typer.echo(f"{run}: {r.events} events (seq {r.start_seq}..{r.last_seq}) in {r.seconds:.2f}s: {rows}")  # fmt: skip
     for s in r.skipped:
@@ -72,9 +71,12 @@ def info(run: str = typer.Argument(..., help="Run id."), data_dir: str | None = 
     from replay.lake import lake_dir, load_state, parts
     from replay.tables import TABLES
 
-    lake = lake_dir(_data_dir(data_dir), run)
+    root = _data_dir(data_dir)
+    lake = lake_dir(root, run)
     if not lake.exists():
-        raise typer.BadParameter(f"no lake at {lake}: run `rlbus lake sync {run}`")
+        if run not in local_runs(root):
+            no_run(run, f"no run data under {root}", local_runs(root))
+        fail(f"no lake at {lake}: run `rlbus lake sync {run}`")
     state = load_state(lake)
     table = Table("table", "parts", "rows", "synced to seq", title=f"lake of {run}")
     for t in TABLES:
@@ -84,13 +86,30 @@ def info(run: str = typer.Argument(..., help="Run id."), data_dir: str | None = 
     Console().print(table)
 
 
-def _runs(root: Path) -> list[str]:
-    from configs.paths import RunPaths
+def sync_before_query(run: str, root: Path, nats_url: str | None, *, named: bool) -> None:
+    """Bring ``run``'s lake up to its stream before a query, when the stream moved on.
 
-    if not root.is_dir():
-        return []
-    runs = [RunPaths(root, p.name) for p in root.iterdir()]
-    return sorted(r.run for r in runs if r.nats.is_dir() or r.lake.is_dir())
+    ``named`` (``--run``): a run with neither a lake here nor a stream on its server is a
+    typo, and fails in one line. Otherwise a run that cannot be synced is queried as its
+    lake is: silently when there is no server or store (the lake is all there is here,
+    e.g. copied alone), with a warning when the stream is missing or the lake is locked."""
+    from bus.server import reachable_server
+    from configs.paths import RunPaths
+    from replay.lake import sync_if_behind
+
+    paths = RunPaths(root, run)
+    has_lake = paths.lake.is_dir()
+    with reachable_server(paths.nats, nats_url) as url:
+        if url is None:
+            if named and not has_lake:
+                no_run(run, f"no NATS URL given and no run data at {paths.dir}", local_runs(root))
+            return  # a lake without its log here: query it as it is
+        if named and not has_lake:
+            require_run(url, run)
+        try:
+            run_async(sync_if_behind(run, url, root))
+        except (LookupError, OSError) as e:
+            typer.echo(f"warning: could not sync {run}: {e}", err=True)
 
 
 def _flat(frame: pl.DataFrame) -> pl.DataFrame:
@@ -177,18 +196,18 @@ def sql(
     """Query runs' lakes with DuckDB SQL (views: see docs/analytics.md)."""
     import duckdb
 
-    from replay import sync_lake
+    from configs.paths import RunPaths
     from replay.sql import connect, run_query
 
     if fmt not in FORMATS:
         raise typer.BadParameter(f"--format must be one of {', '.join(FORMATS)}")
     root = _data_dir(data_dir)
-    if not no_sync:
-        for r in [run] if run else _runs(root):
-            try:
-                sync_lake(r, root, nats_url)
-            except (LookupError, OSError) as e:
-                typer.echo(f"warning: could not sync {r}: {e}", err=True)
+    if no_sync:
+        if run is not None and not RunPaths(root, run).lake.is_dir():
+            no_run(run, f"no lake at {RunPaths(root, run).lake}, and --no-sync", local_runs(root))
+    else:
+        for r in [run] if run else local_runs(root):
+            sync_before_query(r, root, nats_url, named=run is not None)
     con = connect(root, run)
     try:
         if query is None:

@@ -53,10 +53,12 @@ def export(
     """
     import shutil
 
-    from roles.cli.common import run_paths
+    from roles.cli.common import local_runs, no_run, run_paths
     from roles.trainer.core import latest_checkpoint
 
     paths = run_paths(run, data_dir)
+    if not paths.dir.is_dir():
+        no_run(run, f"no run directory {paths.dir}", local_runs(data_dir))
     initial = paths.initial_model
     if not (initial / "config.json").exists():
         raise typer.BadParameter(

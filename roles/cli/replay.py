@@ -140,7 +140,7 @@ def _load_trainer(run: str, nats_url: str | None) -> Any:
         finally:
             await bus.close()
 
-    with server_for(run, nats_url) as url:
+    with server_for(run, nats_url, existing=True) as url:
         return run_async(load(url))
 
 
@@ -164,7 +164,7 @@ def algorithm(ctx: typer.Context, name: str = typer.Argument(..., help="Algorith
         finally:
             await bus.close()
 
-    with server_for(run, ctx.obj["nats_url"]) as url:
+    with server_for(run, ctx.obj["nats_url"], existing=True) as url:
         log = run_async(load(url))
     try:
         scored = run_async(recompute(name, log))
@@ -208,7 +208,7 @@ def rubric(
         finally:
             await bus.close()
 
-    with server_for(run, ctx.obj["nats_url"]) as url:
+    with server_for(run, ctx.obj["nats_url"], existing=True) as url:
         log = run_async(load(url))
     result = rescore(log)
     console.print(f"{result.scored} traces rescored ({result.errored} errored traces skipped), {len(result.changed_traces)} changed")  # fmt: skip
@@ -238,7 +238,7 @@ def trace(
         finally:
             await bus.close()
 
-    with server_for(run, nats_url) as url:
+    with server_for(run, nats_url, existing=True) as url:
         events = run_async(load(url))
     try:
         chain = trace_chain(events, rollout_id, _token_text(run, events) if tokens else None)
@@ -286,7 +286,7 @@ def export(
         finally:
             await bus.close()
 
-    with server_for(run, nats_url) as url:
+    with server_for(run, nats_url, existing=True) as url:
         manifest = run_async(main(url))
     size = file.stat().st_size
     typer.echo(f"exported {run}: {manifest['stream']['messages']} messages, {len(manifest['objects'])} objects, {len(manifest['model'])} model files -> {file} ({size / 1e6:.1f} MB)")  # fmt: skip
@@ -347,7 +347,7 @@ def plot(
         finally:
             await bus.close()
 
-    with server_for(run, nats_url) as url:
+    with server_for(run, nats_url, existing=True) as url:
         curves = run_async(main(url))
     path = plot_run(curves, out or run_paths(run).plot)
     if path is None:

@@ -48,7 +48,23 @@ def _start(
     with server_for(run, nats_url, data_dir) as url:
         ctx = run_async(role_context(run, url, role, config, suffix, data_dir=data_dir))
         configure(run=run, role=role, instance=ctx.instance)
-        run_async(main(ctx, **options))
+        try:
+            run_async(main(ctx, **options))
+        except Exception as e:
+            if (lost := _server_lost(e)) is None:
+                raise
+            typer.echo(f"{role}: {lost}", err=True)  # one line, not a traceback
+            raise typer.Exit(3) from None
+
+
+def _server_lost(e: BaseException | None) -> BaseException | None:
+    """The ``ServerLost`` behind ``e``: what failed while the role drained without a
+    server is a consequence, the lost server the cause."""
+    from bus.errors import ServerLost
+
+    while e is not None and not isinstance(e, ServerLost):
+        e = e.__cause__ or e.__context__
+    return e
 
 
 @app.command("inference")

@@ -31,6 +31,7 @@ def bus_settings(cfg: RunConfig) -> BusSettings:
         max_deliver=b.max_deliver,
         ack_wait_s=b.ack_wait_s,
         nak_delay_s=b.nak_delay_s,
+        server_lost_s=b.server_lost_s,
     )
 
 

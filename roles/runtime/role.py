@@ -146,12 +146,17 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     background = [asyncio.ensure_future(a) for a in role.background()]
     tasks += background
     stopper = asyncio.create_task(role.stop_event.wait())
+    # A role whose server is gone for longer than bus.server_lost_s exits (ServerLost)
+    # instead of reconnecting for as long as it lives.
+    watchdog = asyncio.create_task(role.bus.watch_server())
     try:
-        waiting: set[asyncio.Future[Any]] = {*tasks, stopper}
+        waiting: set[asyncio.Future[Any]] = {*tasks, stopper, watchdog}
         while not stopper.done():
             done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 if t is not stopper and (exc := t.exception()) is not None:
+                    if role.bus.lost is not None:  # the closed connection failed the task
+                        raise role.bus.lost from exc
                     role.log.error("role.task_failed", error=repr(exc))
                     raise exc
     finally:
@@ -167,6 +172,8 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
         try:
             await role.teardown()
         finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
             await heartbeat.stop()
             await role.bus.close()
         if install_signals:

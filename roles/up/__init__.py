@@ -1,6 +1,9 @@
 """``rlbus up``: the launcher, the supervisor and what shows a run while it trains.
 
-- ``launcher``: role processes (argv, start, stop), the run's summary
+- ``launcher``: what ``up`` runs, in order; ``processes``: role processes (argv, start,
+  stop, they die with the launcher), the run's summary
+- ``run_guard``: one live launcher per run id; ``--resume`` and ``--fresh``
+- ``preflight``: what is checked before any role starts (one line naming the key)
 - ``supervisor``: keeps the role processes alive and follows the run's events
 - ``monitor``: the fold of a run's events into what the view and the summary show
 - ``view``: the live terminal view; ``plots``: ``curves.png``

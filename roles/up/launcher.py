@@ -3,8 +3,10 @@
     rlbus up                       # the default preset
     rlbus up -c smoke --no-view    # the smoke preset with plain log lines
 
-It starts an embedded nats-server under ``runs/<run>/nats`` (unless ``--nats-url``, or
-the run's embedded server is already running there),
+It refuses a run id that is live or already has data unless told ``--resume`` or
+``--fresh`` (``roles/up/run_guard.py``). It starts an embedded nats-server under
+``runs/<run>/nats`` (unless ``--nats-url``, or the run's embedded server is already
+running there),
 builds the tiny model if that is the configured policy, writes the resolved config to
 ``runs/<run>/config.toml``, and starts each role with the same ``rlbus role ...``
 command a user would type, logging to ``runs/<run>/logs/<role>.log``. A role that dies
@@ -16,6 +18,7 @@ then ``summary.json`` and ``curves.png`` are written next to the logs.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
 import time
 
@@ -23,6 +26,17 @@ from configs import RunConfig, dump_toml
 from configs.paths import RunPaths
 from roles.runtime.context import policy_model_dir
 from roles.up.processes import RoleProcess, role_process
+from roles.up.run_guard import (
+    LOCK_FILE,
+    Mode,
+    RunLock,
+    RunRefused,
+    check_previous,
+    delete_stream,
+    previous_run,
+    start_over,
+    stream_exists,
+)
 from roles.up.supervisor import supervise
 
 
@@ -52,24 +66,59 @@ def new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
 
 
-def launch(cfg: RunConfig, nats_url: str | None = None, live_view: bool = True) -> int:
-    """Run the whole thing; returns the process exit code."""
-    from bus.log import configure
-    from bus.server import reachable_server
-
+def launch(
+    cfg: RunConfig, nats_url: str | None = None, live_view: bool = True, mode: Mode = "new"
+) -> int:
+    """Run the whole thing; returns the process exit code. ``mode`` says what to do with
+    an earlier launch of the same run id (``roles.up.run_guard``)."""
     run = cfg.run or new_run_id()
     cfg.run = run
     paths = RunPaths.of(cfg)  # cfg.bus.data_dir is settled by the command
+    try:
+        with RunLock(paths):  # before anything of the run is touched
+            previous = previous_run(paths)
+            check_previous(paths, mode, previous)
+            if mode == "fresh" and previous is not None:
+                start_over(paths)
+            return _launch_locked(cfg, paths, nats_url, live_view, mode)
+    except RunRefused as e:
+        print(f"rlbus up: {e}", file=sys.stderr)
+        if [p.name for p in paths.dir.iterdir()] == [LOCK_FILE]:
+            shutil.rmtree(paths.dir)  # a refused new id leaves nothing behind
+        return 2
+
+
+def _launch_locked(
+    cfg: RunConfig, paths: RunPaths, nats_url: str | None, live_view: bool, mode: Mode
+) -> int:
+    from bus.log import configure
+    from bus.server import reachable_server
+
+    run = paths.run
     paths.logs.mkdir(parents=True, exist_ok=True)
     live = live_view and sys.stdout.isatty()
     # With the live view on a terminal, routine lines would scroll it away: warnings only.
     configure(run=run, role="launcher", json=not live, level="WARNING" if live else "INFO")
-    paths.config.write_text(dump_toml(cfg))
     # --nats-url or bus.url, else the run's own embedded server (started unless running).
-    with reachable_server(
-        paths.nats, nats_url or cfg.bus.url, start="always", url_env=False
-    ) as url:
+    given = nats_url or cfg.bus.url
+    with reachable_server(paths.nats, given, start="always", url_env=False) as url:
         assert url is not None
+        if given:  # the run's stream lives on that server, not under the run directory
+            asyncio.run(_check_given_server(url, run, mode))
+        paths.config.write_text(dump_toml(cfg))
         policy_model_dir(cfg, run)  # build the tiny model once, before roles race to it
         roles = role_specs(cfg, paths, url)
         return asyncio.run(supervise(cfg, paths, url, roles, live_view))
+
+
+async def _check_given_server(url: str, run: str, mode: Mode) -> None:
+    """On a given server the local directory cannot tell whether the run exists: its
+    stream can."""
+    exists = await stream_exists(url, run)
+    if exists and mode == "new":
+        raise RunRefused(
+            f"run {run!r} already exists on {url}; --resume continues it, "
+            "--fresh deletes it and starts over, or pick another --run"
+        )
+    if exists and mode == "fresh":
+        await delete_stream(url, run)

@@ -2,7 +2,7 @@
 
 Each role runs as its own process in its own session (a Ctrl-C in the terminal reaches
 the launcher only, which then stops the roles in order), logging to
-``runs/<run>/logs/<name>.log``.
+``runs/<run>/logs/<name>.log``, and dies with the launcher (``bus.children``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from bus.children import die_with_parent
 from configs.paths import RunPaths
 
 
@@ -31,9 +32,12 @@ class RoleProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = self.log_path.open("ab")
+        # A launcher that dies without stopping its roles (SIGKILL) takes them along: the
+        # run is resumable from its log (``rlbus up --run R --resume``), orphans are not.
         self.proc = subprocess.Popen(
-            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True
-        )
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )  # fmt: skip
 
     @property
     def alive(self) -> bool:

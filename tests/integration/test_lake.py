@@ -19,7 +19,7 @@ from bus.server import EmbeddedServer
 from bus.subjects import Topic, subject
 from replay.lake import compact, lake_dir, load_state, parts, repair, sync_run
 from replay.sql import connect
-from schemas import Event, TraceCompleted
+from schemas import Event, RunStopped, TraceCompleted
 from schemas.legacy import TraceCompletedV0
 from tests.samples import every_event, trace
 
@@ -204,7 +204,11 @@ async def test_open_run_syncs_through_a_server(
     assert tables.synced is not None and tables.synced.events == 12
     assert tables.rollouts.collect().height == 2
     assert tables.rollouts.select("batch_step").collect().to_series().to_list() == [3, 3]
-    assert replay.open_run(bus.run, tmp_path, nats_url=nats_server.url).synced.events == 0  # type: ignore[union-attr]
+    # Up to date: the default asks the stream and does not sync; a new event: it does.
+    assert replay.open_run(bus.run, tmp_path, nats_url=nats_server.url).synced is None
+    await bus.publish(RunStopped(run=bus.run, reason="again"))
+    again = replay.open_run(bus.run, tmp_path, nats_url=nats_server.url).synced
+    assert again is not None and again.events == 1
 
 
 async def test_live_lake_role_follows_the_run(

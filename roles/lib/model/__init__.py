@@ -13,8 +13,13 @@ torch only when it has a tiny model to build.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+# A Hugging Face repo id ("name" or "org/name"), as opposed to a filesystem path (here,
+# torch-free, so that ``rlbus up``'s pre-flight checks use the rule the loader uses).
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 if TYPE_CHECKING:
     from configs import RunConfig

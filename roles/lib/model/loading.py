@@ -10,7 +10,6 @@ the network.
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,11 +18,10 @@ from typing import Any
 import torch
 
 from configs.paths import RunPaths
+from roles.lib.model import REPO_ID
 
 # Files every finished build has; a directory missing any of them is rebuilt.
 _DONE_MARKERS = ("config.json", "model.safetensors", "tokenizer.json")
-# A Hugging Face repo id ("name" or "org/name"), as opposed to a filesystem path.
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -70,7 +68,7 @@ def resolve_source(path_or_id: str | Path, *, local_files_only: bool = True) -> 
     if path.exists():
         return str(path)
     text = str(path_or_id)
-    if not _REPO_ID.match(text):
+    if not REPO_ID.match(text):
         raise ModelNotFound(f"model path does not exist: {text}")
     if local_files_only and not _in_hub_cache(text):
         raise ModelNotFound(

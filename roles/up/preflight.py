@@ -1,0 +1,199 @@
+"""What ``rlbus up`` checks before any role starts: one line naming the key, or nothing.
+
+    check(cfg)   # raises configs.ConfigError("`model.path`: /nope does not exist ...")
+
+A config that reaches the roles fails late and far from its cause: a missing
+``model.path`` makes every role that loads the model crash-loop until the supervisor
+gives up, and the reason is only in a role's log. So the launcher first checks the facts
+it can check cheaply (no torch, no model load, no network), each problem naming its key:
+
+- ``model.path`` and each ``orchestrator.models.<key>.path`` (of a model served by an
+  inference role): a model directory (``config.json`` and weights), ``"tiny"``, or a hub
+  id that is in the local Hugging Face cache when ``model.local_files_only`` is set;
+- each ``orchestrator.train.env.<i>.id`` names an env, and the env builds with its args
+  (what the env server does first);
+- each algorithm name (``orchestrator.algorithms``, ``orchestrator.warmup.algorithms``)
+  names an algorithm: a built-in or an importable ``module:Class``;
+- ``inference.backend = "vllm"`` has vllm installed;
+- ``bus.data_dir`` is writable and has ``MIN_FREE_BYTES`` free.
+
+Checked elsewhere, and not repeated here: key typos, value ranges and cross-field
+references (the config validators, at load); a ``-c`` name that is neither a file nor a
+preset (``configs.load_config``); algorithm options and which algorithm may run on which
+env (``roles.algorithm.checks.check_routing``, which ``up`` runs after this, once every
+name here is known to resolve).
+
+``rlbus up --dry-run`` runs these checks too, model path and disk included: a dry run
+that prints a config ``rlbus up`` would then reject on this machine is a trap, and the
+cost is that a config for another machine (whose model lives elsewhere) fails its dry
+run here, with one line saying why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from configs import ConfigError, RunConfig
+from roles.lib.model import REPO_ID
+
+TINY = "tiny"  # model.path of the tiny model, built under the run directory
+MIN_FREE_BYTES = 1 << 30  # a run writes logs, checkpoints and its JetStream store
+GIB = 1 << 30
+_WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def check(cfg: RunConfig) -> None:
+    """Raise ``ConfigError`` with every problem found, on one line; return if none."""
+    problems = [
+        *model_problems(cfg),
+        *env_problems(cfg),
+        *algorithm_problems(cfg),
+        *backend_problems(cfg),
+        *data_dir_problems(cfg),
+    ]
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+# -- models ---------------------------------------------------------------------------------
+
+
+def model_paths(cfg: RunConfig) -> Iterator[tuple[str, str]]:
+    """(key, path) of every model an inference or trainer role loads from a path.
+
+    A teacher (``kind = "teacher"``) is the scripted teacher role and loads no weights; an
+    endpoint without ``path`` serves the base weights at ``model.path``."""
+    yield "model.path", cfg.model.path
+    for key, endpoint in cfg.orchestrator.models.items():
+        if endpoint.kind != "teacher" and endpoint.path is not None:
+            yield f"orchestrator.models.{key}.path", endpoint.path
+
+
+def model_problems(cfg: RunConfig) -> list[str]:
+    local_only = cfg.model.local_files_only
+    found = ((key, _model_problem(path, local_only)) for key, path in model_paths(cfg))
+    return [f"`{key}`: {problem}" for key, problem in found if problem]
+
+
+def _model_problem(path: str, local_files_only: bool) -> str | None:
+    """Why ``path`` cannot be loaded the way the roles load it, or None."""
+    if path == TINY:
+        return None
+    local = Path(path).expanduser()
+    if local.exists():
+        return _model_dir_problem(local)
+    if not REPO_ID.match(path):
+        return f"{path} does not exist (give a model directory, a cached hub id, or {TINY!r})"
+    if local_files_only and not _in_hub_cache(path):
+        return (
+            f"{path!r} is neither a local directory nor in the Hugging Face cache "
+            "(`model.local_files_only` = true, so nothing is downloaded)"
+        )
+    return None
+
+
+def _model_dir_problem(path: Path) -> str | None:
+    if not path.is_dir():
+        return f"{path} is a file, not a model directory"
+    if not (path / "config.json").is_file():
+        return f"{path} is not a model directory (no config.json)"
+    if not any(next(path.glob(pattern), None) for pattern in _WEIGHTS):
+        return f"{path} has no weights (no *.safetensors or *.bin)"
+    return None
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+# -- envs and algorithms ------------------------------------------------------------------
+
+
+def env_problems(cfg: RunConfig) -> list[str]:
+    """Each train env built with its args, as its env server will build it first."""
+    from roles.lib.envs.registry import UnknownEnv, make_env
+
+    problems = []
+    for i, env in enumerate(cfg.orchestrator.train.env):
+        where = f"orchestrator.train.env.{i}"
+        try:
+            make_env(env.id, dict(env.args))
+        except UnknownEnv as e:
+            problems.append(f"`{where}.id`: {_one_line(e)}")
+        except ValueError as e:  # make_env's own: args the env's constructor does not take
+            problems.append(f"`{where}.args`: {_one_line(e)}")
+        except Exception as e:  # noqa: BLE001 - user env code: any failure is a config problem
+            problems.append(
+                f"`{where}`: env {env.id!r} fails to build: {type(e).__name__}: {_one_line(e)}"
+            )
+    return problems
+
+
+def algorithm_names(cfg: RunConfig) -> Iterator[tuple[str, str]]:
+    """(key, registered name) of every algorithm worker ``rlbus up`` starts."""
+    o = cfg.orchestrator
+    for i, a in enumerate(o.algorithms):
+        name = a.name or a.id
+        yield (f"orchestrator.algorithms.{i}.{'id' if name == a.id else 'name'}", name)
+    if o.warmup.steps > 0:
+        ids = {a.id for a in o.algorithms}
+        for name in o.warmup.algorithms:
+            if name not in ids:
+                yield "orchestrator.warmup.algorithms", name
+
+
+def algorithm_problems(cfg: RunConfig) -> list[str]:
+    """Names that resolve to no algorithm (options are ``check_routing``'s to check)."""
+    from roles.algorithm.registry import UnknownAlgorithm, resolve
+
+    problems = []
+    for key, name in algorithm_names(cfg):
+        try:
+            resolve(name)
+        except UnknownAlgorithm as e:
+            problems.append(f"`{key}`: {_one_line(e)}")
+    return problems
+
+
+def backend_problems(cfg: RunConfig) -> list[str]:
+    if cfg.inference.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        return ['`inference.backend` = "vllm", but vllm is not installed (pip install rlbus[vllm])']
+    return []
+
+
+# -- the data directory -------------------------------------------------------------------
+
+
+def data_dir_problems(cfg: RunConfig, min_free: int = MIN_FREE_BYTES) -> list[str]:
+    """The data directory (created by ``up`` if missing) can be written and has room."""
+    data_dir = Path(cfg.bus.data_dir).expanduser()
+    where = f"`bus.data_dir` ({data_dir})"
+    if data_dir.exists() and not data_dir.is_dir():
+        return [f"{where}: exists and is not a directory"]
+    base = _nearest_existing(data_dir)
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        return [f"{where}: {base} is not writable"]
+    free = shutil.disk_usage(base).free
+    if free < min_free:
+        need = f"rlbus up needs at least {min_free / GIB:g} GiB"
+        return [f"{where}: {free / GIB:.2f} GiB free, {need}"]
+    return []
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its closest existing ancestor (what ``mkdir -p`` would write into)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message with its line breaks folded (an ImportError's can have some)."""
+    return " ".join(str(e).split()) or type(e).__name__

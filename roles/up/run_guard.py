@@ -1,0 +1,165 @@
+"""One live launcher per run id, and a run id that is never reused by accident.
+
+``rlbus up --run X`` takes an exclusive ``flock`` on ``runs/X/launcher.lock`` for as long
+as it lives. The kernel releases the lock when the launcher exits, however it exits, so
+a crashed launcher never leaves a stale lock behind. A second launcher for a live X is
+refused before it touches anything of X.
+
+A run id that already has data (a run directory with a config, or a stream on a given
+server) is refused too, unless the user says what to do with it:
+
+    rlbus up --run X --resume   # continue an interrupted X, with X's own config
+    rlbus up --run X --fresh    # delete X (its store, logs, checkpoints) and start over
+
+A finished X (its summary records why it stopped) cannot be resumed: nothing is left to
+do, and the orchestrator would stop again at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import IO, Literal
+
+from configs.paths import RunPaths
+
+Mode = Literal["new", "resume", "fresh"]
+LOCK_FILE = "launcher.lock"
+
+
+class RunRefused(Exception):
+    """``rlbus up`` will not start this run; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class PreviousRun:
+    """What a run directory says about an earlier launch of the same id."""
+
+    stopped: str | None  # the stop reason of a finished run; None: interrupted
+    steps: int | None  # steps the last launcher saw, if it wrote a summary
+
+    def describe(self) -> str:
+        at = "" if self.steps is None else f" at step {self.steps}"
+        return f"finished ({self.stopped}{at})" if self.stopped else f"interrupted{at}"
+
+
+def previous_run(paths: RunPaths) -> PreviousRun | None:
+    """The earlier launch of ``paths.run`` in this data directory, if there was one."""
+    if not paths.config.exists() and not paths.nats.exists():
+        return None
+    try:
+        summary = json.loads(paths.summary.read_text())
+    except (OSError, ValueError):
+        return PreviousRun(stopped=None, steps=None)  # no summary: the launcher was killed
+    stopped = summary.get("stopped") or {}
+    return PreviousRun(stopped=stopped.get("reason"), steps=summary.get("steps"))
+
+
+class RunLock:
+    """The exclusive launcher lock of one run (see the module docstring)."""
+
+    def __init__(self, paths: RunPaths):
+        self.paths = paths
+        self.path = paths.dir / LOCK_FILE
+        self._file: IO[str] | None = None
+
+    def __enter__(self) -> RunLock:
+        self.paths.dir.mkdir(parents=True, exist_ok=True)
+        f = self.path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise RunRefused(
+                f"run {self.paths.run!r} is live: launcher pid {holder} holds {self.path}; "
+                "pick another --run, or stop that launcher first"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._file = f
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()  # releases the flock; the file stays (unlinking races)
+            self._file = None
+
+
+def check_previous(paths: RunPaths, mode: Mode, previous: PreviousRun | None) -> None:
+    """Raise ``RunRefused`` unless ``mode`` says what to do with an earlier launch."""
+    run = paths.run
+    if mode == "resume":
+        if previous is None:
+            raise RunRefused(f"nothing to resume: run {run!r} has no data under {paths.dir}")
+        if previous.stopped:
+            raise RunRefused(
+                f"run {run!r} is {previous.describe()}: nothing to resume; "
+                "--fresh deletes it and starts over"
+            )
+    elif mode == "new" and previous is not None:
+        raise RunRefused(
+            f"run {run!r} already exists: {previous.describe()}, in {paths.dir}; "
+            "--resume continues an interrupted run, --fresh deletes it and starts over, "
+            "or pick another --run"
+        )
+
+
+def start_over(paths: RunPaths) -> None:
+    """Delete everything of the run directory but the lock (``--fresh``). Refuses while a
+    nats-server still runs on the run's store: deleting a live store corrupts it."""
+    from bus.server import running_server_url
+
+    if url := running_server_url(paths.nats):
+        raise RunRefused(
+            f"a nats-server is still running on run {paths.run!r}'s store ({url}); "
+            "stop it before --fresh"
+        )
+    for child in paths.dir.iterdir():
+        if child.name == LOCK_FILE:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+async def stream_exists(url: str, run: str) -> bool:
+    """Whether the server at ``url`` holds the run's stream (a run on a given server has
+    no local directory to tell)."""
+    import nats.js.errors
+
+    from bus.runtime import Bus
+
+    bus = await Bus.connect(url, run=run, producer="launcher")
+    try:
+        await bus.js.stream_info(bus.stream)
+        return True
+    except nats.js.errors.NotFoundError:
+        return False
+    finally:
+        await bus.close()
+
+
+async def delete_stream(url: str, run: str) -> None:
+    """Delete the run's stream and object store on the server at ``url`` (``--fresh``)."""
+    import contextlib
+
+    import nats.js.errors
+
+    from bus.runtime import Bus
+
+    bus = await Bus.connect(url, run=run, producer="launcher")
+    try:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await bus.js.delete_stream(bus.stream)
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await bus.js.delete_object_store(bus.objects.bucket)
+    finally:
+        await bus.close()

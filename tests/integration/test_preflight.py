@@ -1,0 +1,130 @@
+"""`rlbus up` refuses a config it cannot run before any role starts, in one line naming the key.
+
+The command-line tests run `python -m roles.cli up` as a user does, with the data
+directory in a temporary folder: a bad model path, an unknown env (as an override and
+in a TOML file) and an unknown algorithm each exit 2 with one stderr line, and leave no
+run directory (so no role log) behind. The rest call `roles.up.preflight` directly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import ConfigError, RunConfig, load_config
+from roles.up import preflight
+
+RLBUS = [sys.executable, "-m", "roles.cli"]
+RUN = "pf1"
+
+
+def up(data: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+    cmd = [*RLBUS, "up", "--run", RUN, "--no-view", *args, f"bus.data_dir={data}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def assert_refused(out: subprocess.CompletedProcess[str], data: Path, key: str) -> None:
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("config error: ") and f"`{key}`" in lines[0], lines[0]
+    assert not (data / RUN).exists(), "a role (or its log) was started"
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("model.path=/no/such/model", "model.path"),
+        ("orchestrator.train.env.0.id=nope", "orchestrator.train.env.0.id"),
+        ("orchestrator.algorithms.0.name=nope", "orchestrator.algorithms.0.name"),
+    ],
+)
+def test_up_refuses_a_bad_config_before_any_role_starts(
+    tmp_path: Path, override: str, key: str
+) -> None:
+    out = up(tmp_path, "-c", "smoke", override)
+    assert_refused(out, tmp_path, key)
+
+
+def test_an_unknown_env_in_a_toml_file_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "my_run.toml"
+    config.write_text('[[orchestrator.train.env]]\nid = "nope"\n')
+    out = up(tmp_path, "-c", str(config))
+    assert_refused(out, tmp_path, "orchestrator.train.env.0.id")
+    assert "unknown env 'nope'" in out.stderr and "reverse-text" in out.stderr
+
+
+def test_the_dry_run_runs_the_same_checks(tmp_path: Path) -> None:
+    """A dry run that passed a config `up` then rejects would be a trap (preflight's docstring)."""
+    out = up(tmp_path, "--dry-run", "-c", "smoke", "model.path=/no/such/model")
+    assert_refused(out, tmp_path, "model.path")
+    assert out.stdout == ""
+
+
+# -- the checks themselves ------------------------------------------------------------------
+
+
+def smoke(tmp_path: Path, *overrides: str) -> RunConfig:
+    return load_config("smoke", [f"bus.data_dir={tmp_path}", *overrides])
+
+
+def test_the_smoke_config_passes(tmp_path: Path) -> None:
+    preflight.check(smoke(tmp_path))
+
+
+def test_a_directory_that_is_not_a_model(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ConfigError, match=r"^`model.path`: .* not a model directory \(no config.json\)$"):  # fmt: skip
+        preflight.check(smoke(tmp_path, f"model.path={tmp_path / 'm'}"))
+    (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="has no weights"):
+        preflight.check(smoke(tmp_path, f"model.path={tmp_path / 'm'}"))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
+    preflight.check(smoke(tmp_path, f"model.path={tmp_path / 'm'}"))
+
+
+def test_a_hub_id_must_be_cached_when_downloads_are_off(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="neither a local directory nor in the Hugging Face cache"):  # fmt: skip
+        preflight.check(smoke(tmp_path, "model.path=no-such-org/no-such-model"))
+
+
+def test_a_reference_model_path_is_checked_but_a_teachers_is_not(tmp_path: Path) -> None:
+    ref = 'orchestrator.models.ref={kind="reference", path="/no/such/ref"}'
+    with pytest.raises(ConfigError, match=r"^`orchestrator.models.ref.path`: /no/such/ref does not exist"):  # fmt: skip
+        preflight.check(smoke(tmp_path, ref))
+    preflight.check(smoke(tmp_path, "orchestrator.models.teacher.path=/no/such/teacher"))
+
+
+def test_every_problem_is_named_on_one_line(tmp_path: Path) -> None:
+    cfg = smoke(tmp_path, "model.path=/no/model", "orchestrator.train.env.0.args={nope=1}")
+    with pytest.raises(ConfigError) as e:
+        preflight.check(cfg)
+    assert "\n" not in str(e.value)
+    assert "`model.path`" in str(e.value) and "`orchestrator.train.env.0.args`" in str(e.value)
+
+
+def test_a_warmup_algorithm_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"`orchestrator.warmup.algorithms`: unknown algorithm 'nope'"):  # fmt: skip
+        preflight.check(smoke(tmp_path, 'orchestrator.warmup.algorithms=["nope"]'))
+
+
+def test_too_little_free_disk_says_how_much_is_needed(tmp_path: Path) -> None:
+    need = shutil.disk_usage(tmp_path).free // preflight.GIB + 2
+    problems = preflight.data_dir_problems(smoke(tmp_path), min_free=need * preflight.GIB)
+    assert len(problems) == 1
+    assert problems[0].startswith(f"`bus.data_dir` ({tmp_path}): ")
+    assert problems[0].endswith(f"GiB free, rlbus up needs at least {need} GiB")
+
+
+def test_a_data_dir_that_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("")
+    cfg = smoke(tmp_path / "f")
+    assert preflight.data_dir_problems(cfg) == [
+        f"`bus.data_dir` ({tmp_path / 'f'}): exists and is not a directory"
+    ]
