@@ -149,6 +149,9 @@ class LogReader:
         sub = await self.bus.js.subscribe(
             "", ordered_consumer=True, config=config, stream=self.bus.stream
         )
+        # nats-py recreates an ordered consumer after a gap from this same config object,
+        # by start sequence: a start time left in it makes the server refuse the new one.
+        config.opt_start_time = None
         try:
             if not self.follow:
                 info = await sub.consumer_info()

@@ -1,14 +1,23 @@
 """What a run looks like from the outside: a fold over its metrics, weights and stop events.
 
 The launcher's live view, ``summary.json`` and ``curves.png`` all read this one object,
-fed from the run's stream (metrics, weights, stop) and the headers of completed traces.
-Its metric tables are ``roles.lib.curves.MetricCurves``, the same fold as ``rlbus plot``'s.
+fed from the run's stream (metrics, weights, stop) and the headers of completed traces
+and evals. Its metric tables are ``roles.lib.curves.MetricCurves``, the same fold as
+``rlbus plot``'s.
+
+Counts: ``rollouts`` are train rollouts, one per ``trace.completed`` message (the rate
+and throughput count these alone); ``eval_rollouts`` are the rollouts of eval tasks, k
+per ``eval.completed`` message (``orchestrator.eval.k``), counted apart.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from roles.lib.curves import MetricCurves
@@ -21,14 +30,17 @@ class RunMonitor(MetricCurves):
     eval_kinds: ClassVar[tuple[str, ...]] = ("avg@",)
 
     max_steps: int
+    eval_k: int = 1  # rollouts per eval task (orchestrator.eval.k)
     started_at: float = field(default_factory=time.monotonic)
     policy_version: int = 0
     assembled: int = 0
-    phase: str = "rl"
-    rollouts: int = 0
+    phase: str | None = None  # of the newest assembled batch: "sft" or "rl"
+    rollouts: int = 0  # train rollouts: trace.completed messages
+    eval_tasks: int = 0  # eval.completed messages, k rollouts each
     rollout_times: list[tuple[float, int]] = field(
         default_factory=list
     )  # (t, cumulative) for rates
+    first_rollout_at: float | None = None
     stopped: RunStopped | None = None
     started: RunStarted | None = None
     final_digest: str | None = None
@@ -44,17 +56,51 @@ class RunMonitor(MetricCurves):
                 self.policy_version = max(self.policy_version, event.version)
                 if event.version >= self.policy_version:
                     self.final_digest = event.weights.digest
-            case MetricsReported(role="orchestrator"):
-                self.assembled = max(self.assembled, event.step)
+            case MetricsReported(role="orchestrator") if event.step >= self.assembled:
+                self.assembled = event.step
                 self.phase = "sft" if event.values.get("sft") else "rl"
 
     def trace_completed(self, n: int = 1) -> None:
+        """Count ``n`` train rollouts (``trace.completed`` messages)."""
+        now = time.monotonic()
+        if self.first_rollout_at is None:
+            self.first_rollout_at = now
         self.rollouts += n
-        self.rollout_times.append((time.monotonic(), self.rollouts))
+        self.rollout_times.append((now, self.rollouts))
         if len(self.rollout_times) > 200:
             del self.rollout_times[:100]
 
+    def eval_completed(self, n: int = 1) -> None:
+        """Count ``n`` finished eval tasks (``eval.completed`` messages, k rollouts each)."""
+        self.eval_tasks += n
+
     # -- derived views ------------------------------------------------------------------
+
+    @property
+    def eval_rollouts(self) -> int:
+        return self.eval_tasks * self.eval_k
+
+    def phase_label(self) -> str:
+        """What the run is doing: starting (roles loading, no ``run.started`` yet), the
+        warm start, RL, or stopped."""
+        if self.stopped is not None:
+            return f"stopped ({self.stopped.reason})"
+        if self.started is None:
+            return "starting"
+        phase = self.phase or ("sft" if self.warmup_steps > 0 else "rl")
+        return "warm start (sft)" if phase == "sft" else "rl"
+
+    def mean_rollouts_per_s(self) -> float:
+        """Train rollouts per second from the first one to the last one."""
+        if self.first_rollout_at is None or not self.rollout_times:
+            return 0.0
+        span = self.rollout_times[-1][0] - self.first_rollout_at
+        return self.rollouts / span if span > 0 else 0.0
+
+    def mean_tokens_per_s(self) -> float | None:
+        """The trainer's tokens/s, averaged over its steps."""
+        values = [v for _, v in self.series(self.trainer, "tokens_per_s")]
+        return sum(values) / len(values) if values else None
 
     def rollouts_per_s(self, window: float = 20.0) -> float:
         now = time.monotonic()
@@ -79,6 +125,9 @@ class RunMonitor(MetricCurves):
             "steps": self.policy_version,
             "wall_s": round(time.monotonic() - self.started_at, 1),
             "rollouts": self.rollouts,
+            "eval_rollouts": self.eval_rollouts,
+            "rollouts_per_s": round(self.mean_rollouts_per_s(), 2),
+            "trainer_tokens_per_s": _rounded(self.mean_tokens_per_s(), 1),
             "warmup_steps": warm,
             "final_weights_digest": self.final_digest,
             "eval": {str(v): m for v, m in sorted(self.eval.items())},
@@ -89,11 +138,16 @@ class RunMonitor(MetricCurves):
             at = dict(points)
             after_warm = at.get(warm) if warm else at.get(0)
             final = points[-1][1] if points else None
+            out[f"{key}:start"] = at.get(0)
             out[f"{key}:after_warm_start"] = after_warm
             out[f"{key}:final"] = final
             if after_warm is not None and final is not None:
                 out[f"{key}:gain"] = round(final - after_warm, 4)
         return out
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -108,3 +162,93 @@ def sparkline(values: list[float], width: int = 30) -> str:
     return "".join(
         SPARKS[min(len(SPARKS) - 1, int((v - lo) / span * (len(SPARKS) - 1)))] for v in values
     )
+
+
+# -- a role's last error, from its log ------------------------------------------------------
+
+# A traceback's header, within an exception group's "  | " margin (``prefix``).
+TRACEBACK = re.compile(
+    r"^(?P<prefix>[ |+]*?)(?:Exception Group )?Traceback \(most recent call last\):$"
+)
+# The module path of an exception's name ("roles.lib.model.loading." of ModelNotFound).
+QUALIFIED = re.compile(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?::|$))")
+ERROR_LEVELS = ("error", "critical", "exception")
+TAIL_BYTES = 256 * 1024
+
+
+def last_error(log: Path, offset: int = 0, width: int = 200) -> str | None:
+    """The last error in a role's log from byte ``offset`` on, as one line: the exception
+    line of the last traceback (``ModelNotFound: model path does not exist: x``), plain or
+    in a structlog JSON line, or the last JSON line logged at error level; else the last
+    unindented plain line. None when the log holds none of these."""
+    try:
+        with log.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(offset, size - TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = text.splitlines()
+    found = _last_error_in(lines) or _last_plain_line(lines)
+    return None if found is None else _one_line(found, width)
+
+
+def exit_text(code: int | None) -> str:
+    """A process's return code in words: ``exit 1``, ``killed by SIGKILL``."""
+    if code is None:
+        return "still running"
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def _last_error_in(lines: list[str]) -> str | None:
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i]
+        found = _json_error(line) if line.startswith("{") else _traceback_error(lines, i)
+        if found:
+            return found
+    return None
+
+
+def _traceback_error(lines: list[str], i: int) -> str | None:
+    """The exception line of the traceback whose header is ``lines[i]``: the first line
+    after it that is not indented (within an exception group's ``|`` margin)."""
+    head = TRACEBACK.match(lines[i])
+    if head is None:
+        return None
+    margin = len(head["prefix"])
+    for line in lines[i + 1 :]:
+        body = line[margin:]
+        if body and not body[0].isspace():
+            return QUALIFIED.sub("", body)
+    return None
+
+
+def _json_error(line: str) -> str | None:
+    """An error-level structlog line: its exception's last line, or ``event: error``."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("level") not in ERROR_LEVELS:
+        return None
+    exception = record.get("exception")
+    if isinstance(exception, str) and exception.strip():
+        return _last_error_in(exception.splitlines()) or exception.strip().splitlines()[-1]
+    detail = next((record[k] for k in ("error", "reason", "detail") if record.get(k)), None)
+    event = str(record.get("event", "error"))
+    return f"{event}: {detail}" if detail else event
+
+
+def _last_plain_line(lines: list[str]) -> str | None:
+    plain = (x for x in reversed(lines) if x.strip() and not x[0].isspace() and x[0] != "{")
+    return next(plain, None)
+
+
+def _one_line(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"

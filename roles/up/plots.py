@@ -25,7 +25,7 @@ def plot_curves(monitor: MetricCurves, path: Path) -> Path | None:
     reward = [
         (k, v)
         for k, v in monitor.series(monitor.train, "reward_mean")
-        if not monitor.train[k].get("sft")
+        if not monitor.train[int(k)].get("sft")
     ]
     if reward:
         axes[0].plot(*zip(*reward, strict=True), marker=".", label="train reward (RL batch mean)")

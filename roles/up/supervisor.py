@@ -1,52 +1,144 @@
 """Keeps a run's role processes alive and watches the run through its stream.
 
 Started by ``rlbus up`` (``roles/up/launcher.py``). It reads metrics, weights and stop
-events (and only the headers of completed traces, to count rollouts) with ordered
-consumers, restarts a role process that dies, and on ``run.stopped`` or Ctrl-C stops
-every role with SIGTERM so each drains its in-flight work.
+events (and only the headers of completed traces and evals, to count rollouts) with
+ordered consumers (``RunFollower``), restarts a role process that dies and shows the last
+error of its log (``RoleKeeper``), and on ``run.stopped``, Ctrl-C, SIGTERM or SIGHUP (the
+terminal closed) stops every role with SIGTERM, in order, so each drains its in-flight
+work (``stop_in_order``), the view showing which role is draining.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bus.log import get_logger
-from bus.reader import LogReader
+from bus.reader import LogReader, last_seq
 from bus.runtime import Bus
-from bus.subjects import Topic
+from bus.subjects import Topic, topic_of_subject
 from configs import RunConfig
 from configs.paths import RunPaths
-from roles.up.monitor import RunMonitor
+from roles.up.monitor import RunMonitor, exit_text, last_error
 from roles.up.processes import RoleProcess, write_summary
 from schemas import MetricsReported, RunStarted, RunStopped, WeightsPublished
 
+if TYPE_CHECKING:
+    from roles.up.view import LiveView
+
 TYPES = (MetricsReported, RunStarted, RunStopped, WeightsPublished)
 MAX_RESTARTS = 5
+# Each stops the run like Ctrl-C: the roles drain and stop (SIGHUP: the terminal closed).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-async def follow_events(bus: Bus, monitor: RunMonitor, stop: asyncio.Event) -> None:
-    """Fold the run's events into ``monitor`` until ``stop``; completed traces are counted
-    from their headers alone (their bodies are large and the view needs only a count)."""
-    topics = [(t, None) for t in (Topic.RUN_STARTED, Topic.RUN_STOPPED, Topic.WEIGHTS_PUBLISHED, Topic.METRICS_REPORTED)]  # fmt: skip
-    events = LogReader(bus, topics=topics, follow=True, idle_timeout_s=1.0, stop=stop)
-    traces = LogReader(
-        bus, topics=[(Topic.TRACE_COMPLETED, None)], follow=True, idle_timeout_s=1.0,
-        headers_only=True, stop=stop,
-    )  # fmt: skip
+class RunFollower:
+    """Folds the run's stream into a ``RunMonitor`` with two ordered consumers: start,
+    stop, weights and metrics events in full; completed traces and evals by their headers
+    alone (their bodies are large, and the monitor only counts them)."""
 
-    async def count_traces() -> None:
-        async for _ in traces.messages():
-            monitor.trace_completed()
+    EVENTS = (Topic.RUN_STARTED, Topic.RUN_STOPPED, Topic.WEIGHTS_PUBLISHED, Topic.METRICS_REPORTED)
+    COUNTED = (Topic.TRACE_COMPLETED, Topic.EVAL_COMPLETED)
 
-    counter = asyncio.create_task(count_traces())
-    try:
-        async for event in events.events(TYPES):
-            monitor.apply(event)
-    finally:
-        counter.cancel()
-        await asyncio.gather(counter, return_exceptions=True)
+    def __init__(self, bus: Bus, monitor: RunMonitor, idle_timeout_s: float = 1.0) -> None:
+        self.bus, self.monitor = bus, monitor
+        self.stop = asyncio.Event()
+        self.events = LogReader(
+            bus, topics=[(t, None) for t in self.EVENTS], follow=True,
+            idle_timeout_s=idle_timeout_s, stop=self.stop,
+        )  # fmt: skip
+        self.counts = LogReader(
+            bus, topics=[(t, None) for t in self.COUNTED], follow=True,
+            idle_timeout_s=idle_timeout_s, headers_only=True, stop=self.stop,
+        )  # fmt: skip
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self._fold()), asyncio.create_task(self._count())]
+
+    def check(self) -> None:
+        """Raise what a reader failed with."""
+        for task in self.tasks:
+            if task.done():
+                task.result()
+
+    async def finish(self, timeout_s: float = 10.0) -> None:
+        """Read on up to what the stream holds now (what the roles published while they
+        drained), then stop reading. Idempotent."""
+        if not self.stop.is_set():
+            try:
+                await asyncio.wait_for(self._catch_up(), timeout_s)
+            except Exception as e:  # no server, or too slow: stop where the readers are
+                self.bus.log.warning("follower.catch_up_incomplete", error=repr(e))
+            self.stop.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _catch_up(self) -> None:
+        readers = [(self.events, self.EVENTS), (self.counts, self.COUNTED)]
+        for (reader, topics), task in zip(readers, self.tasks, strict=True):
+            newest = max([await last_seq(self.bus, t) for t in topics])
+            while reader.last_seq < newest and not task.done():
+                await asyncio.sleep(0.05)
+
+    async def _fold(self) -> None:
+        async for event in self.events.events(TYPES):
+            self.monitor.apply(event)
+
+    async def _count(self) -> None:
+        async for msg in self.counts.messages():
+            if topic_of_subject(self.bus.run, msg.subject) is Topic.EVAL_COMPLETED:
+                self.monitor.eval_completed()
+            else:
+                self.monitor.trace_completed()
+
+
+@dataclass
+class RoleKeeper:
+    """Starts the role processes and restarts one that dies, up to ``MAX_RESTARTS`` times,
+    telling the view why it died: the last error in its log since it was started."""
+
+    roles: list[RoleProcess]
+    view: LiveView
+    log: Any
+    log_offsets: dict[str, int] = field(default_factory=dict)  # log size at the last start
+
+    def start(self, r: RoleProcess) -> None:
+        if r.log_file is not None:
+            r.log_file.close()
+        self.log_offsets[r.name] = r.log_path.stat().st_size if r.log_path.exists() else 0
+        r.start()
+        pid = r.proc.pid if r.proc else None
+        self.log.info("role.started", name=r.name, pid=pid, log=str(r.log_path))
+
+    def death(self, r: RoleProcess) -> str:
+        """Why ``r`` died, in one line: its last error and its exit."""
+        code = exit_text(r.proc.returncode if r.proc else None)
+        error = last_error(r.log_path, self.log_offsets.get(r.name, 0))
+        return f"{error} ({code})" if error else f"{code}; no error in its log"
+
+    def check(self) -> str | None:
+        """Restart every role that died; the failure once one died too often."""
+        for r in self.roles:
+            if r.alive or r.proc is None:
+                continue
+            code = r.proc.returncode
+            r.exit_codes.append(code)
+            why = self.death(r)
+            if r.restarts >= MAX_RESTARTS:
+                return f"{r.name} died {r.restarts + 1} times; last: {why}; log {r.log_path}"
+            r.restarts += 1
+            self.log.warning(
+                "role.restarted", name=r.name, exit_code=code, restarts=r.restarts, error=why
+            )
+            self.view.note(f"{r.name} died: {why}; restarted (#{r.restarts})")
+            self.start(r)
+        return None
 
 
 # Producers stop before the roles they depend on: the orchestrator stops dispatching, env
@@ -54,82 +146,158 @@ async def follow_events(bus: Bus, monitor: RunMonitor, stop: asyncio.Event) -> N
 STOP_ORDER = ("orchestrator", "env-", "algorithm-", "trainer", "teacher-", "inference-")
 
 
-async def stop_in_order(roles: list[RoleProcess], timeout_s: float = 30.0) -> None:
-    """SIGTERM each group of roles in ``STOP_ORDER`` and wait for it to drain."""
+class StopWatcher(Protocol):
+    """Told each role's state while the roles stop (the live view)."""
+
+    def role_state(self, name: str, state: str) -> None: ...
+
+    def refresh(self) -> None: ...
+
+
+def stop_groups(roles: list[RoleProcess]) -> list[list[RoleProcess]]:
+    """The roles grouped by ``STOP_ORDER``, first to stop first."""
     rank = {
         r.name: next((i for i, p in enumerate(STOP_ORDER) if r.name.startswith(p)), len(STOP_ORDER))
         for r in roles
     }
-    for level in sorted(set(rank.values())):
-        group = [r for r in roles if rank[r.name] == level]
-        for r in group:
-            r.terminate()
-        deadline = time.monotonic() + timeout_s
-        for r in group:
-            await asyncio.to_thread(r.wait, max(1.0, deadline - time.monotonic()))
+    return [[r for r in roles if rank[r.name] == level] for level in sorted(set(rank.values()))]
+
+
+async def stop_in_order(
+    roles: list[RoleProcess], timeout_s: float = 30.0, watcher: StopWatcher | None = None
+) -> None:
+    """SIGTERM each group of roles in ``STOP_ORDER`` and wait for it to drain (a role that
+    does not within ``timeout_s`` is killed), telling ``watcher`` as each role goes from
+    draining to stopped and refreshing it meanwhile."""
+    for group in stop_groups(roles):
+        await stop_group(group, timeout_s, watcher)
+
+
+async def stop_group(
+    group: list[RoleProcess], timeout_s: float, watcher: StopWatcher | None
+) -> None:
+    started = time.monotonic()
+    draining = [r for r in group if r.alive]
+    for r in draining:
+        r.terminate()
+        if watcher:
+            watcher.role_state(r.name, "draining")
+    while draining and time.monotonic() - started < timeout_s:
+        for r in [r for r in draining if not r.alive]:
+            draining.remove(r)
+            if watcher:
+                watcher.role_state(r.name, stopped_text(r, started))
+        if watcher:
+            watcher.refresh()
+        await asyncio.sleep(0.2)
+    for r in group:
+        await asyncio.to_thread(r.wait, 0.1)  # kills one still running; closes its log
+        if r in draining and watcher:
+            killed = r.proc is not None and r.proc.returncode == -signal.SIGKILL
+            late = f"killed (did not drain in {timeout_s:.0f}s)"
+            watcher.role_state(r.name, late if killed else stopped_text(r, started))
+
+
+def stopped_text(r: RoleProcess, since: float) -> str:
+    code = exit_text(r.proc.returncode if r.proc else None)
+    return f"stopped ({code}, {time.monotonic() - since:.1f}s)"
+
+
+async def keep_running(
+    keeper: RoleKeeper, follower: RunFollower, view: LiveView, stop: asyncio.Event
+) -> str | None:
+    """Until the run stops or ``stop`` is set: restart roles that die, refresh the view.
+    Returns the failure when a role kept dying."""
+    while not stop.is_set() and follower.monitor.stopped is None:
+        if failed := keeper.check():
+            return failed
+        follower.check()
+        view.refresh()
+        await asyncio.sleep(0.5)
+    return None
+
+
+def stop_reason(monitor: RunMonitor, failed: str | None, signals: list[str]) -> str:
+    """Why the roles are stopped, in a few words (the notes and the report say more)."""
+    if failed:
+        return f"failed: {failed.split(';')[0]}"
+    if signals:
+        return f"interrupted by {signals[0]}"
+    if monitor.stopped is not None:
+        return monitor.stopped.reason
+    return "the launcher failed"
+
+
+def detach_from_terminal(log: Path) -> None:
+    """The terminal closed (SIGHUP): what the launcher still writes to it goes to ``log``
+    instead, so the roles drain and the summary is written without a write error."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for target in (1, 2):
+            if os.isatty(target):
+                os.dup2(fd, target)
+    finally:
+        os.close(fd)
 
 
 async def supervise(
     cfg: RunConfig, paths: RunPaths, url: str, roles: list[RoleProcess], live_view: bool
 ) -> int:
-    run = paths.run
-    log = get_logger(run=run, role="launcher")
-    monitor = RunMonitor(run=run, max_steps=cfg.max_steps)
-    interrupted = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupted.set)
-    bus = await Bus.connect(url, run=run, producer="launcher")
-    await bus.ensure_stream()
-    for r in roles:
-        r.start()
-        log.info(
-            "role.started", name=r.name, pid=r.proc.pid if r.proc else None, log=str(r.log_path)
-        )
-    stop_reading = asyncio.Event()
-    reader = asyncio.create_task(follow_events(bus, monitor, stop_reading))
     from roles.up.view import LiveView
 
+    run = paths.run
+    log = get_logger(run=run, role="launcher")
+    monitor = RunMonitor(
+        run=run, max_steps=cfg.max_steps, warmup_steps=cfg.orchestrator.warmup.steps,
+        eval_k=cfg.orchestrator.eval.k,
+    )  # fmt: skip
     view = LiveView(monitor, roles, enabled=live_view)
+    interrupted = asyncio.Event()
+    signals: list[str] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if sig == signal.SIGHUP and not signals:
+            detach_from_terminal(paths.log("launcher"))
+            view.detach()
+        signals.append(sig.name)
+        interrupted.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+    bus = await Bus.connect(url, run=run, producer="launcher")
+    await bus.ensure_stream()
+    keeper = RoleKeeper(roles, view, log)
+    for r in roles:
+        keeper.start(r)
+    follower = RunFollower(bus, monitor)
+    follower.start()
     failed: str | None = None
     try:
         with view:
-            while not interrupted.is_set() and monitor.stopped is None:
-                for r in roles:
-                    if not r.alive and r.proc is not None:
-                        code = r.proc.returncode
-                        r.exit_codes.append(code)
-                        if r.restarts >= MAX_RESTARTS:
-                            failed = f"{r.name} died {r.restarts + 1} times (last exit {code}); see {r.log_path}"
-                            break
-                        r.restarts += 1
-                        log.warning(
-                            "role.restarted", name=r.name, exit_code=code, restarts=r.restarts
-                        )
-                        view.note(f"{r.name} exited ({code}); restarted (#{r.restarts})")
-                        r.start()
-                if failed:
-                    break
-                if reader.done():
-                    reader.result()
-                view.refresh()
-                await asyncio.sleep(0.5)
+            try:
+                failed = await keep_running(keeper, follower, view, interrupted)
+            finally:
+                view.stopping(stop_reason(monitor, failed, signals))
+                await stop_in_order(roles, watcher=view)
+                await follower.finish()
     finally:
-        await stop_in_order(roles)
-        stop_reading.set()
-        await asyncio.gather(reader, return_exceptions=True)
+        await follower.finish()  # after an error above
         await bus.close()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
     summary = monitor.summary()
     summary["restarts"] = {r.name: r.restarts for r in roles if r.restarts}
     if failed:
         summary["failed"] = failed
+    if signals:
+        summary["interrupted"] = signals[0]
     path = write_summary(paths, summary)
     from roles.up.plots import plot_curves
 
     curves = plot_curves(monitor, paths.curves)
-    print(view.final_report(summary, path, curves))
+    with contextlib.suppress(OSError):  # a terminal gone without SIGHUP
+        print(view.final_report(summary, path, curves, paths.logs), flush=True)
     if failed:
         log.error("run.failed", reason=failed)
         return 1

@@ -1,7 +1,13 @@
-"""The live terminal view of ``rlbus up`` (rich), or one plain line per step without a TTY."""
+"""The live terminal view of ``rlbus up`` (rich), or one plain line per step without a TTY.
+
+Both show the run's phase (starting, warm start (sft), rl, stopped), each role's state
+(running, down, draining, stopped), notes (a role restarted, with the last error of its
+log) and, at the end, a short report of the run (``final_report``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -24,6 +30,9 @@ class LiveView:
         self.live: Live | None = None
         self.printed_step = 0
         self.printed_eval: set[int] = set()
+        self.printed_phase: str | None = None
+        self.states: dict[str, str] = {}  # the supervisor's word on a role: draining, stopped
+        self.stop_reason: str | None = None  # set once the roles are being stopped
 
     def __enter__(self) -> LiveView:
         if self.enabled:
@@ -40,11 +49,34 @@ class LiveView:
             self.live.update(self.render())
             self.live.__exit__(None, None, None)
 
+    def detach(self) -> None:
+        """The terminal closed: stop drawing; plain lines from now on (the launcher sends
+        its output to its log file)."""
+        if self.live is not None:
+            with contextlib.suppress(Exception):
+                self.live.stop()
+            self.live = None
+        self.enabled = False
+
     def note(self, text: str) -> None:
         self.notes.append(f"{time.strftime('%H:%M:%S')} {text}")
         del self.notes[:-5]
         if not self.enabled:
             print(f"[rlbus] {text}", flush=True)
+
+    def stopping(self, reason: str) -> None:
+        """The run is over (``reason``): the roles are stopped in order from now on."""
+        self.stop_reason = reason
+        self.refresh()
+        if not self.enabled:
+            print(f"[rlbus] stopping ({reason}): draining the roles in order", flush=True)
+
+    def role_state(self, name: str, state: str) -> None:
+        """A role's state as the supervisor sees it while stopping (draining, stopped)."""
+        self.states[name] = state
+        if not self.enabled:
+            print(f"[rlbus]   {name}: {state}", flush=True)
+        self.refresh()
 
     def refresh(self) -> None:
         if self.live is not None:
@@ -55,6 +87,9 @@ class LiveView:
     def print_lines(self, final: bool = False) -> None:
         """Plain mode: one line per trained step (once the trainer reported it)."""
         m = self.m
+        if not final and (phase := m.phase_label()) != self.printed_phase:
+            print(f"[rlbus] phase: {phase}", flush=True)
+            self.printed_phase = phase
         ready = m.train if final else m.trainer
         for step in sorted(s for s in ready if s > self.printed_step and s in m.train):
             t, tr = m.train[step], m.trainer.get(step, {})
@@ -77,10 +112,11 @@ class LiveView:
         head.add_column(style="bold")
         head.add_column()
         # Warm-start batches are the teacher's answers (reward 1 by construction): RL only.
-        rewards = [v for k, v in m.series(m.train, "reward_mean") if not m.train[k].get("sft")]
+        rewards = [v for k, v in m.series(m.train, "reward_mean") if not m.train[int(k)].get("sft")]
         elapsed = time.monotonic() - m.started_at
         tps = m.last(m.trainer, "tokens_per_s")
-        head.add_row("step", f"{m.assembled}/{m.max_steps} ({m.phase})   elapsed {elapsed:.0f}s")
+        head.add_row("phase", self.phase_text())
+        head.add_row("step", f"{m.assembled}/{m.max_steps}   elapsed {elapsed:.0f}s")
         head.add_row(
             "policy", f"v{m.policy_version}   lag {max(0, m.assembled - m.policy_version)} step(s)"
         )
@@ -88,26 +124,108 @@ class LiveView:
         for key in m.eval_keys():
             pts = [v for _, v in m.series(m.eval, key)]
             head.add_row(f"eval {key}", f"{pts[-1]:.3f}  {sparkline(pts)}  (at v{max(m.eval)})")
-        head.add_row("rollouts/s", f"{m.rollouts_per_s():.1f}   total {m.rollouts}")
+        head.add_row(
+            "rollouts",
+            f"{m.rollouts} train, {m.rollouts_per_s():.1f}/s   "
+            f"eval {m.eval_rollouts} (k={m.eval_k} per eval task, not in the rate)",
+        )
         head.add_row(
             "trainer",
             f"{tps:.0f} tokens/s   loss {m.last(m.trainer, 'loss') or 0:.4f}" if tps else "-",
         )
         roles = Table("role", "state", "restarts", box=None, padding=(0, 1))
         for r in self.roles:
-            state = "[green]running[/]" if r.alive else "[red]down[/]"
-            roles.add_row(r.name, state, str(r.restarts) if r.restarts else "")
+            roles.add_row(r.name, self.styled_state(r), str(r.restarts) if r.restarts else "")
         parts: list[Any] = [head, roles]
         if self.notes:
             parts.append("\n".join(self.notes))
-        return Panel(Group(*parts), title=f"rlbus · {m.run}", subtitle="Ctrl-C drains and stops")
+        subtitle = "the roles drain in order" if self.stop_reason else "Ctrl-C drains and stops"
+        return Panel(Group(*parts), title=f"rlbus · {m.run}", subtitle=subtitle)
 
-    def final_report(self, summary: dict[str, Any], path: Path, curves: Path | None) -> str:
-        lines = [f"run {summary['run']}: {summary.get('stopped') or 'interrupted'}"]
-        for k, v in summary.items():
-            if ":" in k and v is not None:
-                lines.append(f"  {k} = {v:.3f}" if isinstance(v, float) else f"  {k} = {v}")
-        lines.append(f"  summary: {path}")
-        if curves:
-            lines.append(f"  curves:  {curves}")
-        return "\n".join(lines)
+    def phase_text(self) -> str:
+        """The monitor's phase, or while stopping why and which roles are draining."""
+        if self.stop_reason is None:
+            return self.m.phase_label()
+        if not any(r.alive for r in self.roles):
+            return f"stopped ({self.stop_reason}): every role stopped"
+        draining = [name for name, state in self.states.items() if state == "draining"]
+        now = f": draining {', '.join(draining)}" if draining else ""
+        return f"stopping ({self.stop_reason}){now}"
+
+    def styled_state(self, role: Any) -> str:
+        state = self.states.get(role.name) or ("running" if role.alive else "down")
+        style = STATE_STYLES.get(state.split(" ")[0], "")
+        return f"[{style}]{state}[/]" if style else state
+
+    def final_report(
+        self, summary: dict[str, Any], path: Path, curves: Path | None, logs: Path | None = None
+    ) -> str:
+        """The run in a few aligned lines: how it ended, steps, eval, counts, files."""
+        rows = [("result", outcome(summary)), ("steps", self.steps_text(summary))]
+        rows += [(f"eval {key}", self.eval_text(key)) for key in self.m.eval_keys()]
+        restarts = ", ".join(f"{k} {n}" for k, n in summary.get("restarts", {}).items())
+        rows += [
+            ("rollouts", self.rollouts_text(summary)),
+            ("throughput", throughput_text(summary)),
+            ("restarts", restarts or "none"),
+            ("summary", str(path)),
+            ("curves", str(curves) if curves else "none (nothing was reported)"),
+        ]
+        if logs is not None:
+            rows.append(("logs", f"{logs}/<role>.log"))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(
+            [f"rlbus run {summary['run']}"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+        )
+
+    def rollouts_text(self, summary: dict[str, Any]) -> str:
+        m = self.m
+        evals = f"{summary['eval_rollouts']} eval ({m.eval_tasks} eval tasks x k={m.eval_k})"
+        return f"{summary['rollouts']} train, {evals}"
+
+    def steps_text(self, summary: dict[str, Any]) -> str:
+        steps, warm = summary["steps"], min(summary["steps"], self.m.warmup_steps)
+        split = f" ({warm} warm start, {steps - warm} rl)" if self.m.warmup_steps else ""
+        return f"{steps}/{self.m.max_steps} trained{split}   wall {summary['wall_s']:.0f}s"
+
+    def eval_text(self, key: str) -> str:
+        """start -> after the warm start -> final, each with its policy version."""
+        points = self.m.series(self.m.eval, key)
+        at = dict(points)
+        warm = self.m.warmup_steps
+        parts = []
+        if 0 in at:
+            parts.append(f"{at[0]:.3f} at start")
+        if warm and warm in at:
+            parts.append(f"{at[warm]:.3f} after warm start (v{warm})")
+        if points and points[-1][0] not in (0, warm):
+            version, value = points[-1]
+            parts.append(f"{value:.3f} final (v{int(version)})")
+        return " -> ".join(parts) or "-"
+
+
+STATE_STYLES = {
+    "running": "green",
+    "down": "red",
+    "draining": "yellow",
+    "stopped": "dim",
+    "killed": "red",
+}
+
+
+def outcome(summary: dict[str, Any]) -> str:
+    """How the run ended: failed, stopped by the orchestrator, or interrupted."""
+    if summary.get("failed"):
+        return f"FAILED: {summary['failed']}"
+    stopped = summary.get("stopped")
+    if stopped:
+        return f"stopped: {stopped['reason']}" + (
+            f" ({stopped['detail']})" if stopped["detail"] else ""
+        )
+    return f"interrupted ({summary.get('interrupted') or 'signal'}); the roles drained and stopped"
+
+
+def throughput_text(summary: dict[str, Any]) -> str:
+    tokens = summary.get("trainer_tokens_per_s")
+    trainer = f"; trainer {tokens:.0f} tokens/s" if tokens else ""
+    return f"{summary['rollouts_per_s']:.1f} train rollouts/s{trainer}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
 
@@ -86,3 +87,98 @@ def test_curves_are_written(tmp_path: Path) -> None:
 
 def test_sparkline_spans_the_range() -> None:
     assert sparkline([0, 1]) == "▁█" and sparkline([]) == ""
+
+
+def test_the_phase_is_told_as_it_is() -> None:
+    """Starting until run.started, the warm start while its batches are assembled, then RL."""
+    m = RunMonitor(run="r", max_steps=4, warmup_steps=2)
+    assert m.phase_label() == "starting"
+    m.apply(RunStarted(run="r", config={"orchestrator": {"warmup": {"steps": 2}}}, seed=0, model_path="m"))  # fmt: skip
+    assert m.phase_label() == "warm start (sft)"
+    m.apply(MetricsReported(run="r", role="orchestrator", step=2, values={"sft": 1.0}))
+    assert m.phase_label() == "warm start (sft)"
+    m.apply(MetricsReported(run="r", role="orchestrator", step=3, values={"sft": 0.0}))
+    m.apply(MetricsReported(run="r", role="orchestrator", step=2, values={"sft": 1.0}))  # late
+    assert m.phase_label() == "rl"
+    m.apply(RunStopped(run="r", reason="max_steps", step=4))
+    assert m.phase_label() == "stopped (max_steps)"
+    no_warm_start = RunMonitor(run="r", max_steps=4)
+    no_warm_start.apply(RunStarted(run="r", config={}, seed=0, model_path="m"))
+    assert no_warm_start.phase_label() == "rl"
+
+
+def test_rollouts_count_train_traces_and_eval_traces_apart() -> None:
+    m = RunMonitor(run="r", max_steps=4, eval_k=4)
+    m.trace_completed(3)
+    m.eval_completed(2)
+    s = m.summary()
+    assert s["rollouts"] == 3 and s["eval_rollouts"] == 8
+
+
+@dataclass
+class FakeRole:
+    name: str
+    alive: bool = True
+    restarts: int = 0
+
+
+def test_the_view_shows_roles_draining_while_they_stop(capsys) -> None:  # noqa: ANN001
+    roles = [FakeRole("orch", alive=False), FakeRole("env-x")]
+    view = LiveView(fed_monitor(), roles, enabled=False)
+    view.stopping("max_steps")
+    view.role_state("orch", "stopped (exit 0, 0.4s)")
+    view.role_state("env-x", "draining")
+    assert view.phase_text() == "stopping (max_steps): draining env-x"
+    console = Console(file=StringIO(), width=120)
+    console.print(view.render())
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "draining" in text and "stopped (exit 0, 0.4s)" in text
+    out = capsys.readouterr().out
+    assert "[rlbus] stopping (max_steps)" in out and "[rlbus]   env-x: draining" in out
+    roles[1].alive = False
+    assert view.phase_text() == "stopped (max_steps): every role stopped"
+
+
+def test_plain_mode_prints_the_phase_when_it_changes(capsys) -> None:  # noqa: ANN001
+    m = RunMonitor(run="r", max_steps=4, warmup_steps=1)
+    view = LiveView(m, [], enabled=False)
+    view.refresh()
+    view.refresh()
+    m.apply(RunStarted(run="r", config={"orchestrator": {"warmup": {"steps": 1}}}, seed=0, model_path="m"))  # fmt: skip
+    view.refresh()
+    out = capsys.readouterr().out
+    assert out.count("[rlbus] phase: starting") == 1
+    assert "[rlbus] phase: warm start (sft)" in out
+
+
+def test_the_final_report_is_readable_lines(tmp_path: Path) -> None:
+    """How the run ended, steps, eval start -> after warm start -> final, counts, files."""
+    m = fed_monitor()
+    m.trace_completed(24)
+    m.eval_completed(3)
+    view = LiveView(m, [], enabled=False)
+    summary = m.summary() | {"restarts": {"trainer": 1}}
+    report = view.final_report(summary, tmp_path / "summary.json", None, tmp_path / "logs")
+    lines = [" ".join(line.split()) for line in report.splitlines()]  # alignment aside
+    assert lines[0] == "rlbus run r"
+    assert "result stopped: max_steps" in lines
+    assert "steps 4/4 trained (2 warm start, 2 rl) wall 0s" in lines
+    assert (
+        "eval env/avg@1 0.100 at start -> 0.200 after warm start (v2) -> 0.500 final (v4)" in lines
+    )
+    assert "rollouts 24 train, 3 eval (3 eval tasks x k=1)" in lines
+    assert "restarts trainer 1" in lines and f"logs {tmp_path}/logs/<role>.log" in lines
+    col = report.splitlines()[1].index("stopped")  # every value starts in this column
+    assert all(
+        line[col - 2 : col] == "  " != line[col - 1 : col + 1] for line in report.splitlines()[1:]
+    )
+    assert "{" not in report  # no raw dict
+
+
+def test_the_final_report_of_a_failed_run_names_the_error(tmp_path: Path) -> None:
+    m = RunMonitor(run="r", max_steps=4)
+    failed = "trainer died 6 times; last: ModelNotFound: model path does not exist: x (exit 1)"
+    summary = m.summary() | {"failed": failed, "restarts": {}}
+    report = LiveView(m, [], enabled=False).final_report(summary, tmp_path / "s.json", None)
+    lines = [" ".join(line.split()) for line in report.splitlines()]
+    assert f"result FAILED: {failed}" in lines and "restarts none" in lines
