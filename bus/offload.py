@@ -3,25 +3,40 @@
 The stream's messages stay small (NATS's max_payload is 1 MB, and a big message slows
 every reader). A body over the threshold is written to ``RLOBJ_<run>`` and the stream
 carries a ``BodyRef`` with its size and SHA-256. Reading checks the digest, so a
-corrupted, replaced or missing object is a ``BodyError``, never silent garbage. Reads use
-``writeinto`` (without it nats-py's ``get`` is quadratic in the object size).
+corrupted, replaced or missing object is a ``BodyError``, never silent garbage.
+
+Reads stream the object's chunks from an ordered consumer into one buffer (nats-py's
+``get`` without ``writeinto`` is quadratic in the object size, and waits forever for
+chunks that an ``ObjectStore.delete`` purged under it). Deleting is idempotent and leaves
+no tombstone: the trainer deletes old weights objects (``roles.trainer.retention``), and a
+restarted trainer deletes again. How the server gives the disk back: ``rewrite``.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
-import io
 
+import nats.errors
 import nats.js.errors
-from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.api import ObjectInfo, ObjectStoreConfig, StorageType
 from nats.js.client import JetStreamContext
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import (
+    OBJ_CHUNKS_PRE_TEMPLATE,
+    OBJ_DIGEST_TYPE,
+    OBJ_META_PRE_TEMPLATE,
+    OBJ_STREAM_TEMPLATE,
+    ObjectStore,
+)
 
 from bus.errors import BodyError
 
 # Weights larger than this are not put in a run's object store: they go to a path under
 # the run directory, named by an ObjectRef of kind "path" (trainer and orchestrator).
 OBJECT_STORE_MAX_BYTES = 200 * 1024 * 1024
+
+# A read that receives no chunk for this long checks that its object still exists.
+READ_STALL_S = 5.0
 
 
 def sha256_digest(data: bytes | memoryview) -> str:
@@ -31,9 +46,11 @@ def sha256_digest(data: bytes | memoryview) -> str:
 class BodyStore:
     """Put and get verified blobs in one object-store bucket."""
 
-    def __init__(self, js: JetStreamContext, bucket: str):
+    def __init__(self, js: JetStreamContext, bucket: str, read_stall_s: float = READ_STALL_S):
         self.js = js
         self.bucket = bucket
+        self.stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)  # the bucket's JetStream stream
+        self.read_stall_s = read_stall_s
         self._obs: ObjectStore | None = None
 
     async def store(self) -> ObjectStore:
@@ -54,17 +71,7 @@ class BodyStore:
 
     async def get(self, name: str, digest: str) -> bytes:
         """The bytes of ``name``, checked against ``digest``."""
-        obs = await self.store()
-        buf = io.BytesIO()
-        try:
-            await obs.get(name, writeinto=buf)
-        except nats.js.errors.ObjectNotFoundError as e:
-            raise BodyError(f"object {self.bucket}/{name} is missing") from e
-        except nats.js.errors.DigestMismatchError as e:
-            raise BodyError(
-                f"object {self.bucket}/{name} is corrupted (chunk digest mismatch)"
-            ) from e
-        data = buf.getvalue()
+        data = await self.read(name)
         actual = sha256_digest(data)
         if actual != digest:
             raise BodyError(
@@ -73,6 +80,108 @@ class BodyStore:
             )
         return data
 
-    async def delete(self, name: str) -> None:
+    async def _info(self, name: str) -> ObjectInfo:
         obs = await self.store()
-        await obs.delete(name)
+        try:
+            return await obs.get_info(name)
+        except nats.js.errors.ObjectNotFoundError as e:
+            raise BodyError(f"object {self.bucket}/{name} is missing") from e
+
+    async def read(self, name: str) -> bytes:
+        """Every chunk of ``name`` in order, its chunk digest checked (no reference needed).
+
+        When no chunk arrives for ``read_stall_s`` the object's info is read again: an
+        object deleted (or replaced) under the read is a ``BodyError``, never a hang.
+        """
+        info = await self._info(name)
+        if not info.size:
+            return b""
+        chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
+        sub = await self.js.subscribe(chunks, ordered_consumer=True)
+        buf, h = bytearray(), hashlib.sha256()
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=self.read_stall_s)
+                except nats.errors.TimeoutError:
+                    await self._check_still_there(name, info)
+                    continue
+                buf += msg.data
+                h.update(msg.data)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        expected = (
+            (info.digest or "").removeprefix(OBJ_DIGEST_TYPE).removeprefix(OBJ_DIGEST_TYPE.upper())
+        )
+        if h.digest() != base64.urlsafe_b64decode(expected):
+            raise BodyError(f"object {self.bucket}/{name} is corrupted (chunk digest mismatch)")
+        return bytes(buf)
+
+    async def _check_still_there(self, name: str, info: ObjectInfo) -> None:
+        try:
+            now = await self._info(name)
+        except BodyError as e:
+            raise BodyError(f"object {self.bucket}/{name} was deleted while being read") from e
+        if now.nuid != info.nuid:
+            raise BodyError(f"object {self.bucket}/{name} was replaced while being read")
+
+    async def exists(self, name: str) -> bool:
+        """Whether ``name`` is stored (not deleted): tells a missing object from a bad one."""
+        try:
+            await self._info(name)
+        except BodyError:
+            return False
+        return True
+
+    async def delete(self, name: str) -> bool:
+        """Delete ``name``; False if it was not there (deleting twice is no error).
+
+        nats-py marks the object deleted (a meta tombstone) and purges its chunks; the
+        tombstone is purged too: no deleted object leaves a live message behind, which
+        would hold the stream's head (and the disk behind it, see ``rewrite``) in place.
+        """
+        obs = await self.store()
+        try:
+            await obs.delete(name)
+            existed = True
+        except nats.js.errors.ObjectNotFoundError:
+            existed = False
+        await self.js.purge_stream(self.stream, subject=self._meta_subject(name))
+        return existed
+
+    async def rewrite(self, name: str) -> int:
+        """Store ``name`` again, same bytes and digest, at the end of the bucket's stream;
+        returns its size.
+
+        The file store frees space from the head of a stream: a block emptied by deletes
+        while older live messages precede it stays on disk until the server's periodic
+        compaction (minutes). Moving the oldest object that must stay (a run's initial
+        weights) to the tail lets the head advance past everything deleted behind it.
+        A concurrent reader of the old copy gets a clear ``BodyError`` ("replaced while
+        being read"), and a crash midway leaves the object readable (nats-py writes the
+        new chunks, then switches the meta, then purges the old chunks).
+        """
+        data = await self.read(name)
+        await self.put(name, data)
+        return len(data)
+
+    async def names(self, prefix: str = "") -> list[str]:
+        """The names of the stored (not deleted) objects starting with ``prefix``, sorted."""
+        obs = await self.store()
+        try:
+            infos = await obs.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:  # nats-py's answer for an empty bucket
+            return []
+        return sorted(i.name for i in infos if i.name.startswith(prefix) and not i.deleted)
+
+    async def stored_bytes(self) -> int:
+        """Bytes the bucket's stream holds (what deletes give back)."""
+        await self.store()
+        info = await self.js.stream_info(self.stream)
+        return int(info.state.bytes)
+
+    def _meta_subject(self, name: str) -> str:
+        encoded = base64.urlsafe_b64encode(name.encode()).decode()  # as nats-py names it
+        return OBJ_META_PRE_TEMPLATE.format(bucket=self.bucket, obj=encoded)

@@ -114,6 +114,9 @@ class TrainerConfig(_Section):
     micro_batch_size: int | None = Field(default=None, ge=1)  # None = pack by seq_len only
     device: str = "auto"
     checkpoint_interval: int = Field(default=10, ge=0)  # steps between checkpoints; 0 = off
+    # Newest published weights versions kept in the run's object store (older ones are
+    # deleted once a newer one is announced; the initial weights always stay); 0 = keep all.
+    keep_weights: int = Field(default=4, ge=0)
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

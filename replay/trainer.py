@@ -19,7 +19,8 @@ exactly that: it replays steps ``1..STEP`` (checked), then trains the recorded b
 after ``STEP`` under the changed config, and records itself as run ``NEW``: the copied
 ``run.started`` (the original config), the copied batches and orchestrator metrics, a
 ``run.started`` with ``resumed=True`` and the changed config before step ``STEP + 1``, the
-fork's own ``weights.published`` (weights in ``RLOBJ_<NEW>``) and trainer metrics, and a
+fork's own ``weights.published`` (weights in ``RLOBJ_<NEW>``: the initial ones and the
+newest ``trainer.keep_weights`` versions, as the trainer keeps them) and trainer metrics, and a
 ``run.stopped`` (reason ``fork``) naming the origin. ``rlbus events``/``sql``/``plot`` read
 it like any run, and ``rlbus replay NEW trainer`` reproduces it.
 """
@@ -41,6 +42,7 @@ from bus.runtime import Bus
 from bus.subjects import Topic
 from configs import RunConfig, apply_overrides, resolve
 from replay.diff import Mismatch, StepRecord, diff_step, first_series_divergence
+from roles.trainer import retention
 from schemas import (
     BatchAssembled,
     Event,
@@ -260,15 +262,23 @@ async def publish_fork(
     except nats.js.errors.NotFoundError:
         pass
     await bus.ensure_stream()
-    refs = {step: await _store(bus, f"weights.v{step}", data) for step, data in sorted(result.weights.items())}  # fmt: skip
-    start_ref = await _store(bus, "weights.v0", initial) if initial is not None else None
+    kept = retention.kept(max(result.weights, default=0), result.config.trainer.keep_weights)
+    refs = {
+        step: await _store(bus, retention.object_name(step), data, put=kept is None or step in kept)
+        for step, data in sorted(result.weights.items())
+    }
+    start_ref = (
+        await _store(bus, retention.object_name(0), initial) if initial is not None else None
+    )
     events = fork_events(bus.run, log, result, from_step, overrides, refs, start_ref, model_dir)
     await bus.publish_many(events)
     return len(events)
 
 
-async def _store(bus: Bus, name: str, data: bytes) -> ObjectRef:
-    digest = await bus.objects.put(name, data)
+async def _store(bus: Bus, name: str, data: bytes, put: bool = True) -> ObjectRef:
+    """The reference to ``data`` as object ``name``; stored unless ``put`` is False (a
+    version the trainer would already have collected: announced, digest recorded)."""
+    digest = await bus.objects.put(name, data) if put else sha256_digest(data)
     return ObjectRef(kind="object", location=name, bucket=bus.objects.bucket, size=len(data), digest=digest)  # fmt: skip
 
 

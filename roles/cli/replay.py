@@ -269,9 +269,15 @@ def export(
     run: str = typer.Argument(..., help="Run id."),
     file: Path = typer.Argument(..., help="Archive to write (.tar, or .tar.gz to compress)."),
     model: bool = typer.Option(True, "--model/--no-model", help="Include the initial model dir."),
+    all_weights: bool = typer.Option(
+        False,
+        "--all-weights",
+        help="Every stored weights version (default: the initial and newest, what replay needs).",
+    ),
     nats_url: str | None = URL,
 ) -> None:
-    """Write a whole run (log, objects, config, initial model) to one portable file."""
+    """Write a run (log, what replay needs of its objects, config, initial model) to one
+    portable file."""
     from replay.portable import export_run
     from roles.runtime.context import read_run_started
 
@@ -282,7 +288,9 @@ def export(
             started = await read_run_started(bus)
             if not model_dir.is_dir() and started is not None:
                 model_dir = Path(started.model_path)
-            return await export_run(bus, file, run_paths(run).dir, model_dir if model else None)
+            return await export_run(
+                bus, file, run_paths(run).dir, model_dir if model else None, all_weights
+            )
         finally:
             await bus.close()
 

@@ -18,6 +18,9 @@ come from the object store (``kind == "object"``) or a shared path (``kind == "p
 the digest is verified, and the swap happens between batches. Announcements that pile
 up while a load runs collapse to the newest. A bad announcement (wrong digest, missing
 object, other shape) is logged as ``weights.rejected`` and the old weights keep serving.
+The trainer deletes old versions (``trainer.keep_weights``), so a version can vanish
+between its announcement and its load: that is ``weights.superseded``, and the newest
+announcement is loaded instead (a collected version always has a newer one).
 
 Every ``metrics_interval_s`` (10 s) with traffic it logs ``inference.throughput`` and
 publishes ``MetricsReported(role="inference")``: tokens/s, requests/s, mean batch size,
@@ -122,6 +125,20 @@ async def fetch_weights(bus: Bus, ref: ObjectRef) -> bytes:
     if ref.kind == "path":
         return await asyncio.to_thread(Path(ref.location).read_bytes)
     raise ValueError(f"unknown weights location kind {ref.kind!r} (expected 'object' or 'path')")
+
+
+async def weights_gone(bus: Bus, ref: ObjectRef) -> bool:
+    """Whether the announced weights are no longer stored (collected by the trainer);
+    False when that cannot be told (the announcement is then treated as bad)."""
+    try:
+        if ref.kind == "object":
+            store = BodyStore(bus.js, ref.bucket or bus.objects.bucket)
+            return not await store.exists(ref.location)
+        if ref.kind == "path":
+            return not await asyncio.to_thread(Path(ref.location).exists)
+    except Exception:  # noqa: BLE001 - unknown: not "gone"
+        return False
+    return False
 
 
 def peek_request_id(data: bytes) -> str:
@@ -287,16 +304,9 @@ class InferenceRole(Role):
             data = await fetch_weights(self.bus, event.weights)
             await self.backend.load_weights(data, event.weights.digest, event.version)
         except Exception as e:  # noqa: BLE001 - bad weights are refused, serving goes on
-            self.weights_rejected += 1
-            self._rejected.add(event.event_id)
-            self.last_weights_error = f"{type(e).__name__}: {e}"
-            self.log.error(
-                "weights.rejected",
-                version=event.version,
-                event_id=event.event_id,
-                serving=previous,
-                error=self.last_weights_error[:500],
-            )
+            if await weights_gone(self.bus, event.weights):
+                return await self._load_newer_than(event, e)
+            self._reject(event, e, previous)
             return False
         self.weights_loaded += 1
         self.log.info(
@@ -308,6 +318,51 @@ class InferenceRole(Role):
             load_s=round(time.perf_counter() - started, 4),
         )
         return True
+
+    async def _load_newer_than(self, event: WeightsPublished, missing: Exception) -> bool:
+        """``event``'s weights are gone: load the newest announcement instead.
+
+        The trainer deletes a version only after announcing a newer one, so a collected
+        version is superseded, not bad. If nothing newer is announced the weights are
+        really missing, and the announcement is rejected like any bad one.
+        """
+        serving = self._serving_version()
+        pending = self._next_weights  # the newer one _load_weights takes next, if any
+        newer = pending if pending is not None and pending.version > event.version else None
+        if newer is None:
+            newer = await self._newest_after(event.version)
+        if newer is None or newer.event_id in self._rejected:
+            self._reject(event, missing, serving)
+            return False
+        self.log.warning(
+            "weights.superseded", version=event.version, newest=newer.version,
+            serving=serving, error=str(missing)[:500],
+        )  # fmt: skip
+        if newer is pending:
+            return False
+        return await self._apply_weights(newer)
+
+    async def _newest_after(self, version: int) -> WeightsPublished | None:
+        """The newest announcement on the log, if it is newer than ``version``."""
+        try:
+            latest = await read_latest_weights(self.bus)
+        except Exception as e:  # noqa: BLE001 - an unreadable log: nothing newer known
+            self.log.warning("weights.latest_unreadable", error=repr(e))
+            return None
+        return latest if latest is not None and latest.version > version else None
+
+    def _reject(self, event: WeightsPublished, error: Exception, serving: int) -> None:
+        """Refuse ``event`` for good (never retried); the current weights keep serving."""
+        self.weights_rejected += 1
+        self._rejected.add(event.event_id)
+        self.last_weights_error = f"{type(error).__name__}: {error}"
+        self.log.error(
+            "weights.rejected",
+            version=event.version,
+            event_id=event.event_id,
+            serving=serving,
+            error=self.last_weights_error[:500],
+        )
 
     # -- metrics ------------------------------------------------------------------------
 

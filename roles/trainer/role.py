@@ -32,6 +32,13 @@ whose announcement failed stays pending and is announced again, with the same id
 before anything else. Weights go to the run's object store as ``weights.v<N>``,
 or, past 200 MB, to ``<run_dir>/weights/v<N>.safetensors`` (an ``ObjectRef`` of kind
 ``path``). Checkpoints every ``trainer.checkpoint_interval`` steps and on graceful stop.
+
+Old weights are deleted by the trainer (``roles.trainer.retention`` says which: all but
+the newest ``trainer.keep_weights`` versions and the initial weights), in the same
+after-publish hook, so a version is deleted only once a newer one is stored and
+announced. At start it lists what a previous process left (objects and files) and
+collects that too; deleting is idempotent, so a restart after a crash mid-collection
+simply deletes again. A failed delete is logged and retried after the next step.
 """
 
 from __future__ import annotations
@@ -43,7 +50,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats.errors
+
 from bus.consumer import Delivery, Effects, Subscription, commit
+from bus.errors import BusError
 from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
 from bus.runtime import Bus
@@ -51,6 +61,7 @@ from bus.subjects import Topic, durable_name
 from roles.lib.model.weights import digest
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
+from roles.trainer import retention
 from roles.trainer.core import BatchGap, TrainerCore, latest_checkpoint
 from schemas import (
     BatchAssembled,
@@ -63,6 +74,8 @@ from schemas import (
 
 # How long catch-up waits for the next message it knows is on the stream.
 _READ_TIMEOUT_S = 30.0
+# What a failed delete or rewrite raises (nats errors, a BodyError, a file system error).
+_STORE_ERRORS = (BusError, OSError, nats.errors.Error)
 
 
 @dataclass
@@ -97,6 +110,10 @@ class TrainerRole(Role):
         self.last_batch_seq = 0  # stream seq of the batch behind ``core.step``
         self.pending: list[_Pending] = []  # trained but not yet announced, in step order
         self.idle_since = time.monotonic()
+        # Weights versions in the object store ("object") or the weights dir ("path"),
+        # not yet collected: listed at start, added as they are stored.
+        self.stored_weights: dict[int, str] = {}
+        self.collected_since_rewrite = 0  # versions deleted since weights.v0 was rewritten
 
     @property
     def core(self) -> TrainerCore:
@@ -129,7 +146,10 @@ class TrainerRole(Role):
         self.log.info(
             "trainer.loaded", model=str(model_dir), checkpoint=str(checkpoint), step=self.core.step
         )
+        self.stored_weights = await self._list_stored_weights()
         await self.beating(self._catch_up(start_seq), consumer=self.sub.durable)
+        if not self.pending:  # what an earlier process left: catch-up announced up to here
+            await self._collect_weights(self.core.step)
 
     async def _catch_up(self, start_seq: int) -> None:
         end = await last_seq(self.bus, Topic.BATCH_ASSEMBLED)
@@ -268,21 +288,79 @@ class TrainerRole(Role):
         if interval and any(p.batch.step % interval == 0 for p in done):
             await self._checkpoint()
         self.pending = [p for p in self.pending if p not in done]
+        if done:
+            await self._collect_weights(done[-1].batch.step)
         self.idle_since = time.monotonic()
 
     async def _store_weights(self, version: int, data: bytes, weights_digest: str) -> ObjectRef:
         if len(data) <= OBJECT_STORE_MAX_BYTES:
-            name = f"weights.v{version}"
+            name = retention.object_name(version)
             stored = await self.bus.objects.put(name, data)
+            self.stored_weights[version] = "object"
             return ObjectRef(
                 kind="object", location=name, bucket=self.bus.objects.bucket,
                 size=len(data), digest=stored,
             )  # fmt: skip
-        path = self.ctx.paths.weights / f"v{version}.safetensors"
+        path = self.ctx.paths.weights / retention.file_name(version)
         await asyncio.to_thread(_write_atomic, path, data)
+        self.stored_weights[version] = "path"
         return ObjectRef(
             kind="path", location=str(path.resolve()), size=len(data), digest=weights_digest
         )
+
+    # -- weights garbage collection ----------------------------------------------------
+
+    async def _list_stored_weights(self) -> dict[int, str]:
+        """Every weights version stored so far (by earlier processes too), by kind."""
+        found = {
+            v: "object"
+            for name in await self.bus.objects.names(retention.OBJECT_PREFIX)
+            if (v := retention.version_of_object(name)) is not None
+        }
+        folder = self.ctx.paths.weights
+        if folder.is_dir():
+            for f in folder.iterdir():
+                if (v := retention.version_of_file(f.name)) is not None:
+                    found[v] = "path"
+        return found
+
+    async def _collect_weights(self, newest: int) -> None:
+        """Delete the stored versions no reader needs once ``newest`` is announced.
+
+        Best effort: a failure is logged and the version stays listed, so it is deleted
+        after the next step (or by the next process, which lists what is left).
+        """
+        stale = retention.collectable(self.stored_weights, newest, self.cfg.trainer.keep_weights)
+        for version in stale:
+            try:
+                await self._delete_weights(version, self.stored_weights[version])
+            except _STORE_ERRORS as e:
+                self.log.warning("weights.collect_failed", version=version, error=repr(e))
+                return
+            del self.stored_weights[version]
+            self.collected_since_rewrite += 1
+        if stale:
+            self.log.debug("weights.collected", versions=stale, newest=newest)
+        if self.collected_since_rewrite >= retention.REWRITE_INITIAL_EVERY:
+            try:
+                await self._rewrite_initial_weights()
+            except _STORE_ERRORS as e:  # the server's compaction frees the space later
+                self.log.warning("weights.rewrite_failed", error=repr(e))
+
+    async def _rewrite_initial_weights(self) -> None:
+        """Move ``weights.v0`` to the tail of the bucket so the disk behind it is freed now
+        (``BodyStore.rewrite``); only an object the orchestrator stored is moved."""
+        self.collected_since_rewrite = 0
+        if self.stored_weights.get(retention.INITIAL_VERSION) == "object":
+            size = await self.bus.objects.rewrite(retention.object_name(retention.INITIAL_VERSION))
+            self.log.debug("weights.initial_rewritten", bytes=size)
+
+    async def _delete_weights(self, version: int, kind: str) -> None:
+        if kind == "object":
+            await self.bus.objects.delete(retention.object_name(version))
+        else:
+            path = self.ctx.paths.weights / retention.file_name(version)
+            await asyncio.to_thread(path.unlink, missing_ok=True)
 
     async def _checkpoint(self) -> None:
         path = await asyncio.to_thread(
