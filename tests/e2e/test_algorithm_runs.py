@@ -43,7 +43,7 @@ def test_echo_trains_tool_outputs_while_rl_continues(tmp_path: Path) -> None:
     finished(rlbus_up(tmp_path, "echo1", "orchestrator.eval.interval=0", config="tools"))
     steps = trainer_metrics(tmp_path, "echo1")
     rl = [m for m in steps if m["rl_tokens"] > 0]
-    assert len(rl) == 80  # 240 steps, 160 of them the warm start
+    assert len(rl) == 80  # 200 steps, 120 of them the warm start
     assert all(m["ce_tokens"] > 0 and "ce_nll" in m for m in rl)
     first, last = mean(m["ce_nll"] for m in rl[:5]), mean(m["ce_nll"] for m in rl[-10:])
     assert last < 0.7 * first, (first, last)
