@@ -18,12 +18,14 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from bus.children import die_with_parent
 from bus.errors import ServerBinaryNotFound, ServerStartError
@@ -130,11 +132,16 @@ class EmbeddedServer:
 
 
 def running_server_url(data_dir: str | Path) -> str | None:
-    """The URL of an embedded server that is running on ``data_dir``, if any."""
+    """The URL of an embedded server that is running on ``data_dir``, if any: its
+    ``server.json`` names a live process that accepts connections (a server that was
+    killed leaves the file behind, and its pid may be a zombie or reused)."""
     info = Path(data_dir) / SERVER_FILE
     try:
         data = json.loads(info.read_text())
         os.kill(int(data["pid"]), 0)
+        address = urlsplit(str(data["url"]))
+        with socket.create_connection((address.hostname, address.port), timeout=2.0):
+            pass
     except (OSError, ValueError, KeyError):
         return None
     return str(data["url"])

@@ -47,8 +47,10 @@ class PreviousRun:
 
 
 def previous_run(paths: RunPaths) -> PreviousRun | None:
-    """The earlier launch of ``paths.run`` in this data directory, if there was one."""
-    if not paths.config.exists() and not paths.nats.exists():
+    """The earlier launch of ``paths.run`` in this data directory, if there was one (a
+    launch writes the run's config before any role starts; a store alone may belong to
+    a server someone runs for a ``--nats-url`` run)."""
+    if not paths.config.exists():
         return None
     try:
         summary = json.loads(paths.summary.read_text())
