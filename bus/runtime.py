@@ -33,7 +33,7 @@ from bus import codec
 from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore
-from bus.subjects import objects_bucket, stream_name, stream_subjects, subject_for
+from bus.subjects import objects_bucket, run_of_stream, stream_name, stream_subjects, subject_for
 from schemas import BodyRef, Event
 
 
@@ -165,13 +165,23 @@ class Bus:
                 said = lost_s
                 self.log.warning("nats.waiting_for_server", url=self.url, lost_s=round(lost_s))
 
-    async def ensure_stream(self) -> None:
-        """Create the run's stream if missing (idempotent; never changes an existing one)."""
+    async def has_stream(self) -> bool:
+        """Whether the server holds the run's stream (the run exists there)."""
         try:
             await self.js.stream_info(self.stream)
-            return
         except nats.js.errors.NotFoundError:
-            pass
+            return False
+        return True
+
+    async def runs(self) -> list[str]:
+        """The runs whose streams this server holds, sorted."""
+        names = [info.config.name or "" for info in await self.js.streams_info()]
+        return sorted(r for n in names if (r := run_of_stream(n)) is not None)
+
+    async def ensure_stream(self) -> None:
+        """Create the run's stream if missing (idempotent; never changes an existing one)."""
+        if await self.has_stream():
+            return
         cfg = StreamConfig(
             name=self.stream,
             subjects=stream_subjects(self.run),

@@ -126,8 +126,16 @@ def token_for(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)[:40]
 
 
+STREAM_PREFIX = "RL_"
+
+
 def stream_name(run: str) -> str:
-    return f"RL_{check_token(run, 'run id')}"
+    return f"{STREAM_PREFIX}{check_token(run, 'run id')}"
+
+
+def run_of_stream(name: str) -> str | None:
+    """The run whose stream is ``name`` (None: not a run's stream)."""
+    return name.removeprefix(STREAM_PREFIX) if name.startswith(STREAM_PREFIX) else None
 
 
 def objects_bucket(run: str) -> str:

@@ -47,17 +47,11 @@ def local_runs(data_dir: str | Path | None = None) -> list[str]:
 
 async def _stream_check(url: str, run: str) -> list[str] | None:
     """None if the server at ``url`` has ``run``'s stream, else the runs it has."""
-    import nats.js.errors
-
     from bus.runtime import Bus
 
     bus = await Bus.connect(url, run=run, producer="cli")
     try:
-        await bus.js.stream_info(bus.stream)
-        return None
-    except nats.js.errors.NotFoundError:
-        names = [info.config.name or "" for info in await bus.js.streams_info()]
-        return sorted(n.removeprefix("RL_") for n in names if n.startswith("RL_"))
+        return None if await bus.has_stream() else await bus.runs()
     finally:
         await bus.close()
 
@@ -110,5 +104,4 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except ServerUnreachable as e:  # a wrong --nats-url: one line, not a traceback
-        typer.echo(str(e), err=True)
-        raise typer.Exit(1) from None
+        fail(str(e), code=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -73,10 +74,10 @@ def _resumed_config(
 ) -> str:
     """The config ``up`` loads with --resume (the run's own ``config.toml``) or --fresh."""
     from configs.paths import RunPaths, data_dir_override, resolve_data_dir
+    from roles.cli.common import fail
 
-    def refuse(msg: str) -> None:
-        typer.echo(f"rlbus up: {msg}", err=True)
-        raise typer.Exit(2)
+    def refuse(msg: str) -> NoReturn:
+        fail(f"rlbus up: {msg}")
 
     if resume and fresh:
         refuse("--resume and --fresh exclude each other")
@@ -84,7 +85,6 @@ def _resumed_config(
         refuse(f"--{'resume' if resume else 'fresh'} needs --run")
     if not resume:
         return config
-    assert run is not None
     data_dir = data_dir_override(overrides)
     if config != "default" or any(not o.startswith("bus.data_dir=") for o in overrides):
         refuse("--resume continues a run with its own config: drop -c and overrides")
@@ -187,9 +187,10 @@ def status(
 
 
 async def _streams(bus):  # type: ignore[no-untyped-def]
-    names = await bus.js.streams_info()
-    for info in names:
-        if info.config.name.startswith("RL_"):
+    from bus.subjects import run_of_stream
+
+    for info in await bus.js.streams_info():
+        if run_of_stream(info.config.name or "") is not None:
             yield info
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import typer
 
-from roles.cli.common import fail, local_runs, no_run, require_run, run_async, server_for
+from roles.cli.common import fail, local_runs, no_run, run_async, server_for
 
 if TYPE_CHECKING:
     import duckdb
@@ -93,23 +93,16 @@ def sync_before_query(run: str, root: Path, nats_url: str | None, *, named: bool
     typo, and fails in one line. Otherwise a run that cannot be synced is queried as its
     lake is: silently when there is no server or store (the lake is all there is here,
     e.g. copied alone), with a warning when the stream is missing or the lake is locked."""
-    from bus.server import reachable_server
     from configs.paths import RunPaths
-    from replay.lake import sync_if_behind
+    from replay import sync_lake
 
-    paths = RunPaths(root, run)
-    has_lake = paths.lake.is_dir()
-    with reachable_server(paths.nats, nats_url) as url:
-        if url is None:
-            if named and not has_lake:
-                no_run(run, f"no NATS URL given and no run data at {paths.dir}", local_runs(root))
-            return  # a lake without its log here: query it as it is
-        if named and not has_lake:
-            require_run(url, run)
-        try:
-            run_async(sync_if_behind(run, url, root))
-        except (LookupError, OSError) as e:
-            typer.echo(f"warning: could not sync {run}: {e}", err=True)
+    if named and not RunPaths(root, run).lake.is_dir():
+        with server_for(run, nats_url, root, existing=True):
+            pass  # a typo fails here, in one line
+    try:
+        sync_lake(run, root, nats_url)  # None without a server or store: the lake as it is
+    except (LookupError, OSError) as e:
+        typer.echo(f"warning: could not sync {run}: {e}", err=True)
 
 
 def _flat(frame: pl.DataFrame) -> pl.DataFrame:

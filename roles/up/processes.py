@@ -30,6 +30,9 @@ class RoleProcess:
     exit_codes: list[int] = field(default_factory=list)
 
     def start(self) -> None:
+        """Start (or restart) the process, appending to its log."""
+        if self.log_file is not None:
+            self.log_file.close()  # the previous process's handle, on a restart
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = self.log_path.open("ab")
         # A launcher that dies without stopping its roles (SIGKILL) takes them along: the

@@ -135,16 +135,11 @@ def start_over(paths: RunPaths) -> None:
 async def stream_exists(url: str, run: str) -> bool:
     """Whether the server at ``url`` holds the run's stream (a run on a given server has
     no local directory to tell)."""
-    import nats.js.errors
-
     from bus.runtime import Bus
 
     bus = await Bus.connect(url, run=run, producer="launcher")
     try:
-        await bus.js.stream_info(bus.stream)
-        return True
-    except nats.js.errors.NotFoundError:
-        return False
+        return await bus.has_stream()
     finally:
         await bus.close()
 

@@ -25,8 +25,9 @@ from bus.runtime import Bus
 from bus.subjects import Topic, topic_of_subject
 from configs import RunConfig
 from configs.paths import RunPaths
-from roles.up.monitor import RunMonitor, exit_text, last_error
+from roles.up.monitor import RunMonitor
 from roles.up.processes import RoleProcess, write_summary
+from roles.up.role_errors import exit_text, last_error
 from schemas import MetricsReported, RunStarted, RunStopped, WeightsPublished
 
 if TYPE_CHECKING:
@@ -109,8 +110,6 @@ class RoleKeeper:
     log_offsets: dict[str, int] = field(default_factory=dict)  # log size at the last start
 
     def start(self, r: RoleProcess) -> None:
-        if r.log_file is not None:
-            r.log_file.close()
         self.log_offsets[r.name] = r.log_path.stat().st_size if r.log_path.exists() else 0
         r.start()
         pid = r.proc.pid if r.proc else None

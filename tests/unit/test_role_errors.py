@@ -1,4 +1,4 @@
-"""A dead role's last error, found in its log (``roles.up.monitor.last_error``)."""
+"""A dead role's last error, found in its log (``roles.up.role_errors.last_error``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import signal
 from pathlib import Path
 
-from roles.up.monitor import exit_text, last_error
+from roles.up.role_errors import exit_text, last_error
 
 TRACEBACK = """\
 {"event": "role.starting", "level": "info"}
