@@ -165,6 +165,18 @@ class Bus:
                 said = lost_s
                 self.log.warning("nats.waiting_for_server", url=self.url, lost_s=round(lost_s))
 
+    async def outage_over(self, grace_s: float = 2.0) -> None:
+        """After a failure that may be the server going away: return once the connection
+        is up (at the earliest after ``grace_s``, the time nats-py takes to notice a lost
+        socket) or once ``watch_server`` has given up on it (``self.lost`` set). Bounded by
+        ``settings.server_lost_s`` while ``watch_server`` runs."""
+        settle_by = time.monotonic() + grace_s
+        while self.lost is None:
+            down = self._link.lost_since is not None or not self.nc.is_connected
+            if not down and time.monotonic() >= settle_by:
+                return
+            await asyncio.sleep(0.1)
+
     async def has_stream(self) -> bool:
         """Whether the server holds the run's stream (the run exists there)."""
         try:
@@ -292,9 +304,18 @@ class Bus:
         if self.nc.is_closed:
             return
         self._link.closing = True
+        # Draining needs a live connection: one that is reconnecting (its server gone)
+        # can only be closed, and a drain that finds it so raises instead.
+        if not self.nc.is_connected:
+            await self.nc.close()
+            return
         try:
             await asyncio.wait_for(self.nc.drain(), 10)
-        except (TimeoutError, nats.errors.ConnectionClosedError):
+        except (
+            TimeoutError,
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionReconnectingError,
+        ):
             await self.nc.close()
 
 

@@ -155,7 +155,9 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
             done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
                 if t is not stopper and (exc := t.exception()) is not None:
-                    if role.bus.lost is not None:  # the closed connection failed the task
+                    if t is not watchdog:  # failed as the server went? the watchdog decides
+                        await role.bus.outage_over()
+                    if role.bus.lost is not None:  # the lost connection failed the task
                         raise role.bus.lost from exc
                     role.log.error("role.task_failed", error=repr(exc))
                     raise exc

@@ -10,14 +10,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
 
-from bus.runtime import Bus
+from bus.errors import ServerLost
+from bus.runtime import Bus, BusSettings
 from bus.server import SERVER_FILE, EmbeddedServer
 from configs import dump_toml, load_config
 from configs.paths import DATA_DIR_ENV
+from roles.runtime.role import Role, serve_role
 from schemas import RunStopped
 
 pytestmark = pytest.mark.nats
@@ -75,6 +78,29 @@ def test_a_role_that_loses_its_server_exits_with_one_line(tmp_path: Path) -> Non
     assert role.returncode == 3, out[-3000:]
     assert '"nats.server_lost"' in out
     assert out.strip().splitlines()[-1].startswith("algorithm: lost the NATS server at ")
+
+
+async def test_a_task_failing_as_the_server_goes_ends_in_server_lost(tmp_path: Path) -> None:
+    """A role's task that fails because the server just went away (before the connection
+    noticed) is the lost server, not a crash: the role exits with ``ServerLost``."""
+    server = EmbeddedServer(tmp_path / "nats").start()
+    bus = await Bus.connect(server.url, "gone", "probe", BusSettings(server_lost_s=1.0))
+
+    class Probe(Role):
+        role = "probe"
+
+        def background(self) -> list[Awaitable[None]]:
+            return [self.ask_after_the_server_went()]
+
+        async def ask_after_the_server_went(self) -> None:
+            server.stop()
+            await self.bus.nc.request("probe.anyone", b"", timeout=0.2)
+
+    try:
+        with pytest.raises(ServerLost):
+            await asyncio.wait_for(serve_role(Probe(bus, "probe-0"), install_signals=False), 30)
+    finally:
+        server.stop()
 
 
 async def _a_finished_run(url: str, run: str) -> None:
