@@ -2,12 +2,14 @@
 
     rlbus plot <run> [--out curves.png]
 
-Six panels: train reward per step (orchestrator metrics of each batch), eval reward per
-policy version, trainer loss per step, staleness per step (mean and max policy lag of a
-batch's samples), rollouts/s over time (from the traces' own timestamps: an event's
-``ts_ns`` is the producer's clock, fine for a rate) and trainer tokens/s per step.
-Nothing here imports a role: ``RunCurves`` is a fold over events, ``plot_run`` draws it
-(matplotlib, Agg backend, so it works without a display).
+Seven panels. On top the four that ``curves.png`` shows too (``roles.lib.plotting``
+draws them for both): train reward per step (orchestrator metrics of each RL batch, with a
+rolling mean), eval reward per policy version, SFT loss and RL loss per step. Below:
+staleness per step (mean and max policy lag of a batch's samples), rollouts/s over time
+(from the traces' own timestamps: an event's ``ts_ns`` is the producer's clock, fine for
+a rate) and trainer tokens/s per step. Step and version panels share one x range with
+the warm start shaded. Nothing here imports a role: ``RunCurves`` is a fold over events,
+``plot_run`` draws it (matplotlib on an Agg canvas, so it works without a display).
 
 ``MetricCurves`` (``roles.lib.curves``) is the fold of a run's metrics alone, shared
 with ``rlbus up``'s live monitor and ``curves.png``; ``RunCurves`` adds the rollout times.
@@ -24,6 +26,8 @@ from roles.lib.curves import MetricCurves, Series
 from schemas import EvalCompleted, MetricsReported, RunStarted, TraceCompleted
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from bus.runtime import Bus
 
 
@@ -69,45 +73,41 @@ async def read_curves(bus: Bus) -> RunCurves:
 
 
 def plot_run(curves: RunCurves, path: Path) -> Path | None:
-    """Write the six panels to ``path``; None when the run has no metrics yet."""
+    """Write the seven panels to ``path``; None when the run has no metrics yet."""
     if not (curves.train or curves.trainer or curves.eval):
         return None
-    import matplotlib
+    from roles.lib import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
-    (reward, evals, loss), (stale, rate, tps) = axes
-    _line(reward, curves.series(curves.train, "reward_mean"), "train reward (batch mean)")
-    reward.set(title="train reward", xlabel="step")
-    for key in curves.eval_keys():
-        _line(evals, curves.series(curves.eval, key), key, marker="o")
-    evals.set(title="eval reward", xlabel="policy version")
-    _line(loss, curves.series(curves.trainer, "loss"), "loss", color="C3")
-    loss.set(title="trainer loss", xlabel="step")
-    _line(stale, curves.series(curves.train, "staleness_mean"), "mean")
-    _line(stale, curves.series(curves.train, "staleness_max"), "max", marker="x")
-    stale.set(title="staleness (policy versions behind)", xlabel="step")
-    _line(rate, curves.rollout_rate(), "rollouts/s", marker="")
-    rate.set(title="rollout throughput", xlabel="seconds since the first rollout")
-    _line(tps, curves.series(curves.trainer, "tokens_per_s"), "tokens/s", color="C2")
-    tps.set(title="trainer tokens/s", xlabel="step")
-    for ax in (reward, evals, loss, stale):
-        if curves.warmup_steps:
-            ax.axvspan(0, curves.warmup_steps, color="0.9", label="SFT warm start")
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(f"rlbus run {curves.run}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return plotting.save(run_figure(curves), path)
 
 
-def _line(ax: Any, points: Series, label: str, marker: str = ".", **kw: Any) -> None:
-    if points:
-        ax.plot(*zip(*points, strict=True), marker=marker, label=label, **kw)
+def run_figure(curves: RunCurves) -> Figure:
+    """The four learning panels on top, staleness and throughput below."""
+    from roles.lib import plotting
+
+    fig = plotting.new_figure((18, 8.5))
+    # Four panels on top, three below, each row filling the width (12 columns).
+    top, bottom = ["reward", "evals", "sft", "rl"], ["stale", "rate", "tps"]
+    ax = fig.subplot_mosaic(
+        [[k for k in top for _ in range(3)], [k for k in bottom for _ in range(4)]]
+    )
+    panels = plotting.draw_learning_panels(curves, ax["reward"], ax["evals"], ax["sft"], ax["rl"])
+    stale, rate, tps = ax["stale"], ax["rate"], ax["tps"]
+    plotting.line(stale, curves.series(curves.train, "staleness_mean"), "mean", color="C0")
+    # Dashed on top of the mean: where all of a batch is equally stale, both stay visible.
+    plotting.line(
+        stale, curves.series(curves.train, "staleness_max"), "max", "", ls="--", color="C1"
+    )
+    stale.set(title="staleness", xlabel=plotting.STEP, ylabel="policy versions behind")
+    plotting.integer_ticks(stale, axis="y")  # staleness counts versions too
+    rollouts = curves.rollout_rate()
+    plotting.line(rate, rollouts, "rollouts/s", marker="")
+    if not rollouts:
+        plotting.note(rate, "fewer than two rollouts")
+    rate.set(
+        title="rollout throughput", xlabel="seconds since the first rollout", ylabel="rollouts / s"
+    )
+    plotting.line(tps, curves.series(curves.trainer, "tokens_per_s"), "tokens/s", color="C2")
+    tps.set(title="trainer throughput", xlabel=plotting.STEP, ylabel="tokens / s")
+    plotting.step_axes([*panels, stale, tps], curves.warmup_steps)
+    return plotting.finish(fig, f"rlbus run {curves.run}")

@@ -1,53 +1,36 @@
-"""Curves of a run: train reward, eval reward, loss (matplotlib, written to PNG).
+"""Curves of a run: train reward, eval reward, SFT loss, RL loss (PNG, 2 x 2 panels).
 
 Drawn from the monitor's metric tables (``roles.lib.curves.MetricCurves``, the fold
-``rlbus plot`` draws its six panels from).
+``rlbus plot`` draws its panels from) by the panels ``roles.lib.plotting`` shares with
+``rlbus plot``, so ``runs/<run>/curves.png`` and ``rlbus plot``'s top row read the same.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from roles.lib.curves import MetricCurves
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 def plot_curves(monitor: MetricCurves, path: Path) -> Path | None:
-    """Three panels side by side; returns None when there is nothing to plot yet."""
-    if not monitor.train and not monitor.eval:
+    """Write the four panels to ``path``; None when there is nothing to plot yet."""
+    if not (monitor.train or monitor.trainer or monitor.eval):
         return None
-    import matplotlib
+    from roles.lib import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return plotting.save(curves_figure(monitor), path)
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    # Warm-start batches hold the teacher's answers (reward 1 by construction): plot RL only.
-    reward = [
-        (k, v)
-        for k, v in monitor.series(monitor.train, "reward_mean")
-        if not monitor.train[int(k)].get("sft")
-    ]
-    if reward:
-        axes[0].plot(*zip(*reward, strict=True), marker=".", label="train reward (RL batch mean)")
-    warm = monitor.warmup_steps
-    for ax in axes[:2]:
-        if warm:
-            ax.axvspan(0, warm, color="0.9", label="SFT warm start")
-    axes[0].set(title="train reward", xlabel="step")
-    for key in monitor.eval_keys():
-        pts = monitor.series(monitor.eval, key)
-        axes[1].plot(*zip(*pts, strict=True), marker="o", label=key)
-    axes[1].set(title="eval reward", xlabel="policy version")
-    loss = monitor.series(monitor.trainer, "loss")
-    if loss:
-        axes[2].plot(*zip(*loss, strict=True), marker=".", color="C3")
-    axes[2].set(title="trainer loss", xlabel="step")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(f"rlbus run {monitor.run}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+
+def curves_figure(monitor: MetricCurves) -> Figure:
+    """Train reward and eval reward above, SFT loss and RL loss below."""
+    from roles.lib import plotting
+
+    fig = plotting.new_figure((13, 8))
+    (reward, evals), (sft, rl) = fig.subplots(2, 2)
+    panels = plotting.draw_learning_panels(monitor, reward, evals, sft, rl)
+    plotting.step_axes(panels, monitor.warmup_steps)
+    return plotting.finish(fig, f"rlbus run {monitor.run}")
