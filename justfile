@@ -32,7 +32,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms
+bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms bench-trace
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -77,6 +77,11 @@ bench-lake:
 [group('bench')]
 bench-replay:
     {{python}} -m benchmarks.replay_bench
+
+# `rlbus trace`: a scan of the whole log vs the lake's index, on one recorded run.
+[group('bench')]
+bench-trace:
+    {{python}} -m benchmarks.trace_bench
 
 # Attached-worker catch-up speed and the cost of the ce/ref_kl loss channels.
 [group('bench')]

@@ -28,6 +28,13 @@ Finished or live: without ``follow`` it returns once caught up (no message pendi
 ``until_seq`` is a ``TimeoutError``, since those messages are known to exist, while the
 lake just stops there and resumes from ``last_seq`` next time); with ``follow`` it keeps waiting for new events until
 ``stop`` is set or it is cancelled.
+
+Progress of a bounded read costs nothing extra: the server says with every message how
+many messages of the read's subjects are still stored after it (``num_pending``), so
+``read + pending`` is the read's total. ``on_progress(read, total)`` gets it after every
+message (and once before the first); a command draws it, a role logs it now and then.
+Messages stored while the read goes on raise the total; with ``until_seq`` it counts
+messages past that bound until the read stops there (a last call says ``(read, read)``).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -53,6 +60,7 @@ from schemas.legacy import LEGACY_TYPES, upcast
 
 ALL_TYPES: tuple[type[Event], ...] = EVENT_TYPES + LEGACY_TYPES
 Topics = Sequence[tuple[Topic, str | None]]  # (topic, key or None for every key)
+Progress = Callable[[int, int | None], None]  # on_progress(done, total or None if unknown)
 
 
 def decode_event(payload: bytes | memoryview, schema: str | None = None) -> Event:
@@ -133,8 +141,10 @@ class LogReader:
     headers_only: bool = False  # messages() only: no payloads are sent
     stop: asyncio.Event | None = None  # with ``follow``: return once set
     raise_on_stall: bool = False  # a stall before ``until_seq`` raises instead of returning
+    on_progress: Progress | None = None  # (read, read + pending): see the module docstring
     skipped: list[Skipped] = field(default_factory=list)
     last_seq: int = 0  # the last sequence read, skipped ones included
+    read: int = 0  # messages read, skipped ones included
 
     def __post_init__(self) -> None:
         self.last_seq = max(self.last_seq, self.from_seq - 1)
@@ -158,6 +168,8 @@ class LogReader:
                 delivered = info.delivered.consumer_seq if info.delivered else 0
                 if not info.num_pending and not delivered:
                     return  # nothing at or after the start: do not wait for it
+                if self.on_progress is not None:  # some may be on their way to us already
+                    self.on_progress(0, delivered + (info.num_pending or 0))
             while True:
                 if self.stop is not None and self.stop.is_set():
                     return
@@ -179,10 +191,15 @@ class LogReader:
                 meta = msg.metadata
                 seq = meta.sequence.stream
                 self.last_seq = seq
+                self.read += 1
+                if self.on_progress is not None:
+                    self.on_progress(self.read, self.read + meta.num_pending)
                 yield msg
-                if not self.follow and (
-                    meta.num_pending == 0 or (self.until_seq is not None and seq >= self.until_seq)
-                ):
+                if not self.follow and meta.num_pending == 0:
+                    return
+                if not self.follow and self.until_seq is not None and seq >= self.until_seq:
+                    if self.on_progress is not None:  # what is pending lies past the bound
+                        self.on_progress(self.read, self.read)
                     return
         finally:
             with contextlib.suppress(Exception):
@@ -239,15 +256,17 @@ def read_log(
     stall_timeout_s: float = 10.0,
     with_seq: bool = False,
     until_seq: int | None = None,
+    on_progress: Progress | None = None,
 ) -> AsyncGenerator[Any, None]:
     """Every event of ``types`` on ``topics`` stored so far, in stream order: a fold.
 
     With ``with_seq`` it yields ``(stream_seq, event)`` pairs. Close it with
     ``contextlib.aclosing`` if you break out early, so its consumer is removed at once.
+    ``on_progress(read, total)`` counts the messages on ``topics``, of every type.
     """
     reader = LogReader(
         bus, from_seq=from_seq, topics=topics, until_seq=until_seq,
-        idle_timeout_s=stall_timeout_s, raise_on_stall=True,
+        idle_timeout_s=stall_timeout_s, raise_on_stall=True, on_progress=on_progress,
     )  # fmt: skip
     return reader.events(types, with_seq=with_seq)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import polars as pl
 
+    from bus.reader import Progress
     from replay.lake import SyncResult
 
 
@@ -88,13 +89,18 @@ def scan_table(lake: Path, table: str) -> pl.LazyFrame:
 
 
 def sync_lake(
-    run: str, data_dir: str | Path = "runs", nats_url: str | None = None, force: bool = False
+    run: str,
+    data_dir: str | Path = "runs",
+    nats_url: str | None = None,
+    force: bool = False,
+    on_progress: Progress | None = None,
 ) -> SyncResult | None:
     """Sync ``run``'s lake if its stream holds events past the lake (the policy of
     ``open_run``'s ``sync=None``; ``force`` is ``sync=True``: sync whatever the lake
     says); None when it did not sync. A finished run is asked too: its log can go on
     after the run (a shadow ``rlbus algorithm attach`` appends samples). Callable from
-    async code too (it then syncs on a thread with its own event loop)."""
+    async code too (it then syncs on a thread with its own event loop, and calls
+    ``on_progress(events read, events to read)`` from that thread)."""
     from bus.server import reachable_server
     from configs.paths import RunPaths
     from replay.lake import sync, sync_if_behind
@@ -106,7 +112,7 @@ def sync_lake(
             if force:
                 raise LookupError(f"no NATS server for run {run!r} and no store under {data_dir}")
             return None
-        coro = (sync if force else sync_if_behind)(run, url, paths.data_dir)
+        coro = (sync if force else sync_if_behind)(run, url, paths.data_dir, on_progress)
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -19,6 +19,9 @@ it was recorded).
 - **Not recorded**: the samples are written to
   ``<run_dir>/lake/shadow_samples/<id>.parquet`` with the columns of the lake's
   ``samples`` table, so SQL can put the two side by side.
+
+Reading and recomputing take ``on_progress(done, total)``: messages read, then traces
+replayed (``rlbus replay`` draws both).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bus.reader import read_log
+from bus.reader import Progress, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, check_token
 from configs import RunConfig, resolve
@@ -55,7 +58,9 @@ class AlgorithmLog:
     attached: AlgorithmAttached | None = None  # its newest attach event, if attached at runtime
 
 
-async def read_algorithm_log(bus: Bus, algorithm_id: str) -> AlgorithmLog:
+async def read_algorithm_log(
+    bus: Bus, algorithm_id: str, on_progress: Progress | None = None
+) -> AlgorithmLog:
     check_token(algorithm_id, "algorithm id")
     started: RunStarted | None = None
     traces: list[tuple[int, TraceCompleted]] = []
@@ -65,7 +70,7 @@ async def read_algorithm_log(bus: Bus, algorithm_id: str) -> AlgorithmLog:
     topics = [(Topic.RUN_STARTED, None), (Topic.TRACE_COMPLETED, None),
               (Topic.SAMPLES_SCORED, algorithm_id), (Topic.ALGORITHM_ATTACHED, algorithm_id)]  # fmt: skip
     types = (RunStarted, TraceCompleted, SamplesScored, AlgorithmAttached)
-    async for seq, event in read_log(bus, topics, types, with_seq=True):
+    async for seq, event in read_log(bus, topics, types, with_seq=True, on_progress=on_progress):
         match event:
             case RunStarted():
                 started = started or event
@@ -82,9 +87,13 @@ async def read_algorithm_log(bus: Bus, algorithm_id: str) -> AlgorithmLog:
 
 
 async def recompute(
-    algorithm_id: str, log: AlgorithmLog, options: dict[str, Any] | None = None
+    algorithm_id: str,
+    log: AlgorithmLog,
+    options: dict[str, Any] | None = None,
+    on_progress: Progress | None = None,
 ) -> list[tuple[int, SamplesScored]]:
-    """(seq of the trace that completed the group, SamplesScored) per group, in order."""
+    """(seq of the trace that completed the group, SamplesScored) per group, in order;
+    ``on_progress(traces replayed, traces from the worker's first sequence on)``."""
     from roles.algorithm.core import ScoringCore
 
     core = ScoringCore.for_run(log.cfg, algorithm_id, log.attached, options)
@@ -93,13 +102,14 @@ async def recompute(
         return recorded_refs(log, algorithm_id, group[0].trace.group_id)
 
     out = []
-    for seq, event in log.traces:
-        if seq < core.from_seq:
-            continue
+    todo = [(seq, event) for seq, event in log.traces if seq >= core.from_seq]
+    for done, (seq, event) in enumerate(todo, 1):
         scored = await core.step(event, recorded)
         if scored is not None:
             core.done(scored)
             out.append((seq, scored))
+        if on_progress is not None:
+            on_progress(done, len(todo))
     return out
 
 

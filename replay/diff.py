@@ -200,29 +200,18 @@ def diff_values(recorded: Mapping[str, float], replayed: Mapping[str, float]) ->
 
 
 def step_printer(console: Any, recorded: Mapping[int, StepRecord], fork: bool = False) -> Any:
-    """An ``on_step`` callback: one line per step for short runs, a progress bar past 50
-    steps (then only differing steps get a line). A fork's steps are marked against the
-    original instead of judged."""
-    total = len(recorded)
-    bar = task = None
-    if total > 50 and not fork:
-        from rich.progress import Progress
-
-        bar = Progress(console=console, transient=True)
-        task = bar.add_task("replaying", total=total)
-        bar.start()
+    """An ``on_step`` callback: a line per step when the run has at most 50 recorded
+    steps, past that only for steps that differ (the command's progress bar shows the
+    rest). A fork's steps are marked against the original instead of judged."""
+    every = fork or len(recorded) <= 50
 
     def on_step(rec: StepRecord, mismatches: list[Mismatch]) -> None:
+        if not (every or mismatches):
+            return
         mark = "[green]ok[/]" if not mismatches else "[red]DIFF[/]"
         if fork:
             same = rec.step in recorded and not diff_step(recorded[rec.step], rec)
             mark = "[yellow]fork[/] " + ("(same as original)" if same else "(differs)")
-        if bar is not None:
-            bar.advance(task)  # type: ignore[arg-type]
-            if rec.step >= total or mismatches:
-                bar.stop()
-            if not mismatches:
-                return
         loss, gn = rec.metrics.get("loss", math.nan), rec.metrics.get("grad_norm", math.nan)
         console.print(f"step {rec.step:>5}  loss {loss:+.6f}  grad_norm {gn:.6f}  {(rec.digest or '')[:23]}  {mark}")  # fmt: skip
 

@@ -1,9 +1,11 @@
 """One rollout and its causation chain, backward and forward through the log.
 
-    rlbus trace <run> <rollout-id> [--json] [--no-tokens]
+    rlbus trace <run> <rollout-id | event-id> [--json] [--no-tokens]
 
 ``trace_chain(events, rollout_id)`` is pure: from the run's events (log order) it builds
-a JSON-able description of one trace:
+a JSON-able description of one trace. Every event of ``TOPICS`` gives the chain (the
+full scan); ``rlbus trace`` passes only the few the lake's index names
+(``replay.trace_index``) and gets the same chain. What it holds:
 
 - the trace itself: task, messages (role, content; for sampled messages, per token: id,
   text, sampled mask, logprob, and the advantage each algorithm gave it), reward(s),
@@ -15,12 +17,13 @@ a JSON-able description of one trace:
   branch), each ``batch.assembled`` that trained one of its samples (step, phase, which
   algorithm's samples), and the ``weights.published`` that came out of that batch.
 
-``render_chain`` prints it with rich. A rollout id may be given by a unique prefix.
+``render_chain`` prints it with rich. A rollout id may be given by a unique prefix
+(``pick_rollout``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -48,6 +51,19 @@ class TraceNotFound(LookupError):
     pass
 
 
+def pick_rollout(prefix: str, rollout_ids: Collection[str]) -> str:
+    """The one of ``rollout_ids`` (those starting with ``prefix``) that ``prefix`` names:
+    itself, or the only one; ``TraceNotFound`` otherwise. Shared by the log search below
+    and the lake index (``replay.trace_index``), so both resolve a prefix alike."""
+    if prefix in rollout_ids:
+        return prefix
+    if len(rollout_ids) == 1:
+        return next(iter(rollout_ids))
+    if not rollout_ids:
+        raise TraceNotFound(f"no trace with rollout id {prefix!r} in this run")
+    raise TraceNotFound(f"{len(rollout_ids)} rollouts start with {prefix!r}: {sorted(rollout_ids)[:5]}")  # fmt: skip
+
+
 def find_trace(events: Sequence[Any], rollout_id: str) -> tuple[Any, Trace]:
     """(the event that recorded it, the trace) for a rollout id or a unique prefix of one."""
     found: dict[str, tuple[Any, Trace]] = {}
@@ -57,13 +73,7 @@ def find_trace(events: Sequence[Any], rollout_id: str) -> tuple[Any, Trace]:
         for t in [e.trace] if isinstance(e, TraceCompleted) else e.traces:
             if t.rollout_id.startswith(rollout_id):
                 found.setdefault(t.rollout_id, (e, t))
-    if rollout_id in found:
-        return found[rollout_id]
-    if len(found) == 1:
-        return next(iter(found.values()))
-    if not found:
-        raise TraceNotFound(f"no trace with rollout id {rollout_id!r} in this run")
-    raise TraceNotFound(f"{len(found)} rollouts start with {rollout_id!r}: {sorted(found)[:5]}")
+    return found[pick_rollout(rollout_id, found.keys())]
 
 
 def token_positions(trace: Trace) -> dict[int, tuple[int, int]]:

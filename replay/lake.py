@@ -19,6 +19,9 @@ just before a crash is never written twice); leftover temp files are deleted; a 
 whose range lies inside another's (a compaction interrupted before deleting its
 inputs) is deleted. One sync at a time per lake (an ``flock`` on ``_lock``).
 Many small parts (a live sync every 5 s) are merged by ``compact`` past 64 parts.
+``on_progress(done, total)`` counts the sequences read of those the sync set out to read
+(the stream's last sequence at the start minus the lake's position): ``rlbus lake sync``
+and ``rlbus sql`` draw it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from bus.reader import LogReader, Skipped
+from bus.reader import LogReader, Progress, Skipped
 from bus.runtime import Bus
 from configs.paths import RunPaths
 from replay.tables import DYNAMIC_PREFIX, SCHEMAS, TABLES, rows_for
@@ -196,7 +199,9 @@ class SyncResult:
     seconds: float = 0.0
 
 
-async def sync_run(bus: Bus, lake: Path, chunk_events: int = 2000) -> SyncResult:
+async def sync_run(
+    bus: Bus, lake: Path, chunk_events: int = 2000, on_progress: Progress | None = None
+) -> SyncResult:
     """Append every event stored since the last sync to the lake (see the module docstring)."""
     t0 = time.perf_counter()
     async with locked(lake):
@@ -208,6 +213,10 @@ async def sync_run(bus: Bus, lake: Path, chunk_events: int = 2000) -> SyncResult
         result = SyncResult(run=bus.run, start_seq=start, last_seq=start - 1)
         reader = LogReader(bus, from_seq=start, until_seq=until)
         buffer: dict[str, list[dict[str, Any]]] = {t: [] for t in TABLES}
+
+        def report() -> None:  # by sequence: skipped messages are read too
+            if on_progress is not None and until >= start:
+                on_progress(reader.last_seq - start + 1, until - start + 1)
 
         def flush(upto: int) -> None:
             for t in TABLES:
@@ -228,7 +237,9 @@ async def sync_run(bus: Bus, lake: Path, chunk_events: int = 2000) -> SyncResult
             result.events += 1
             if result.events % chunk_events == 0:
                 flush(e.seq)
+            report()
         flush(max(reader.last_seq, min(pos.values())))
+        report()
         result.skipped = reader.skipped
         result.last_seq = min(pos.values())
     result.seconds = time.perf_counter() - t0
@@ -261,7 +272,9 @@ async def stream_last_seq(bus: Bus) -> int:
         raise LookupError(f"run {bus.run!r} has no stream ({bus.stream}) on this server") from None
 
 
-async def sync_if_behind(run: str, url: str, data_dir: str | Path = "runs") -> SyncResult | None:
+async def sync_if_behind(
+    run: str, url: str, data_dir: str | Path = "runs", on_progress: Progress | None = None
+) -> SyncResult | None:
     """Sync ``run``'s lake only if its stream holds events past the lake's position.
 
     The question is asked of the stream, not of the lake: a finished run's lake that
@@ -273,15 +286,17 @@ async def sync_if_behind(run: str, url: str, data_dir: str | Path = "runs") -> S
     try:
         if await stream_last_seq(bus) <= synced_seq(lake):
             return None
-        return await sync_run(bus, lake)
+        return await sync_run(bus, lake, on_progress=on_progress)
     finally:
         await bus.close()
 
 
-async def sync(run: str, url: str, data_dir: str | Path = "runs") -> SyncResult:
+async def sync(
+    run: str, url: str, data_dir: str | Path = "runs", on_progress: Progress | None = None
+) -> SyncResult:
     """Connect to ``url`` and sync ``run``'s lake under ``data_dir``."""
     bus = await Bus.connect(url, run=run, producer="lake")
     try:
-        return await sync_run(bus, lake_dir(data_dir, run))
+        return await sync_run(bus, lake_dir(data_dir, run), on_progress=on_progress)
     finally:
         await bus.close()

@@ -19,6 +19,10 @@ objects (checking their digests), republishes every message in order with its he
 ``<data_dir>/<run>/``. With ``--run NEW`` every event is decoded and re-encoded with the
 new run id (subjects, ``run`` fields, object-store references).
 
+Export streams: each log chunk and object goes into ``<out>.part`` as it is read (memory
+holds one at a time), renamed to ``<out>`` once the manifest is written. Both directions
+take ``on_progress(done, total)``, in messages and objects, for ``rlbus export|import``.
+
 ``locate_model_dir`` finds a run's initial weights on this machine for trainer replay.
 """
 
@@ -29,6 +33,7 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import re
 import tarfile
 import time
@@ -38,11 +43,12 @@ from typing import Any
 import msgspec
 import nats.errors
 import nats.js.errors
+from nats.aio.msg import Msg
 
 from bus import codec
 from bus.errors import BusError, DecodeError
 from bus.offload import BodyStore, sha256_digest
-from bus.reader import LogReader, read_log
+from bus.reader import LogReader, Progress, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, objects_bucket, stream_subjects, topic_of_subject
 from configs.paths import RunPaths
@@ -77,34 +83,32 @@ def _sha(data: bytes) -> str:
 # -- export -----------------------------------------------------------------------------
 
 
-async def stored_messages(bus: Bus) -> list[LogRecord]:
-    """Every message of the run's stream, raw, in order (the log reader, undecoded)."""
-    out: list[LogRecord] = []
-    async for msg in LogReader(bus, idle_timeout_s=10.0).messages():
-        meta = msg.metadata
-        stamp = meta.timestamp.timestamp() if meta.timestamp else 0.0
-        out.append(LogRecord(meta.sequence.stream, msg.subject, dict(msg.headers or {}),
-                             bytes(msg.data), int(stamp * 1e9)))  # fmt: skip
-    return out
+def log_record(msg: Msg) -> LogRecord:
+    """One stored message as the archive keeps it."""
+    meta = msg.metadata
+    stamp = meta.timestamp.timestamp() if meta.timestamp else 0.0
+    return LogRecord(meta.sequence.stream, msg.subject, dict(msg.headers or {}),
+                     bytes(msg.data), int(stamp * 1e9))  # fmt: skip
 
 
-async def stored_objects(bus: Bus, leave_out: frozenset[str] = frozenset()) -> dict[str, bytes]:
-    """Every (not deleted) object of the run's object store, by name, but ``leave_out``."""
+async def object_names(bus: Bus, leave_out: frozenset[str] = frozenset()) -> list[str]:
+    """The (not deleted) objects of the run's object store but ``leave_out``, sorted."""
     try:
         await bus.js.object_store(objects_bucket(bus.run))  # never create it by exporting
     except nats.js.errors.BucketNotFoundError:
-        return {}
-    out = {}
-    for name in await bus.objects.names():
-        if name in leave_out:
-            continue
-        try:
-            out[name] = await bus.objects.read(name)
-        except BusError:
-            if await bus.objects.exists(name):
-                raise
-            # Deleted since listed: a live run's trainer collects old weights.
-    return out
+        return []
+    return [name for name in await bus.objects.names() if name not in leave_out]
+
+
+async def read_object(bus: Bus, name: str) -> bytes | None:
+    """An object's bytes; None if it was deleted since listed (a live run's trainer
+    collects old weights)."""
+    try:
+        return await bus.objects.read(name)
+    except BusError:
+        if await bus.objects.exists(name):
+            raise
+        return None
 
 
 async def unneeded_weights(bus: Bus) -> frozenset[str]:
@@ -128,72 +132,127 @@ async def unneeded_weights(bus: Bus) -> frozenset[str]:
     return frozenset(set(published.values()) - keep)
 
 
-def _add(tar: tarfile.TarFile, manifest: dict[str, Any], name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
-    tar.addfile(info, io.BytesIO(data))
-    if name != MANIFEST:  # the manifest is the root of trust, not a member of itself
-        manifest["members"][name] = {"size": len(data), "sha256": _sha(data)}
-
-
 async def export_run(
-    bus: Bus, out: Path, run_dir: Path, model_dir: Path | None, all_weights: bool = False
-) -> dict[str, Any]:
+    bus: Bus, out: Path, run_dir: Path, model_dir: Path | None, all_weights: bool = False,
+    on_progress: Progress | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Write ``bus.run`` (stream, objects, config, model) to ``out``; returns the manifest.
 
     Only the weights replay and import need go in (``unneeded_weights``), unless
     ``all_weights``: a default run publishes 500 versions, ~80% of an archive with all.
+    The log is written chunk by chunk as it is read, each object as it is read (memory
+    holds one chunk or one object); ``on_progress(done, total)`` counts the messages
+    and objects written (compressing the log is most of the time).
     """
-    records = await stored_messages(bus)
     left_out = frozenset() if all_weights else await unneeded_weights(bus)
-    objects = await stored_objects(bus, left_out)
-    return await asyncio.to_thread(
-        write_archive, out, bus.run, records, objects, run_dir, model_dir, sorted(left_out)
-    )
+    names = await object_names(bus, left_out)
+    done = messages = 0
+
+    def report() -> None:
+        if on_progress is not None:
+            on_progress(done, messages + len(names))
+
+    def counted(read: int, total: int | None) -> None:
+        nonlocal messages
+        messages = total or 0
+        if read == 0:  # the total, before the first chunk takes its time
+            report()
+
+    archive = ArchiveWriter(out, bus.run)
+    try:
+        chunk: list[LogRecord] = []
+        async for msg in LogReader(bus, idle_timeout_s=10.0, on_progress=counted).messages():
+            chunk.append(log_record(msg))
+            if len(chunk) == LOG_CHUNK:
+                await asyncio.to_thread(archive.add_log, chunk)
+                done, chunk = done + len(chunk), []
+                report()
+        if chunk:
+            await asyncio.to_thread(archive.add_log, chunk)
+            done += len(chunk)
+            report()
+        for name in names:
+            if (data := await read_object(bus, name)) is not None:
+                await asyncio.to_thread(archive.add_object, name, data)
+            done += 1
+            report()
+        return await asyncio.to_thread(archive.close, run_dir, model_dir, sorted(left_out))
+    except BaseException:
+        archive.abort()
+        raise
 
 
-def write_archive(
-    out: Path, run: str, records: list[LogRecord], objects: dict[str, bytes],
-    run_dir: Path, model_dir: Path | None, left_out: list[str] | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    counts: dict[str, int] = {}
-    for r in records:
-        topic = topic_of_subject(run, r.subject).value
-        counts[topic] = counts.get(topic, 0) + 1
-    manifest: dict[str, Any] = {
-        "format": FORMAT, "run": run, "exported_ns": time.time_ns(), "members": {},
-        "stream": {"subjects": stream_subjects(run), "messages": len(records),
-                   "first_seq": records[0].seq if records else 0,
-                   "last_seq": records[-1].seq if records else 0},
-        "counts": counts, "objects": {}, "log": [], "model": [], "config": None,
-        "left_out": left_out or [],  # weights objects not exported (replay recomputes them)
-    }  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _open_for_writing(out) as tar:
-        for i in range(0, len(records), LOG_CHUNK):
-            name = f"log/{i // LOG_CHUNK:06d}.msgpack.gz"
-            chunk = msgspec.msgpack.encode(records[i : i + LOG_CHUNK])
-            _add(tar, manifest, name, gzip.compress(chunk, LOG_GZIP_LEVEL, mtime=0))
-            manifest["log"].append(name)
-        for i, (obj, data) in enumerate(objects.items()):
-            _add(tar, manifest, f"objects/{i:06d}", data)  # object names are not paths
-            manifest["objects"][obj] = {"member": f"objects/{i:06d}", "digest": sha256_digest(data)}
+class ArchiveWriter:
+    """An archive written member by member, the manifest last (``export_run``).
+
+    It writes ``<out>.part`` and renames it to ``out`` once complete: an export that fails
+    or is interrupted leaves no file that looks like an archive. A plain tar (its log
+    members are compressed already), gzip for ``.gz``/``.tgz``.
+    """
+
+    def __init__(self, out: Path, run: str) -> None:
+        self.out, self.run = out, run
+        self.part = out.with_name(out.name + ".part")
+        self.manifest: dict[str, Any] = {
+            "format": FORMAT, "run": run, "exported_ns": time.time_ns(), "members": {},
+            "stream": {"subjects": stream_subjects(run), "messages": 0, "first_seq": 0,
+                       "last_seq": 0},
+            "counts": {}, "objects": {}, "log": [], "model": [], "config": None,
+            "left_out": [],  # weights objects not exported (replay recomputes them)
+        }  # fmt: skip
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.name.endswith((".gz", ".tgz")):
+            self.tar = tarfile.open(self.part, "w:gz", compresslevel=LOG_GZIP_LEVEL)
+        else:
+            self.tar = tarfile.open(self.part, "w")
+
+    def add_log(self, records: list[LogRecord]) -> None:
+        """The next log member: up to ``LOG_CHUNK`` messages, in stream order."""
+        m, stream = self.manifest, self.manifest["stream"]
+        name = f"log/{len(m['log']):06d}.msgpack.gz"
+        self._add(name, gzip.compress(msgspec.msgpack.encode(records), LOG_GZIP_LEVEL, mtime=0))
+        m["log"].append(name)
+        stream["first_seq"] = stream["first_seq"] or records[0].seq
+        stream["last_seq"] = records[-1].seq
+        stream["messages"] += len(records)
+        for r in records:
+            topic = topic_of_subject(self.run, r.subject).value
+            m["counts"][topic] = m["counts"].get(topic, 0) + 1
+
+    def add_object(self, name: str, data: bytes) -> None:
+        member = f"objects/{len(self.manifest['objects']):06d}"  # object names are not paths
+        self._add(member, data)
+        self.manifest["objects"][name] = {"member": member, "digest": sha256_digest(data)}
+
+    def close(self, run_dir: Path, model_dir: Path | None, left_out: list[str]) -> dict[str, Any]:
+        """Config, model and manifest, then the rename; returns the manifest."""
+        m = self.manifest
+        m["left_out"] = left_out
         if (config := RunPaths.at(run_dir).config).is_file():
-            _add(tar, manifest, "config.toml", config.read_bytes())
-            manifest["config"] = "config.toml"
+            self._add("config.toml", config.read_bytes())
+            m["config"] = "config.toml"
         if model_dir is not None and model_dir.is_dir():
             for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
-                _add(tar, manifest, f"model/{f.name}", f.read_bytes())
-                manifest["model"].append(f"model/{f.name}")
-        _add(tar, manifest, MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    return manifest
+                self._add(f"model/{f.name}", f.read_bytes())
+                m["model"].append(f"model/{f.name}")
+        self._add(MANIFEST, json.dumps(m, indent=1, sort_keys=True).encode())
+        self.tar.close()
+        os.replace(self.part, self.out)
+        return m
 
+    def abort(self) -> None:
+        """Close and delete the unfinished archive."""
+        try:
+            self.tar.close()
+        finally:
+            self.part.unlink(missing_ok=True)
 
-def _open_for_writing(out: Path) -> tarfile.TarFile:
-    """A plain tar (its log members are compressed already), gzip for ``.gz``/``.tgz``."""
-    if out.name.endswith((".gz", ".tgz")):
-        return tarfile.open(out, "w:gz", compresslevel=LOG_GZIP_LEVEL)
-    return tarfile.open(out, "w")
+    def _add(self, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+        self.tar.addfile(info, io.BytesIO(data))
+        if name != MANIFEST:  # the manifest is the root of trust, not a member of itself
+            self.manifest["members"][name] = {"size": len(data), "sha256": _sha(data)}
 
 
 # -- import -----------------------------------------------------------------------------
@@ -248,9 +307,12 @@ def renamed(event: Event, new_run: str) -> Event:
 
 
 async def import_run(
-    path: Path, bus: Bus, run_dir: Path, manifest: dict[str, Any], members: dict[str, bytes]
-) -> dict[str, Any]:
-    """Load a verified archive (``read_archive``) into run ``bus.run``; a summary back."""
+    path: Path, bus: Bus, run_dir: Path, manifest: dict[str, Any], members: dict[str, bytes],
+    on_progress: Progress | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Load a verified archive (``read_archive``) into run ``bus.run``; a summary back.
+
+    ``on_progress(done, total)`` counts the objects stored and messages published."""
     old = manifest["run"]
     try:
         info = await bus.js.stream_info(bus.stream)
@@ -261,6 +323,8 @@ async def import_run(
     except nats.js.errors.NotFoundError:
         pass
     await bus.ensure_stream()
+    records = [r for name in manifest["log"] for r in log_records(name, members[name])]
+    total = len(manifest["objects"]) + len(records)
     bodies: dict[str, bytes] = {}
     for name, obj in manifest["objects"].items():
         data = members[obj["member"]]
@@ -268,11 +332,14 @@ async def import_run(
         if digest != obj["digest"]:
             raise PortableError(f"object {name}: stored {digest}, expected {obj['digest']}")
         bodies[name] = data
-    records = [r for name in manifest["log"] for r in log_records(name, members[name])]
+        if on_progress is not None:
+            on_progress(len(bodies), total)
     prepared = [await _prepared(r, bus, old, bodies) for r in records]
     acks = []
     for i in range(0, len(prepared), 1000):
         acks += await bus.publish_raw(prepared[i : i + 1000])
+        if on_progress is not None:
+            on_progress(len(bodies) + len(acks), total)
     seq_map = {r.seq: a.seq for r, a in zip(records, acks, strict=True)}
     await asyncio.to_thread(restore_files, run_dir, bus.run, manifest, members)
     return {

@@ -22,6 +22,9 @@ and each named reward are compared exactly with what the env server recorded.
 Errored traces (reward 0, no named rewards) are counted and skipped. A rubric that raises
 is reported per trace, never fatal. The env key on the bus maps back to the env id via
 ``orchestrator.train.env`` (``token_for(id) == key``).
+
+Reading and rescoring take ``on_progress(done, total)``: messages read, then traces
+rescored (``rlbus replay`` draws both).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.reader import read_log
+from bus.reader import Progress, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic
 from configs import RunConfig, resolve
@@ -46,7 +49,9 @@ class RubricLog:
     traces: list[tuple[str, Trace]]  # (request id, trace), log order
 
 
-async def read_rubric_log(bus: Bus, env_key: str | None = None, evals: bool = True) -> RubricLog:
+async def read_rubric_log(
+    bus: Bus, env_key: str | None = None, evals: bool = True, on_progress: Progress | None = None
+) -> RubricLog:
     started: RunStarted | None = None
     requests: dict[str, TaskRequested] = {}
     traces: list[tuple[str, Trace]] = []
@@ -56,7 +61,7 @@ async def read_rubric_log(bus: Bus, env_key: str | None = None, evals: bool = Tr
         topics.append((Topic.EVAL_COMPLETED, env_key))
     types = (RunStarted, TaskRequested, TraceCompleted, EvalCompleted)
     seen: set[str] = set()
-    async for event in read_log(bus, topics, types):
+    async for event in read_log(bus, topics, types, on_progress=on_progress):
         match event:
             case RunStarted():
                 started = started or event
@@ -126,11 +131,13 @@ class _Envs:
         return self.cache[key]
 
 
-def rescore(log: RubricLog) -> RubricResult:
+def rescore(log: RubricLog, on_progress: Progress | None = None) -> RubricResult:
     out = RubricResult()
     ids = env_ids(log.cfg)
     envs = _Envs()
-    for request_id, trace in log.traces:
+    for done, (request_id, trace) in enumerate(log.traces):
+        if on_progress is not None:  # traces done before this one (the last: below)
+            on_progress(done, len(log.traces))
         if trace.errors:
             out.errored += 1
             continue
@@ -144,6 +151,8 @@ def rescore(log: RubricLog) -> RubricResult:
         if not d.ok:
             out.changed_traces.append(trace.rollout_id)
         out.diff.merge(d)
+    if on_progress is not None:
+        on_progress(len(log.traces), len(log.traces))
     return out
 
 

@@ -23,6 +23,9 @@ fork's own ``weights.published`` (weights in ``RLOBJ_<NEW>``: the initial ones a
 newest ``trainer.keep_weights`` versions, as the trainer keeps them) and trainer metrics, and a
 ``run.stopped`` (reason ``fork``) naming the origin. ``rlbus events``/``sql``/``plot`` read
 it like any run, and ``rlbus replay NEW trainer`` reproduces it.
+
+Reading the log and training take ``on_progress(done, total)``: messages read, then
+steps trained of those to train (``rlbus replay`` draws both).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import msgspec
 import nats.js.errors
 
 from bus.offload import sha256_digest
-from bus.reader import read_log
+from bus.reader import Progress, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic
 from configs import RunConfig, apply_overrides, resolve
@@ -92,7 +95,7 @@ class TrainerLog:
         return self._cache[key]
 
 
-async def read_trainer_log(bus: Bus) -> TrainerLog:
+async def read_trainer_log(bus: Bus, on_progress: Progress | None = None) -> TrainerLog:
     starts: list[tuple[int, RunStarted]] = []
     batches: dict[int, tuple[int, BatchAssembled]] = {}
     metrics: dict[int, MetricsReported] = {}
@@ -102,7 +105,7 @@ async def read_trainer_log(bus: Bus) -> TrainerLog:
               (Topic.WEIGHTS_PUBLISHED, None), (Topic.METRICS_REPORTED, "trainer"),
               (Topic.METRICS_REPORTED, "orchestrator")]  # fmt: skip
     types = (RunStarted, BatchAssembled, WeightsPublished, MetricsReported)
-    async for seq, event in read_log(bus, topics, types, with_seq=True):
+    async for seq, event in read_log(bus, topics, types, with_seq=True, on_progress=on_progress):
         # The first record of a step wins: a republished one (a restarted role) is a copy.
         match event:
             case RunStarted():
@@ -161,15 +164,18 @@ def replay_steps(
     on_step: StepCallback | None = None,
     keep: dict[int, bytes] | None = None,
     config_for: Callable[[int], RunConfig] | None = None,
+    on_progress: Progress | None = None,
 ) -> ReplayResult:
     """Train ``batches`` in order from ``core``'s step; compare with ``recorded`` if given.
 
     With ``recorded`` it stops at the first step that differs, and before a batch the
     original trainer never announced (assembled after the run's last step). ``keep``
     collects each step's weights; ``config_for(step)`` switches the config when it changes.
+    ``on_progress(steps trained, batches after core's step up to ``until``)``.
     """
     result = ReplayResult()
     start = time.perf_counter()
+    todo = sum(1 for b in batches if b.step > core.step and (until is None or b.step <= until))
     for batch in batches:
         if batch.step <= core.step:
             continue
@@ -191,6 +197,8 @@ def replay_steps(
         found = diff_step(recorded[batch.step], rec) if recorded is not None else []
         if on_step is not None:
             on_step(rec, found)
+        if on_progress is not None:
+            on_progress(len(result.steps), todo)
         if found:
             result.divergence = found
             break
@@ -199,11 +207,18 @@ def replay_steps(
 
 
 def replay_run(
-    log: TrainerLog, model_dir: Path, until: int | None = None, on_step: StepCallback | None = None
+    log: TrainerLog,
+    model_dir: Path,
+    until: int | None = None,
+    on_step: StepCallback | None = None,
+    on_progress: Progress | None = None,
 ) -> ReplayResult:
     """The whole check: a fresh core, every recorded step compared."""
     core = make_core(log.config(1), model_dir)
-    return replay_steps(core, log.batches, log.recorded, until, on_step, config_for=log.config)
+    return replay_steps(
+        core, log.batches, log.recorded, until, on_step, config_for=log.config,
+        on_progress=on_progress,
+    )  # fmt: skip
 
 
 # -- forks ------------------------------------------------------------------------------
@@ -231,18 +246,30 @@ def run_fork(
     until: int | None = None,
     on_step: StepCallback | None = None,
     on_fork_step: StepCallback | None = None,
+    on_progress: Progress | None = None,
 ) -> ForkResult:
-    """Replay steps ``1..from_step`` exactly, then the later batches under ``overrides``."""
+    """Replay steps ``1..from_step`` exactly, then the later batches under ``overrides``
+    (``on_progress`` counts the steps of both)."""
     if not 0 <= from_step <= len(log.batches):
         raise ReplayError(f"--from {from_step} is outside the run's steps 0..{len(log.batches)}")
     cfg = log.config(from_step + 1, overrides)
     core = make_core(log.config(1), model_dir)
     kept: dict[int, bytes] = {}
-    prefix = replay_steps(core, log.batches, log.recorded, from_step, on_step, kept, log.config)
+    total = sum(1 for b in log.batches if until is None or b.step <= until)
+
+    def steps_of_both(offset: int) -> Progress | None:
+        return None if on_progress is None else lambda done, _: on_progress(offset + done, total)
+
+    prefix = replay_steps(
+        core, log.batches, log.recorded, from_step, on_step, kept, log.config, steps_of_both(0)
+    )
     if not prefix.ok or core.step != from_step:
         return ForkResult(prefix, ReplayResult(), cfg, weights=kept)
     core.reconfigure(cfg)
-    fork = replay_steps(core, log.batches, None, until, on_fork_step, kept)
+    fork = replay_steps(
+        core, log.batches, None, until, on_fork_step, kept,
+        on_progress=steps_of_both(len(prefix.steps)),
+    )  # fmt: skip
     return ForkResult(
         prefix, fork, cfg, first_series_divergence(log.recorded, fork.steps),
         first_series_divergence(log.recorded, fork.steps, "loss"), kept,

@@ -25,11 +25,14 @@ the log reader (``bus.reader``): first its own ``samples.scored.<id>`` (which gr
 are done, and the state of a stateful algorithm), then ``trace.completed.*`` (the traces
 of groups not scored yet, scoring any group the log already completes). Only then does
 the durable consumer start; a trace is acked as soon as it is buffered, because a
-restarted worker gets it back from the log, not from the consumer.
+restarted worker gets it back from the log, not from the consumer. A long catch-up
+(``rlbus algorithm attach --from-start`` on a long run) logs ``algorithm.catch_up``
+with the traces read of those stored every ``CATCH_UP_LOG_S`` seconds.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +51,7 @@ from schemas import MetricsReported, SamplesScored, TraceCompleted
 
 # Scored groups published per pipelined window while catching up on the log.
 CATCH_UP_WINDOW = 64
+CATCH_UP_LOG_S = 5.0  # seconds between two ``algorithm.catch_up`` progress lines
 
 
 @dataclass
@@ -157,9 +161,21 @@ class AlgorithmWorker(Role):
         # Catching up, results are published in pipelined windows: a failed publish
         # fails the start (the restarted worker redoes it; ids make re-publishing safe).
         backlog: list[SamplesScored] = []
+        said = time.monotonic()
+
+        def progress(read: int, total: int | None) -> None:
+            nonlocal said
+            if time.monotonic() - said >= CATCH_UP_LOG_S:
+                said = time.monotonic()
+                self.log.info(
+                    "algorithm.catch_up", traces_read=read, traces_total=total,
+                    scored_now=self.scored_total,
+                )  # fmt: skip
+
         async for event in read_log(
-            self.bus, [(Topic.TRACE_COMPLETED, None)], (TraceCompleted,), from_seq=self.from_seq
-        ):
+            self.bus, [(Topic.TRACE_COMPLETED, None)], (TraceCompleted,), from_seq=self.from_seq,
+            on_progress=progress,
+        ):  # fmt: skip
             traces += 1
             await self._add(event, backlog)
             if len(backlog) >= CATCH_UP_WINDOW:

@@ -11,8 +11,9 @@ import typer
 
 from roles.cli import algorithm, core, model, role
 from roles.cli.lake import lake_app, sql
-from roles.cli.replay import export, import_run, plot, replay_app, trace
+from roles.cli.replay import export, import_run, plot, replay_app
 from roles.cli.rollout import rollout
+from roles.cli.trace import trace
 
 app = typer.Typer(
     name="rlbus",

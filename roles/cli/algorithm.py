@@ -9,7 +9,11 @@
 so the orchestrator, a restart and a replay all see it) and then runs the worker in the
 foreground until Ctrl-C or ``detach``. Attaching an id that is already attached resumes
 its worker (same consumer, same routing). Without ``--from-start`` the worker scores
-traces stored from the attach on; with it, the whole log first.
+traces stored from the attach on; with it, the whole log first. That catch-up runs in
+the worker (``roles.algorithm.role``), which this command runs in the foreground, so its
+progress is the worker's own log on this command's stderr: an ``algorithm.catch_up`` line
+every few seconds (traces read of those stored), then ``algorithm.caught_up``. The same
+lines land in the role's log file when ``rlbus up`` runs the worker.
 """
 
 from __future__ import annotations
@@ -72,8 +76,9 @@ def attach(
         )
         typer.echo(
             f"attached {wid} ({name}, {'shadow' if shadow else 'training'}) to {run}; "
-            f"scoring traces from seq {attached.from_seq}. Ctrl-C stops this worker (it stays "
-            f"attached); `rlbus algorithm detach {wid} --run {run}` detaches it.",
+            f"scoring traces from seq {attached.from_seq} (stored ones first: "
+            f"algorithm.catch_up lines below show how far). Ctrl-C stops this worker (it "
+            f"stays attached); `rlbus algorithm detach {wid} --run {run}` detaches it.",
             err=True,
         )
         from roles.algorithm.core import ScoringCore

@@ -12,6 +12,8 @@ past the lake's position (``replay.lake.sync_if_behind``): a finished run's log 
 grow, e.g. by a shadow ``rlbus algorithm attach``. Then it queries the views of
 ``replay.sql`` (docs/analytics.md). Without ``--run`` it covers every run under the data
 directory; ``--run`` on a run that is neither here nor on the server fails in one line.
+A sync shows its progress on stderr (``roles.cli.progress``), so query output on stdout
+stays clean.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ def sync(
 ) -> None:
     """Append the run's new events to its lake (reads from the last synced sequence)."""
     from replay.lake import sync as sync_run
+    from roles.cli.progress import progress
 
     root = _data_dir(data_dir)
     with server_for(run, nats_url, root, existing=True) as url:
-        r = run_async(sync_run(run, url, root))
+        with progress(f"lake sync {run}", unit="events") as update:
+            r = run_async(sync_run(run, url, root, on_progress=update))
     rows = ", ".join(f"{t} {n}" for t, n in sorted(r.rows.items())) or "no new rows"
     typer.echo(f"{run}: {r.events} events (seq {r.start_seq}..{r.last_seq}) in {r.seconds:.2f}s: {rows}")  # fmt: skip
     for s in r.skipped:
@@ -95,12 +99,14 @@ def sync_before_query(run: str, root: Path, nats_url: str | None, *, named: bool
     e.g. copied alone), with a warning when the stream is missing or the lake is locked."""
     from configs.paths import RunPaths
     from replay import sync_lake
+    from roles.cli.progress import progress
 
     if named and not RunPaths(root, run).lake.is_dir():
         with server_for(run, nats_url, root, existing=True):
             pass  # a typo fails here, in one line
     try:
-        sync_lake(run, root, nats_url)  # None without a server or store: the lake as it is
+        with progress(f"lake sync {run}", unit="events") as update:  # stderr: stdout is data
+            sync_lake(run, root, nats_url, on_progress=update)  # None: no server or store
     except (LookupError, OSError) as e:
         typer.echo(f"warning: could not sync {run}: {e}", err=True)
 

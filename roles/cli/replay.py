@@ -1,16 +1,17 @@
-"""``rlbus replay``, ``trace``, ``export``, ``import``, ``plot``: the run is its log.
+"""``rlbus replay``, ``export``, ``import``, ``plot``: the run is its log.
 
     rlbus replay <run> trainer [--until N] [--fork NEW --from N key=value ...]
     rlbus replay <run> algorithm <id>
     rlbus replay <run> rubric [--env KEY] [--no-eval]
-    rlbus trace <run> <rollout-id> [--json]
     rlbus export <run> run.tar ; rlbus import run.tar [--data-dir D] [--run NEW]
     rlbus plot <run> [--out curves.png]
 
 Thin wrappers over ``replay.*``: they find (or start) the run's NATS server
-(``server_for``), read what they need, stop the server, then compute. Exit codes: 0 =
-reproduced / done, 1 = a difference was found, 2 = cannot replay (bad arguments, missing
-data). Registered by ``roles.cli`` (``replay_app`` as a group, the rest as commands).
+(``server_for``), read what they need, stop the server, then compute. Reading, replaying,
+exporting and importing show their progress on stderr (``roles.cli.progress``). Exit
+codes: 0 = reproduced / done, 1 = a difference was found, 2 = cannot replay (bad
+arguments, missing data). Registered by ``roles.cli`` (``replay_app`` as a group, the
+rest as commands). ``rlbus trace`` is ``roles/cli/trace.py``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def trainer(
     """Re-train the recorded batches on CPU; every step's metrics and digest must match."""
     from replay.diff import print_verdict, step_printer
     from replay.trainer import ReplayError, publish_fork, replay_run, run_fork
+    from roles.cli.progress import progress
 
     run, nats_url, console = ctx.obj["run"], ctx.obj["nats_url"], _console()
     if (fork is None) != (from_step is None) or (overrides and fork is None):
@@ -84,11 +86,13 @@ def trainer(
     console.print(f"replaying {len(log.batches)} batches of {run} on CPU from {model_dir}")
     on_step = step_printer(console, log.recorded)
     if fork is None:
-        r = replay_run(log, model_dir, until, on_step)
+        with progress(f"replay {run} trainer", unit="steps") as update:
+            r = replay_run(log, model_dir, until, on_step, update)
         raise typer.Exit(print_verdict(console, r.steps, r.divergence, r.stopped, r.wall_s))
     assert from_step is not None
     on_fork = step_printer(console, log.recorded, fork=True)
-    forked = run_fork(log, model_dir, from_step, overrides or [], until, on_step, on_fork)
+    with progress(f"replay {run} trainer, fork {fork}", unit="steps") as update:
+        forked = run_fork(log, model_dir, from_step, overrides or [], until, on_step, on_fork, update)  # fmt: skip
     if not forked.prefix.ok:
         print_verdict(console, forked.prefix.steps, forked.prefix.divergence)
         console.print("[red]not forking:[/] the exact prefix does not reproduce")
@@ -125,23 +129,30 @@ def trainer(
         console.print(f"loss first diverges at step {loss[0].step}: {loss[0].describe()}")
 
 
+def _reading(run: str) -> Any:
+    """The progress of reading ``run``'s log (stderr)."""
+    from roles.cli.progress import progress
+
+    return progress(f"read {run}", unit="events")
+
+
 def _load_trainer(run: str, nats_url: str | None) -> Any:
     """(TrainerLog, model dir) of ``run``; the server is stopped before training starts."""
     from replay.portable import PortableError, locate_model_dir
     from replay.trainer import ReplayError, read_trainer_log
 
-    async def load(url: str) -> Any:
+    async def load(url: str, update: Any) -> Any:
         bus = await _connect(url, run)
         try:
-            log = await read_trainer_log(bus)
+            log = await read_trainer_log(bus, update)
             return log, await locate_model_dir(bus, log.started, log.config(), run_paths(run).dir)
         except PortableError as e:
             raise ReplayError(str(e)) from e
         finally:
             await bus.close()
 
-    with server_for(run, nats_url, existing=True) as url:
-        return run_async(load(url))
+    with server_for(run, nats_url, existing=True) as url, _reading(run) as update:
+        return run_async(load(url, update))
 
 
 @replay_app.command("algorithm")
@@ -154,20 +165,22 @@ def algorithm(ctx: typer.Context, name: str = typer.Argument(..., help="Algorith
         shadow_rows,
         write_shadow,
     )
+    from roles.cli.progress import progress
 
     run, console = ctx.obj["run"], _console()
 
-    async def load(url: str) -> Any:
+    async def load(url: str, update: Any) -> Any:
         bus = await _connect(url, run)
         try:
-            return await read_algorithm_log(bus, name)
+            return await read_algorithm_log(bus, name, update)
         finally:
             await bus.close()
 
-    with server_for(run, ctx.obj["nats_url"], existing=True) as url:
-        log = run_async(load(url))
+    with server_for(run, ctx.obj["nats_url"], existing=True) as url, _reading(run) as update:
+        log = run_async(load(url, update))
     try:
-        scored = run_async(recompute(name, log))
+        with progress(f"replay {run} algorithm {name}", unit="traces") as update:
+            scored = run_async(recompute(name, log, on_progress=update))
     except ValueError as e:  # an unknown algorithm or bad options
         console.print(f"[red]cannot replay:[/] {e}")
         raise typer.Exit(2) from None
@@ -198,19 +211,21 @@ def rubric(
 ) -> None:
     """Re-score recorded traces with the current reward functions; diff the rewards."""
     from replay.rubric import read_rubric_log, rescore
+    from roles.cli.progress import progress
 
     run, console = ctx.obj["run"], _console()
 
-    async def load(url: str) -> Any:
+    async def load(url: str, update: Any) -> Any:
         bus = await _connect(url, run)
         try:
-            return await read_rubric_log(bus, env, evals=not no_eval)
+            return await read_rubric_log(bus, env, evals=not no_eval, on_progress=update)
         finally:
             await bus.close()
 
-    with server_for(run, ctx.obj["nats_url"], existing=True) as url:
-        log = run_async(load(url))
-    result = rescore(log)
+    with server_for(run, ctx.obj["nats_url"], existing=True) as url, _reading(run) as update:
+        log = run_async(load(url, update))
+    with progress(f"replay {run} rubric", unit="traces") as update:
+        result = rescore(log, update)
     console.print(f"{result.scored} traces rescored ({result.errored} errored traces skipped), {len(result.changed_traces)} changed")  # fmt: skip
     for line in result.diff.summary("rewards"):
         console.print(line)
@@ -218,51 +233,6 @@ def rubric(
         console.print(f"  [red]rubric raised[/] {f}")
     if result.failures or not result.diff.ok:
         raise typer.Exit(1)
-
-
-def trace(
-    run: str = typer.Argument(..., help="Run id."),
-    rollout_id: str = typer.Argument(..., help="Rollout id (or a unique prefix)."),
-    as_json: bool = typer.Option(False, "--json", help="The chain as one JSON object."),
-    tokens: bool = typer.Option(True, "--tokens/--no-tokens", help="Per-token table."),
-    nats_url: str | None = URL,
-) -> None:
-    """One rollout: its messages and tokens, what caused it and what it caused."""
-    from bus.reader import read_log
-    from replay.inspect import TOPICS, TYPES, TraceNotFound, render_chain, trace_chain
-
-    async def load(url: str) -> list[Any]:
-        bus = await _connect(url, run)
-        try:
-            return [e async for e in read_log(bus, TOPICS, TYPES)]
-        finally:
-            await bus.close()
-
-    with server_for(run, nats_url, existing=True) as url:
-        events = run_async(load(url))
-    try:
-        chain = trace_chain(events, rollout_id, _token_text(run, events) if tokens else None)
-    except TraceNotFound as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2) from None
-    if as_json:
-        typer.echo(json.dumps(chain, default=str))
-    else:
-        render_chain(chain, _console(), tokens=tokens)
-
-
-def _token_text(run: str, events: list[Any]) -> Any:
-    """Token ids -> token strings with the run's tokenizer, or None if it is not here."""
-    from schemas import RunStarted
-
-    started = next((e for e in events if isinstance(e, RunStarted)), None)
-    for d in (run_paths(run).initial_model, Path(started.model_path) if started else None):
-        if d is not None and (d / "tokenizer_config.json").is_file():
-            from roles.lib.model.loading import load_tokenizer
-
-            tok = load_tokenizer(d)
-            return lambda ids: list(tok.convert_ids_to_tokens(ids))
-    return None
 
 
 def export(
@@ -279,9 +249,10 @@ def export(
     """Write a run (log, what replay needs of its objects, config, initial model) to one
     portable file."""
     from replay.portable import export_run
+    from roles.cli.progress import progress
     from roles.runtime.context import read_run_started
 
-    async def main(url: str) -> dict[str, Any]:
+    async def main(url: str, update: Any) -> dict[str, Any]:
         bus = await _connect(url, run)
         try:
             model_dir = run_paths(run).initial_model
@@ -289,13 +260,14 @@ def export(
             if not model_dir.is_dir() and started is not None:
                 model_dir = Path(started.model_path)
             return await export_run(
-                bus, file, run_paths(run).dir, model_dir if model else None, all_weights
+                bus, file, run_paths(run).dir, model_dir if model else None, all_weights, update
             )
         finally:
             await bus.close()
 
     with server_for(run, nats_url, existing=True) as url:
-        manifest = run_async(main(url))
+        with progress(f"export {run}", unit="events and objects") as update:
+            manifest = run_async(main(url, update))
     size = file.stat().st_size
     typer.echo(f"exported {run}: {manifest['stream']['messages']} messages, {len(manifest['objects'])} objects, {len(manifest['model'])} model files -> {file} ({size / 1e6:.1f} MB)")  # fmt: skip
 
@@ -312,6 +284,7 @@ def import_run(
     from bus.server import reachable_server
     from replay.portable import PortableError, read_archive
     from replay.portable import import_run as load
+    from roles.cli.progress import progress
 
     try:
         manifest, members = read_archive(file)
@@ -321,17 +294,18 @@ def import_run(
     run = new_run or manifest["run"]
     paths = run_paths(run, data_dir)
 
-    async def main(url: str) -> dict[str, Any]:
+    async def main(url: str, update: Any) -> dict[str, Any]:
         bus = await _connect(url, run, producer="")  # a renamed event keeps its producer
         try:
-            return await load(file, bus, paths.dir, manifest, members)
+            return await load(file, bus, paths.dir, manifest, members, update)
         finally:
             await bus.close()
 
     try:
         with reachable_server(paths.nats, nats_url, start="always") as url:
             assert url is not None
-            summary = run_async(main(url))
+            with progress(f"import {run}", unit="events and objects") as update:
+                summary = run_async(main(url, update))
     except PortableError as e:
         typer.echo(f"import failed: {e}", err=True)
         raise typer.Exit(2) from None

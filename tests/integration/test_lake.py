@@ -60,22 +60,27 @@ def n_parts(lake: Path) -> int:
 
 
 async def test_sync_is_incremental_and_idempotent(bus: Bus, tmp_path: Path) -> None:
-    """Sync writes every table; a second sync adds nothing; new events resume at the next seq."""
+    """Sync writes every table; a second sync adds nothing; new events resume at the next seq.
+    Its progress counts the sequences to read, up to all of them; none when up to date."""
     lake = lake_dir(tmp_path, bus.run)
     await bus.publish_many(every_event(bus.run))
-    first = await sync_run(bus, lake)
+    seen: list[tuple[int, int | None]] = []
+    first = await sync_run(bus, lake, on_progress=lambda done, total: seen.append((done, total)))
     assert (first.start_seq, first.last_seq, first.events) == (1, 12, 12)
+    assert seen[0] == (1, 12) and seen[-1] == (12, 12)
     assert first.rows == {t: n for t, n in FIRST.items() if n}
     assert counts(tmp_path, bus.run) == FIRST
     files = n_parts(lake)
 
-    again = await sync_run(bus, lake)
-    assert (again.events, again.rows, again.start_seq) == (0, {}, 13)
+    seen.clear()
+    again = await sync_run(bus, lake, on_progress=lambda done, total: seen.append((done, total)))
+    assert (again.events, again.rows, again.start_seq) == (0, {}, 13) and seen == []
     assert n_parts(lake) == files and counts(tmp_path, bus.run) == FIRST
 
     await bus.publish_many(traces(bus.run, 3))
-    more = await sync_run(bus, lake)
+    more = await sync_run(bus, lake, on_progress=lambda done, total: seen.append((done, total)))
     assert (more.start_seq, more.last_seq, more.events) == (13, 15, 3)
+    assert seen[-1] == (3, 3)
     assert more.rows == {"events": 3, "rollouts": 3, "rollout_tokens": 3}
     assert parts(lake, "rollouts")[-1][:2] == (13, 15)
     expected = {**FIRST, "events": 15, "rollouts": 5, "rollout_tokens": 5}

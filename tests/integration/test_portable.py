@@ -75,8 +75,12 @@ async def exported(bus: Bus, tmp_path: Path) -> AsyncIterator[tuple[Path, list[E
     (model / "model.safetensors").write_bytes(b"not really weights")
     (run_dir / "config.toml").write_text(f'run = "{bus.run}"\nseed = 1\n')
     archive = tmp_path / "run.tar"
-    manifest = await export_run(bus, archive, run_dir, model)
+    seen: list[tuple[int, int | None]] = []
+    manifest = await export_run(bus, archive, run_dir, model, on_progress=lambda *p: seen.append(p))
     assert manifest["stream"]["messages"] == len(events)
+    # progress: the total (events + 2 objects) before the first write, all of it at the end
+    assert seen[0] == (0, len(events) + 2) and seen[-1] == (len(events) + 2,) * 2
+    assert not archive.with_name("run.tar.part").exists()
     # The initial and newest weights (both weights.v3 here) and the offloaded body; the
     # older published versions are left out: replay recomputes them.
     assert set(manifest["objects"]) == {"weights.v3", "body.e-big"}
@@ -103,9 +107,11 @@ async def test_export_import_round_trip(
     manifest, members = read_archive(archive)
     dest = tmp_path / "machine2" / run
     bus = await Bus.connect(second_server.url, run=run, producer="")
+    seen: list[tuple[int, int | None]] = []
     try:
-        summary = await import_run(archive, bus, dest, manifest, members)
+        summary = await import_run(archive, bus, dest, manifest, members, lambda *p: seen.append(p))
         assert summary["messages"] == len(events) and summary["objects"] == 2
+        assert seen[0] == (1, len(events) + 2) and seen[-1] == (len(events) + 2,) * 2
         assert sorted(summary["seq_map"]) == list(range(1, len(events) + 1))
         back = await all_events(bus)
         assert back == events  # decoded equal, in order (sequences are not part of events)
