@@ -49,7 +49,9 @@ class TaskRequested(Event, frozen=True, tag="task_requested/1"):
     seed: int = 0  # base seed of the group; rollout i uses derive(seed, i)
     max_turns: int | None = None
     args: dict[str, Any] = msgspec.field(default_factory=dict)  # env args from the config
-    phase: str = "rl"  # "sft" (warm start on a teacher) | "rl"; which batches its samples feed
+    # The orchestrator's "sft" (warm start on a teacher) | "rl" (which batches its samples
+    # feed) | "eval"; "adhoc": asked by `rlbus rollout`/`rlbus eval`, no orchestrator's own.
+    phase: str = "rl"
     # Training algorithm ids whose samples this group waits for, decided at dispatch
     # (empty in logs written before runtime attach: the config's routing then applies).
     algorithms: list[str] = msgspec.field(default_factory=list)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from roles.cli import algorithm, core, model, role
+from roles.cli.eval import evaluate
 from roles.cli.lake import lake_app, sql
 from roles.cli.replay import export, import_run, plot, replay_app
 from roles.cli.rollout import rollout
@@ -24,6 +25,7 @@ app = typer.Typer(
 )
 core.register(app)
 app.command("rollout")(rollout)
+app.command("eval")(evaluate)
 app.command("sql")(sql)
 app.add_typer(lake_app, name="lake")
 app.add_typer(replay_app, name="replay")

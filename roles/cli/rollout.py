@@ -12,29 +12,33 @@ and one ``rlbus role env --env <env>`` process (``--config`` = the resolved conf
 written to ``<run>/config.toml``; logs in ``<run>/logs/<name>.log``). A role counts as
 running when its heartbeat in the role registry is fresh. Then it publishes
 ``ceil(n / group_size)`` ``TaskRequested`` events (tasks 0, 1, ... of the split, seeds
-derived from the run seed), follows ``trace.completed.<env>`` (``eval.completed.<env>``
-for ``--split eval``) for their results, prints a summary and one rendered trace, and
-stops what it started (SIGTERM, then waits for the drain).
+derived from the run seed; ``--split eval`` asks as ``rlbus eval`` does, see
+``roles.up.rollout``), follows ``trace.completed.<env>`` (``eval.completed.<env>`` for
+``--split eval``) for their results, prints a summary and one rendered trace, and stops
+what it started (SIGTERM, then waits for the drain).
 
 The work itself (planning, the requests, starting and stopping the missing roles,
 collecting the traces) is ``roles.up.rollout``; this module is the command and its
-output. Registered in the app by ``roles.cli`` (``app.command("rollout")(rollout)``).
+output, and the steps ``rlbus eval`` (``roles/cli/eval.py``) shares with it: loading the
+config, sizing the env splits, and collecting with a progress bar
+(``roles.cli.progress``: rollouts done / expected). Registered in the app by
+``roles.cli`` (``app.command("rollout")(rollout)``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import typer
 
-if TYPE_CHECKING:
-    from pathlib import Path
+from roles.cli.common import fail
 
+if TYPE_CHECKING:
     from configs import RunConfig
-    from configs.paths import RunPaths
-    from roles.up.rollout import Plan
+    from roles.up.rollout import Plan, RolloutResult
 
 
 def rollout(
@@ -54,74 +58,86 @@ def rollout(
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every trace."),
 ) -> None:
     """Run N rollouts of one env (starting NATS, inference and the env server if needed)."""
-    from configs import ConfigError, load_config
-    from configs.paths import RunPaths, settle_data_dir
-    from roles.lib.envs.registry import UnknownEnv, make_env
-    from roles.up.rollout import plan_requests, write_config
+    from roles.up.rollout import plan_requests
 
     if split not in ("train", "eval"):
         raise typer.BadParameter("--split must be train or eval")
     if n < 1 or group_size < 1:
         raise typer.BadParameter("-n and --group-size must be >= 1")
-    try:
-        cfg = settle_data_dir(load_config(config, overrides or []), overrides or [])
-    except ConfigError as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(2) from None
-    run = run or cfg.run or time.strftime("rollout-%Y%m%d-%H%M%S", time.gmtime())
-    cfg.run = run
+    cfg = load_cfg(config, overrides or [])
+    cfg.run = run or cfg.run or time.strftime("rollout-%Y%m%d-%H%M%S", time.gmtime())
     plan = plan_requests(cfg, env, split, n, group_size, model)
+    sizes = split_sizes([plan])
+    result = collect(cfg, [plan], sizes, nats_url, timeout, f"rollout {plan.env}")
+    if not result.role_died:
+        print_summary(plan, result.traces, result.wall_s)
+        if result.traces:
+            print_trace(pick_trace(result.traces), cfg, cfg.run, plan.model)
+    raise typer.Exit(result.code)
+
+
+# -- the steps `rlbus eval` shares ----------------------------------------------------------
+
+
+def load_cfg(config: str, overrides: list[str]) -> RunConfig:
+    """The preset or TOML file with the overrides, its data directory settled."""
+    from configs import ConfigError, load_config
+    from configs.paths import settle_data_dir
+
     try:
-        size = make_env(env, plan.env_args).size(split)
-    except (UnknownEnv, ValueError, TypeError) as e:
-        typer.echo(f"env error: {e}", err=True)
-        raise typer.Exit(2) from None
+        return settle_data_dir(load_config(config, overrides), overrides)
+    except ConfigError as e:
+        fail(f"config error: {e}")
+
+
+def split_sizes(plans: Sequence[Plan]) -> list[int]:
+    """Tasks in each plan's split, checking that every env can be made (exit 2 if not)."""
+    from roles.up.rollout import split_size
+
+    try:
+        return [split_size(p) for p in plans]
+    except (ValueError, TypeError) as e:  # UnknownEnv is a ValueError
+        fail(f"env error: {e}")
+
+
+def collect(
+    cfg: RunConfig,
+    plans: Sequence[Plan],
+    sizes: Sequence[int],
+    nats_url: str | None,
+    timeout_s: float,
+    label: str,
+) -> RolloutResult:
+    """Write the run's config, reach its server (starting one on its store if none runs),
+    ask for ``plans``' rollouts and collect them, with progress; Ctrl-C exits 130."""
+    from bus.server import reachable_server
+    from configs.paths import RunPaths
+    from roles.cli.progress import progress
+    from roles.up.rollout import build_requests, run_rollouts, write_config
+
     paths = RunPaths.of(cfg)
     config_path = write_config(cfg, paths)  # never rewrites a live run's config
+    requests = [
+        r
+        for plan, size in zip(plans, sizes, strict=True)
+        for r in build_requests(paths.run, cfg.seed, plan, size)
+    ]
 
-    from bus.server import reachable_server
+    def note(text: str) -> None:
+        typer.echo(text, err=True)
 
     # --nats-url, $RLBUS_NATS_URL, the run's running server, or one started on its store.
     with reachable_server(paths.nats, nats_url, start="always") as url:
         assert url is not None
         try:
-            code = _main(cfg, plan, size, paths, url, config_path, timeout)
+            with progress(label, sum(p.total for p in plans), "rollouts") as update:
+                return asyncio.run(
+                    run_rollouts(
+                        cfg, plans, requests, paths, url, config_path, timeout_s, note, update
+                    )
+                )
         except KeyboardInterrupt:
-            code = 130
-    raise typer.Exit(code)
-
-
-def _main(
-    cfg: RunConfig,
-    plan: Plan,
-    size: int,
-    paths: RunPaths,
-    url: str,
-    config_path: Path,
-    timeout_s: float,
-) -> int:
-    """Run the rollouts with a progress bar, then print their summary and one trace."""
-    from rich.progress import Progress
-
-    from roles.up.rollout import run_rollouts
-
-    def note(text: str) -> None:
-        typer.echo(text, err=True)
-
-    with Progress(transient=True) as progress:
-        bar = progress.add_task(f"{plan.env} rollouts", total=plan.total)
-        result = asyncio.run(
-            run_rollouts(
-                cfg, plan, size, paths, url, config_path, timeout_s, note,
-                lambda n: progress.update(bar, completed=n),
-            )
-        )  # fmt: skip
-    if result.role_died:
-        return result.code
-    print_summary(plan, result.traces, result.wall_s)
-    if result.traces:
-        print_trace(pick_trace(result.traces), cfg, paths.run, plan.model)
-    return result.code
+            raise typer.Exit(130) from None
 
 
 # -- output -------------------------------------------------------------------------------

@@ -91,13 +91,15 @@ class OrchestratorState:
                 self.started = event
             case RunStopped():
                 self.stopped = event
-            case TaskRequested(task=task) if task.split == "train":
+            # Only its own requests: `rlbus rollout`/`rlbus eval` put "adhoc" ones on a live
+            # run's log, which must not become groups to train or eval rounds to report.
+            case TaskRequested(task=task, phase="rl" | "sft") if task.split == "train":
                 self.dispatched += 1
                 algorithms = set(event.algorithms) or set(
                     self.trains_on[event.phase].get(event.env, ())
                 )
                 self.groups[event.group_id] = Group(event, waiting_for=algorithms)
-            case TaskRequested():
+            case TaskRequested(phase="eval"):
                 round_ = self.eval_rounds.setdefault(
                     event.policy_version, EvalRound(event.policy_version, 0)
                 )

@@ -1,15 +1,29 @@
-"""N rollouts of one environment through the bus: ``rlbus rollout`` without its command line.
+"""Rollouts and evals through the bus: ``rlbus rollout`` and ``rlbus eval`` without their
+command lines.
 
     plan = plan_requests(cfg, "reverse-text", "train", n=32, group_size=8, model="policy")
-    requests = build_requests(run, cfg.seed, plan, size)        # one TaskRequested per group
-    result = await run_rollouts(cfg, plan, size, paths, url, config_path, timeout_s=600)
+    requests = build_requests(run, cfg.seed, plan, split_size(plan))  # one TaskRequested per group
+    result = await run_rollouts(cfg, [plan], requests, paths, url, config_path, timeout_s=600)
+
+    plans = [plan_requests(cfg, env, "eval", tasks * k, k, "policy") for env in eval_envs(cfg)]
+    result = await run_rollouts(cfg, plans, requests, ...)     # requests of every plan
+    scores = eval_scores(plans, result.results, k)             # env -> tasks, avg@k, pass@k, errors
 
 ``run_rollouts`` starts only the role processes that are not running already (one
-``rlbus role inference --model <model>`` and one ``rlbus role env --env <env>``; a role
-counts as running when its heartbeat in the role registry is fresh), publishes the
-requests, follows ``trace.completed.<env>`` (``eval.completed.<env>`` for the eval split)
-for their results, and stops what it started (SIGTERM, then waits for the drain). The
-command (``roles/cli/rollout.py``) prints; ``benchmarks/rollout_bench.py`` plans.
+``rlbus role inference --model <model>`` per model and one ``rlbus role env --env <env>``
+per env; a role counts as running when its heartbeat in the role registry is fresh),
+publishes the requests, follows ``trace.completed.<env>`` (``eval.completed.<env>`` for
+the eval split) for their results, reports ``on_progress(done, total)`` as rollouts come
+back, and stops what it started (SIGTERM, then waits for the drain). The commands
+(``roles/cli/rollout.py``, ``roles/cli/eval.py``) print; ``benchmarks/rollout_bench.py``
+plans.
+
+Eval-split requests ask what the orchestrator's eval asks (the same tasks, seeds and,
+with ``plan_requests``, the config's eval sampling) and are scored with its formula
+(``roles.orchestrator.policy.eval_metrics``), so ``rlbus eval`` of a run's weights
+reads like the run's own eval. Every request carries phase ``ADHOC_PHASE``: a live
+run's orchestrator folds only its own phases (``rl``, ``sft``, ``eval``), so ad-hoc
+rollouts on its log neither become groups it trains on nor count in its eval rounds.
 """
 
 from __future__ import annotations
@@ -19,7 +33,7 @@ import contextlib
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +43,10 @@ from configs.paths import RunPaths
 from roles.up.processes import RoleProcess, role_process
 
 Note = Callable[[str], None]
+OnProgress = Callable[[int, int | None], None]  # (rollouts done, rollouts expected)
+
+# The phase of requests made outside a run's schedule (``schemas.TaskRequested.phase``).
+ADHOC_PHASE = "adhoc"
 
 
 def _quiet(_: str) -> None:
@@ -92,10 +110,26 @@ def plan_requests(
     )
 
 
+def eval_envs(cfg: RunConfig) -> list[str]:
+    """The env ids a run evaluates: ``orchestrator.eval.envs`` (empty: every train env)."""
+    o = cfg.orchestrator
+    return [e.id for e in o.train.env if not o.eval.envs or e.id in o.eval.envs]
+
+
+def split_size(plan: Plan) -> int:
+    """Tasks in the plan's split; ``UnknownEnv``, ``ValueError`` or ``TypeError`` for an
+    env that cannot be made with the plan's args."""
+    from roles.lib.envs.registry import make_env
+
+    return make_env(plan.env, plan.env_args).size(plan.split)
+
+
 def build_requests(run: str, seed: int, plan: Plan, size: int) -> list[Any]:
-    """One TaskRequested per group: tasks 0, 1, ... of the split, seeds from the run seed."""
+    """One TaskRequested per group: tasks 0, 1, ... of the split (of ``size`` tasks).
+    Train seeds derive from the run seed; eval seeds are the orchestrator's eval seeds."""
     from schemas import TaskRef, TaskRequested, derive_id, new_id, stable_seed
 
+    eval_split = plan.split == "eval"
     out = []
     for g in range(plan.groups):
         event_id = new_id()  # a fresh request each time: a rerun must not be deduplicated away
@@ -109,7 +143,10 @@ def build_requests(run: str, seed: int, plan: Plan, size: int) -> list[Any]:
                 group_size=plan.group_size,
                 sampling=plan.sampling,
                 model=plan.model,
-                seed=stable_seed(seed, "rollout", plan.split, g),
+                phase=ADHOC_PHASE,
+                seed=stable_seed(seed, "eval", plan.env, g)
+                if eval_split
+                else stable_seed(seed, "rollout", plan.split, g),
                 max_turns=plan.max_turns,
                 args=plan.env_args,
             )
@@ -132,6 +169,24 @@ def summarize(traces: list[Any]) -> dict[str, Any]:
     }
 
 
+def eval_scores(plans: Sequence[Plan], results: Sequence[Any], k: int) -> dict[str, Any]:
+    """Per env id: tasks answered, ``avg@k``, ``pass@k`` (None unless every reward is 0 or
+    1) and rollouts with errors, from ``EvalCompleted`` results by the orchestrator's
+    ``eval_metrics``."""
+    from roles.orchestrator.policy import eval_metrics
+
+    values = eval_metrics(list(results), k)
+    return {
+        p.env: {
+            "tasks": sum(1 for r in results if r.env == p.key),
+            f"avg@{k}": values.get(f"{p.key}/avg@{k}"),
+            f"pass@{k}": values.get(f"{p.key}/pass@{k}"),
+            "errors": int(values.get(f"{p.key}/errors", 0)),
+        }
+        for p in plans
+    }
+
+
 def write_config(cfg: RunConfig, paths: RunPaths) -> Path:
     """The resolved config the started roles read: the run's ``config.toml``, or
     ``rollout.config.toml`` when the run already has a different one (never rewritten)."""
@@ -147,40 +202,45 @@ def write_config(cfg: RunConfig, paths: RunPaths) -> Path:
 # -- the role processes -------------------------------------------------------------------
 
 
-async def missing_roles(bus: Any, cfg: RunConfig, plan: Plan) -> list[tuple[str, list[str]]]:
-    """The role processes to start: those without a fresh heartbeat in the registry."""
+async def missing_roles(
+    bus: Any, cfg: RunConfig, plans: Sequence[Plan]
+) -> list[tuple[str, list[str]]]:
+    """The role processes to start: each model's and each env's, unless one has a fresh
+    heartbeat in the registry."""
     from bus.registry import is_alive, list_roles
     from bus.subjects import durable_name
 
     beats = [
         hb for hb in await list_roles(bus.js, bus.run) if is_alive(hb, cfg.bus.heartbeat_interval_s)
     ]
-    model_cfg = cfg.orchestrator.models.get(plan.model)
-    actor = "teacher" if model_cfg is not None and model_cfg.kind == "teacher" else "inference"
-    out = []
-    if not any(
-        hb.role == actor and hb.instance.startswith(f"{actor}-{plan.model}-") for hb in beats
-    ):
-        out.append((f"{actor}-{plan.model}", [actor, "--model", plan.model]))
-    durable = durable_name("env", plan.key)
-    if not any(hb.role == "env" and hb.consumer == durable for hb in beats):
-        out.append((f"env-{plan.key}", ["env", "--env", plan.env]))
+    out: list[tuple[str, list[str]]] = []
+    for model in dict.fromkeys(p.model for p in plans):
+        model_cfg = cfg.orchestrator.models.get(model)
+        actor = "teacher" if model_cfg is not None and model_cfg.kind == "teacher" else "inference"
+        if not any(
+            hb.role == actor and hb.instance.startswith(f"{actor}-{model}-") for hb in beats
+        ):
+            out.append((f"{actor}-{model}", [actor, "--model", model]))
+    for key, env in dict.fromkeys((p.key, p.env) for p in plans):
+        durable = durable_name("env", key)
+        if not any(hb.role == "env" and hb.consumer == durable for hb in beats):
+            out.append((f"env-{key}", ["env", "--env", env]))
     return out
 
 
 async def start_missing_roles(
     bus: Any,
     cfg: RunConfig,
-    plan: Plan,
+    plans: Sequence[Plan],
     paths: RunPaths,
     url: str,
     config_path: Path,
     note: Note = _quiet,
 ) -> list[RoleProcess]:
-    """Start the role processes ``plan`` needs that are not running (``missing_roles``)."""
+    """Start the role processes ``plans`` need that are not running (``missing_roles``)."""
     from roles.runtime.context import policy_model_dir
 
-    todo = await missing_roles(bus, cfg, plan)
+    todo = await missing_roles(bus, cfg, plans)
     if todo and cfg.model.path == "tiny":
         # Build the tiny model once, before the roles race to it.
         await asyncio.to_thread(policy_model_dir, cfg, paths.run)
@@ -211,6 +271,7 @@ async def stop_roles(started: list[RoleProcess], note: Note = _quiet) -> None:
 @dataclass
 class RolloutResult:
     traces: list[Any] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)  # EvalCompleted, one per eval task
     wall_s: float = 0.0
     code: int = 0  # 0: every trace came back; 1: a started role died, or the wait timed out
     role_died: bool = False  # a role this started exited: no summary to show
@@ -218,22 +279,19 @@ class RolloutResult:
 
 async def run_rollouts(
     cfg: RunConfig,
-    plan: Plan,
-    size: int,
+    plans: Sequence[Plan],
+    requests: Sequence[Any],
     paths: RunPaths,
     url: str,
     config_path: Path,
     timeout_s: float,
     note: Note = _quiet,
-    progress: Callable[[int], None] | None = None,
+    on_progress: OnProgress | None = None,
 ) -> RolloutResult:
-    """Start the missing roles, publish ``plan``'s requests (tasks of a split of ``size``),
-    collect their traces (``progress(n)`` as they come), stop what was started."""
-    from bus.reader import LogReader
+    """Start the missing roles, publish ``requests`` (``build_requests`` of ``plans``),
+    collect their traces (``on_progress(done, total)`` as they come), stop what was started."""
     from bus.runtime import Bus
-    from bus.subjects import Topic
     from roles.runtime.context import bus_settings
-    from schemas import EvalCompleted, TraceCompleted
 
     run = paths.run
     bus = await Bus.connect(url, run=run, producer="cli-rollout", settings=bus_settings(cfg))
@@ -242,53 +300,8 @@ async def run_rollouts(
     t0 = time.monotonic()
     result = RolloutResult()
     try:
-        started = await start_missing_roles(bus, cfg, plan, paths, url, config_path, note)
-        eval_split = plan.split == "eval"
-        topic = Topic.EVAL_COMPLETED if eval_split else Topic.TRACE_COMPLETED
-        schema = EvalCompleted if eval_split else TraceCompleted
-        requests = build_requests(run, cfg.seed, plan, size)
-        wanted = {r.event_id for r in requests}
-        traces: dict[str, Any] = {}
-        done = asyncio.Event()
-        # Follow the results from just after the log's end before asking: none is missed.
-        after = (await bus.js.stream_info(bus.stream)).state.last_seq
-        reader = LogReader(
-            bus, from_seq=after + 1, topics=[(topic, plan.key)], follow=True,
-            idle_timeout_s=0.5, stop=done,
-        )  # fmt: skip
-
-        async def collect() -> None:
-            async for event in reader.events((schema,)):
-                if event.request_id not in wanted:
-                    continue  # someone else's rollouts on the same env
-                for t in event.traces if eval_split else [event.trace]:
-                    traces[t.rollout_id] = t
-                if len(traces) >= plan.total:
-                    done.set()
-
-        collector = asyncio.create_task(collect())
-        try:
-            await bus.publish_many(requests)
-            while not done.is_set():
-                if died := next((s for s in started if not s.alive and s.proc is not None), None):
-                    code = died.proc.returncode if died.proc else None
-                    note(f"{died.name} exited with {code}; log tail:\n{died.tail()}")
-                    result.code, result.role_died = 1, True
-                    break
-                if time.monotonic() - t0 > timeout_s:
-                    note(f"timed out after {timeout_s:.0f}s with {len(traces)}/{plan.total} traces")
-                    result.code = 1
-                    break
-                if collector.done():
-                    collector.result()  # a reader error surfaces here
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), 0.5)
-                if progress is not None:
-                    progress(len(traces))
-        finally:
-            done.set()
-            await asyncio.gather(collector, return_exceptions=True)
-        result.traces = list(traces.values())
+        started = await start_missing_roles(bus, cfg, plans, paths, url, config_path, note)
+        await _collect(bus, plans, requests, started, result, timeout_s, note, on_progress)
         result.wall_s = time.monotonic() - t0
         return result
     finally:
@@ -296,13 +309,87 @@ async def run_rollouts(
         await bus.close()
 
 
+async def _collect(
+    bus: Any,
+    plans: Sequence[Plan],
+    requests: Sequence[Any],
+    started: list[RoleProcess],
+    result: RolloutResult,
+    timeout_s: float,
+    note: Note,
+    on_progress: OnProgress | None,
+) -> None:
+    """Publish the requests and fill ``result`` with their answers until every rollout is
+    back, a started role dies, or ``timeout_s`` passes."""
+    from bus.reader import LogReader
+    from bus.subjects import Topic
+    from schemas import EvalCompleted, TraceCompleted
+
+    t0, total = time.monotonic(), sum(p.total for p in plans)
+    topics = [
+        (Topic.EVAL_COMPLETED if p.split == "eval" else Topic.TRACE_COMPLETED, p.key) for p in plans
+    ]
+    wanted = {r.event_id for r in requests}
+    traces: dict[str, Any] = {}
+    answers: dict[str, Any] = {}  # request id -> EvalCompleted
+    done = asyncio.Event()
+    # Follow the results from just after the log's end before asking: none is missed.
+    after = (await bus.js.stream_info(bus.stream)).state.last_seq
+    reader = LogReader(
+        bus, from_seq=after + 1, topics=list(dict.fromkeys(topics)), follow=True,
+        idle_timeout_s=0.5, stop=done,
+    )  # fmt: skip
+
+    async def collect() -> None:
+        async for event in reader.events((TraceCompleted, EvalCompleted)):
+            if event.request_id not in wanted:
+                continue  # someone else's rollouts on the same env
+            if isinstance(event, EvalCompleted):
+                answers[event.request_id] = event
+                for t in event.traces:
+                    traces[t.rollout_id] = t
+            else:
+                traces[event.trace.rollout_id] = event.trace
+            if len(traces) >= total:
+                done.set()
+
+    collector = asyncio.create_task(collect())
+    try:
+        await bus.publish_many(list(requests))
+        while not done.is_set():
+            if died := next((s for s in started if not s.alive and s.proc is not None), None):
+                code = died.proc.returncode if died.proc else None
+                note(f"{died.name} exited with {code}; log tail:\n{died.tail()}")
+                result.code, result.role_died = 1, True
+                break
+            if time.monotonic() - t0 > timeout_s:
+                note(f"timed out after {timeout_s:.0f}s with {len(traces)}/{total} traces")
+                result.code = 1
+                break
+            if collector.done():
+                collector.result()  # a reader error surfaces here
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.5)
+            if on_progress is not None:
+                on_progress(len(traces), total)
+    finally:
+        done.set()
+        await asyncio.gather(collector, return_exceptions=True)
+    result.traces = list(traces.values())
+    result.results = list(answers.values())
+
+
 __all__ = [
+    "ADHOC_PHASE",
     "Plan",
     "RolloutResult",
     "build_requests",
+    "eval_envs",
+    "eval_scores",
     "missing_roles",
     "plan_requests",
     "run_rollouts",
+    "split_size",
     "start_missing_roles",
     "stop_roles",
     "summarize",

@@ -270,3 +270,40 @@ def test_eval_metrics_skip_pass_at_k_for_non_binary_rewards() -> None:
     ]
     m = eval_metrics(results, 2)
     assert m["e/avg@2"] == 0.75 and "e/pass@2" not in m
+
+
+def test_adhoc_requests_on_a_live_runs_log_are_not_the_orchestrators() -> None:
+    """`rlbus eval` / `rlbus rollout` requests (phase "adhoc") on a live run's log change
+    neither its pending eval round, nor its report, nor the groups it trains on."""
+    from roles.up.rollout import build_requests, plan_requests
+
+    cfg = load_config("smoke", ["orchestrator.eval.num_tasks=2", "orchestrator.eval.k=2"])
+    cfg.run = "r"
+    state = OrchestratorState(trains_on=trains_on(cfg))
+
+    def step(event: Event) -> list[Event]:
+        state.apply(event)
+        return decide(state, cfg, cause=event.event_id)
+
+    start = RunStarted(run="r", config=cfg.model_dump(mode="json"), seed=0, model_path="m")
+    own = [e for e in step(start) if isinstance(e, TaskRequested) and e.task.split == "eval"]
+    assert len(own) == 2  # the run's eval of v0, pending
+    groups = set(state.groups)
+
+    def answer(r: TaskRequested, rewards: list[float]) -> EvalCompleted:
+        return EvalCompleted(run="r", request_id=r.event_id, env=r.env, step=0,
+                             task_index=r.task.index, rewards=rewards)  # fmt: skip
+
+    evals = build_requests(
+        "r", cfg.seed, plan_requests(cfg, "reverse-text", "eval", 4, 2, "policy"), 1000
+    )
+    trains = build_requests(
+        "r", cfg.seed, plan_requests(cfg, "reverse-text", "train", 4, 2, "policy"), 1000
+    )
+    out = [e for r in [*evals, *trains] for e in step(r)]
+    out += [e for r in evals for e in step(answer(r, [1.0, 1.0]))]
+    assert not [e for e in out if isinstance(e, MetricsReported) and e.role == "eval"]
+    assert set(state.groups) == groups  # no ad-hoc train group adopted
+    out = [e for r in own for e in step(answer(r, [0.0, 1.0]))]
+    (report,) = [e for e in out if isinstance(e, MetricsReported) and e.role == "eval"]
+    assert report.step == 0 and report.values["reverse-text/avg@2"] == 0.5  # its own answers only

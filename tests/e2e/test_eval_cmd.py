@@ -1,0 +1,115 @@
+"""`rlbus eval` end to end (embedded NATS, real inference and env role processes) and its
+refusals. That a live run's orchestrator ignores its requests is tested in
+tests/unit/test_orchestrator.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bus.reader import read_log
+from bus.runtime import Bus
+from bus.server import EmbeddedServer, running_server_url
+from bus.subjects import Topic
+from schemas import EvalCompleted, TaskRequested, stable_seed
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rlbus_eval(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "roles.cli", "eval", *args, f"bus.data_dir={data_dir}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=REPO)
+
+
+async def eval_log(data_dir: Path, run: str) -> tuple[list[TaskRequested], list[EvalCompleted]]:
+    """The run's eval requests and answers (reopening its stopped embedded server)."""
+    with EmbeddedServer(data_dir / run / "nats") as server:
+        bus = await Bus.connect(server.url, run=run, producer="e2e")
+        try:
+            topics = [(Topic.TASK_REQUESTED, None), (Topic.EVAL_COMPLETED, None)]
+            events = [e async for e in read_log(bus, topics, (TaskRequested, EvalCompleted))]
+        finally:
+            await bus.close()
+    requests = [e for e in events if isinstance(e, TaskRequested)]
+    return requests, [e for e in events if isinstance(e, EvalCompleted)]
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes (but this one) that contain ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # gone meanwhile
+        if text in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.e2e
+async def test_eval_command_scores_each_env_like_the_runs_eval(tmp_path: Path) -> None:
+    """`rlbus eval --env reverse-text --env alphabet-sort -n 3 -k 2 --json` starts inference
+    and one env server per env, asks k samples of eval tasks 0..2 with the config's eval
+    sampling and the orchestrator's eval seeds, prints avg@k/pass@k per env that agree
+    with the answers on the log, and leaves no process behind."""
+    args = ["--run", "ev1", "--env", "reverse-text", "--env", "alphabet-sort", "-n", "3", "-k", "2", "--json"]  # fmt: skip
+    proc = await asyncio.to_thread(
+        rlbus_eval, tmp_path, *args, "orchestrator.eval.sampling.temperature=1.0"
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["run"] == "ev1" and report["model"] == "policy" and report["k"] == 2
+    assert report["temperature"] == 1.0 and report["policy_versions"] == [0]
+    assert report["rollouts"] == 12 and list(report["envs"]) == ["reverse-text", "alphabet-sort"]
+    assert "eval: 12/12 rollouts (100%)" in proc.stderr  # progress, on stderr
+    for name in ("inference-policy", "env-reverse-text", "env-alphabet-sort"):
+        assert f"stopped {name} (exit 0)" in proc.stderr  # drained on SIGTERM, not killed
+    assert running_server_url(tmp_path / "ev1" / "nats") is None
+    assert processes_mentioning(str(tmp_path)) == []
+
+    requests, answers = await eval_log(tmp_path, "ev1")
+    assert len(requests) == 6 and len(answers) == 6
+    for r in requests:
+        assert r.task.split == "eval" and r.group_size == 2 and r.phase == "adhoc"
+        assert r.sampling.temperature == 1.0 and r.sampling.max_completion_tokens == 16
+        assert r.seed == stable_seed(0, "eval", r.env, r.task.index)
+    for env, scores in report["envs"].items():
+        mine = sorted((a for a in answers if a.env == env), key=lambda a: a.task_index)
+        assert [a.task_index for a in mine] == [0, 1, 2] and scores["tasks"] == 3
+        assert all(len(a.rewards) == 2 for a in mine)
+        avg = sum(sum(a.rewards) / 2 for a in mine) / 3
+        assert 0.0 <= scores["avg@2"] <= 1.0 and scores["avg@2"] == pytest.approx(avg)
+        assert scores["errors"] == sum(a.errors for a in mine) == 0
+        if all(x in (0.0, 1.0) for a in mine for x in a.rewards):
+            passed = sum(1.0 for a in mine if 1.0 in a.rewards) / 3
+            assert scores["pass@2"] == pytest.approx(passed) and scores["pass@2"] >= scores["avg@2"]
+        else:  # pass@k is defined for 0/1 rewards only, as in a run's eval
+            assert scores["pass@2"] is None
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--env", "nope"], "env error: unknown env 'nope'"),
+        (["-k", "0"], "error: -n and -k must be >= 1"),
+        (["--model", "nobody"], "error: --model 'nobody' is neither policy"),
+    ],
+)
+def test_eval_refuses_bad_envs_and_options_in_one_line(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """An unknown env, a bad -k, an unknown model: exit 2, one line, nothing started."""
+    proc = rlbus_eval(tmp_path, "--run", "bad", *args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "bad").exists()
