@@ -13,7 +13,7 @@ up *ARGS: install
 [group('run')]
 install:
     @{{python}} -c "import torch" 2>/dev/null || {{python}} -m pip install -q torch==2.13.0
-    @{{python}} -c "import roles, nats, msgspec, pytest" 2>/dev/null || {{python}} -m pip install -q -e ".[dev]"
+    @{{python}} -c "import roles, nats, msgspec, pytest, tensorboard, wandb" 2>/dev/null || {{python}} -m pip install -q -e ".[dev]"
 
 # Run the embedded nats-server (JetStream, loopback) in the foreground.
 [group('run')]

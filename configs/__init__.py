@@ -27,9 +27,11 @@ from configs.models import (
     InferenceConfig,
     LossConfig,
     ModelConfig,
+    MonitorConfig,
     RunConfig,
     TinyModelConfig,
     TrainerConfig,
+    WandbConfig,
 )
 from configs.orchestrator import (
     POLICY,
@@ -65,6 +67,7 @@ __all__ = [
     "LossConfig",
     "ModelConfig",
     "ModelEndpointConfig",
+    "MonitorConfig",
     "OrchestratorConfig",
     "RunConfig",
     "RunPaths",
@@ -72,6 +75,7 @@ __all__ = [
     "TinyModelConfig",
     "TrainConfig",
     "TrainerConfig",
+    "WandbConfig",
     "WarmupConfig",
     "apply_overrides",
     "dump_toml",

@@ -120,6 +120,25 @@ class TrainerConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
 
 
+class WandbConfig(_Section):
+    """The Weights & Biases sink: offline by default, so it works without a network
+    (``wandb sync runs/<run>/wandb/wandb/offline-run-*`` uploads it later)."""
+
+    project: str = "rlbus"
+    entity: str | None = None  # None = the key's default entity
+    mode: Literal["offline", "online"] = "offline"  # online needs WANDB_API_KEY or a login
+
+
+class MonitorConfig(_Section):
+    """Where a run's metrics go besides the live view, ``summary.json`` and the lake: each
+    sink is fed by the monitor role (``rlbus role monitor``), a follower of the run's
+    metrics, started by ``rlbus up`` when ``sinks`` is not empty."""
+
+    # "tensorboard": event files under runs/<run>/tb/; "wandb": a W&B run (see [monitor.wandb]).
+    sinks: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
 class RunConfig(_Section):
     """A whole run: the one object every role is started with."""
 
@@ -132,6 +151,7 @@ class RunConfig(_Section):
     env_server: EnvServerConfig = Field(default_factory=EnvServerConfig)
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 
     @model_validator(mode="after")
     def _cross_field(self) -> RunConfig:

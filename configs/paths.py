@@ -20,6 +20,7 @@ A run's directory, ``<data_dir>/<run>/``::
     checkpoints/       trainer checkpoints
     weights/           published weights too large for the object store
     lake/              the Parquet lake (``lake/shadow_samples/``: shadow scores)
+    tb/, wandb/        the metric sinks' output ([monitor] sinks)
     summary.json, curves.png (``rlbus up``), plot.png (``rlbus plot``), import.json
 """
 
@@ -143,6 +144,16 @@ class RunPaths:
     @property
     def lake(self) -> Path:
         return self.dir / "lake"
+
+    @property
+    def tensorboard(self) -> Path:
+        """The TensorBoard sink's event files (``tensorboard --logdir runs/<run>/tb``)."""
+        return self.dir / "tb"
+
+    @property
+    def wandb(self) -> Path:
+        """The W&B sink's directory (wandb writes its runs under ``wandb/`` in it)."""
+        return self.dir / "wandb"
 
     @property
     def shadow_samples(self) -> Path:

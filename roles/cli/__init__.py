@@ -12,6 +12,7 @@ import typer
 from roles.cli import algorithm, core, model, role
 from roles.cli.eval import evaluate
 from roles.cli.lake import lake_app, sql
+from roles.cli.monitor import monitor
 from roles.cli.replay import export, import_run, plot, replay_app
 from roles.cli.rollout import rollout
 from roles.cli.trace import trace
@@ -33,6 +34,7 @@ app.command("trace")(trace)
 app.command("export")(export)
 app.command("import")(import_run)
 app.command("plot")(plot)
+app.command("monitor")(monitor)
 
 
 @app.callback()

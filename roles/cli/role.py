@@ -154,3 +154,11 @@ def lake(
 ) -> None:  # fmt: skip
     """Keep the run's Parquet lake in sync while it runs (optional live role)."""
     _start("roles.lake.role:main", "lake", run, nats_url, config, data_dir, interval_s=interval)
+
+
+@app.command("monitor")
+def monitor(
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG, data_dir: str | None = DATA,
+) -> None:  # fmt: skip
+    """Follow the run's metrics into the [monitor] sinks (TensorBoard, W&B)."""
+    _start("roles.monitor.role:main", "monitor", run, nats_url, config, data_dir)

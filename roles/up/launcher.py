@@ -59,6 +59,8 @@ def role_specs(cfg: RunConfig, paths: RunPaths, url: str) -> list[RoleProcess]:
         algorithms += [a for a in o.warmup.algorithms if a not in algorithms]
     for a in algorithms:
         specs.append((f"algorithm-{a}", ["algorithm", "--name", a]))
+    if cfg.monitor.sinks:
+        specs.append(("monitor", ["monitor"]))
     return [role_process(name, args, paths, url) for name, args in specs]
 
 

@@ -15,6 +15,7 @@ it can check cheaply (no torch, no model load, no network), each problem naming 
 - each algorithm name (``orchestrator.algorithms``, ``orchestrator.warmup.algorithms``)
   names an algorithm: a built-in or an importable ``module:Class``;
 - ``inference.backend = "vllm"`` has vllm installed;
+- each ``monitor.sinks`` entry has its library installed, and online W&B has a key;
 - ``bus.data_dir`` is writable and has ``MIN_FREE_BYTES`` free.
 
 Checked elsewhere, and not repeated here: key typos, value ranges and cross-field
@@ -53,6 +54,7 @@ def check(cfg: RunConfig) -> None:
         *env_problems(cfg),
         *algorithm_problems(cfg),
         *backend_problems(cfg),
+        *sink_problems(cfg),
         *data_dir_problems(cfg),
     ]
     if problems:
@@ -165,6 +167,15 @@ def backend_problems(cfg: RunConfig) -> list[str]:
     if cfg.inference.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         return ['`inference.backend` = "vllm", but vllm is not installed (pip install rlbus[vllm])']
     return []
+
+
+def sink_problems(cfg: RunConfig) -> list[str]:
+    from roles.monitor.sinks import missing_library, wandb_online_problem
+
+    problems = [f"`monitor.sinks`: {why}" for s in cfg.monitor.sinks if (why := missing_library(s))]
+    if "wandb" in cfg.monitor.sinks and (why := wandb_online_problem(cfg.monitor)):
+        problems.append(f"`monitor.wandb.mode`: {why}")
+    return problems
 
 
 # -- the data directory -------------------------------------------------------------------

@@ -142,7 +142,8 @@ class RoleKeeper:
 
 # Producers stop before the roles they depend on: the orchestrator stops dispatching, env
 # servers drain their rollouts while inference still answers, inference goes last.
-STOP_ORDER = ("orchestrator", "env-", "algorithm-", "trainer", "teacher-", "inference-")
+# The monitor goes last: it writes the metrics the others report as they stop.
+STOP_ORDER = ("orchestrator", "env-", "algorithm-", "trainer", "teacher-", "inference-", "monitor")
 
 
 class StopWatcher(Protocol):

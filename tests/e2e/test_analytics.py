@@ -4,11 +4,9 @@ what the orchestrator recorded."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +16,15 @@ import typer
 from typer.testing import CliRunner
 
 import replay
-from bus.server import EmbeddedServer
 from replay.sql import connect
 from roles.cli.lake import lake_app, sql
 from schemas import EvalCompleted, MetricsReported, TraceCompleted
-from tests.e2e.helpers import all_events, rlbus_up
+from tests.e2e.conftest import ANALYTICS_RUN
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = "ana1"
+RUN = ANALYTICS_RUN  # the run of the session fixture ``smoke`` (tests/e2e/conftest.py)
 BLOCK = re.compile(r"^### (?P<title>.+?)\n.*?```sql\n(?P<sql>.*?)```\s*\nColumns: (?P<cols>.+?)\.\n", re.S | re.M)  # fmt: skip
 
 
@@ -42,22 +39,6 @@ def documented_queries() -> list[tuple[str, str, list[str]]]:
 
 
 QUERIES = documented_queries()
-
-
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Any]]]:
-    """One finished smoke run (4 steps, a shadow max_rl beside grpo), its lake synced, and its log read back."""
-    data = tmp_path_factory.mktemp("analytics")
-    # a config shadow next to grpo: the comparison query (15) has rows to return
-    shadow = 'orchestrator.algorithms=[{id="grpo"},{id="max_rl",shadow=true}]'
-    proc = rlbus_up(data, RUN, "max_steps=4", shadow)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-4000:]
-    result = replay.sync_lake(RUN, data, force=True)
-    assert result is not None and not result.skipped
-    with EmbeddedServer(data / RUN / "nats") as server:
-        events = asyncio.run(all_events(server.url, RUN))
-    yield data, events
 
 
 def cli() -> typer.Typer:

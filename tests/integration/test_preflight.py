@@ -128,3 +128,15 @@ def test_a_data_dir_that_is_a_file(tmp_path: Path) -> None:
     assert preflight.data_dir_problems(cfg) == [
         f"`bus.data_dir` ({tmp_path / 'f'}): exists and is not a directory"
     ]
+
+
+def test_online_wandb_without_a_key_is_refused_up_front(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    cfg = smoke(tmp_path, 'monitor.sinks=["wandb"]', "monitor.wandb.mode=online")
+    with pytest.raises(ConfigError, match=r"`monitor.wandb.mode`: .* needs a W&B key"):
+        preflight.check(cfg)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    preflight.check(cfg)  # with a key it starts

@@ -1,0 +1,34 @@
+"""The finished smoke run that the analytics and metric-sink tests read (one run for both)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import replay
+from bus.server import EmbeddedServer
+from tests.e2e.helpers import all_events, rlbus_up
+
+ANALYTICS_RUN = "ana1"
+
+
+@pytest.fixture(scope="session")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[Any]]]:
+    """One finished smoke run (4 steps, a shadow max_rl beside grpo, the TensorBoard and
+    offline W&B sinks on), its lake synced, and its log read back."""
+    data = tmp_path_factory.mktemp("analytics")
+    # a config shadow next to grpo: the comparison query (15) has rows to return
+    shadow = 'orchestrator.algorithms=[{id="grpo"},{id="max_rl",shadow=true}]'
+    sinks = 'monitor.sinks=["tensorboard","wandb"]'
+    proc = rlbus_up(data, ANALYTICS_RUN, "max_steps=4", shadow, sinks)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    result = replay.sync_lake(ANALYTICS_RUN, data, force=True)
+    assert result is not None and not result.skipped
+    with EmbeddedServer(data / ANALYTICS_RUN / "nats") as server:
+        events = asyncio.run(all_events(server.url, ANALYTICS_RUN))
+    yield data, events
