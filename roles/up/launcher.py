@@ -64,6 +64,19 @@ def role_specs(cfg: RunConfig, paths: RunPaths, url: str) -> list[RoleProcess]:
     return [role_process(name, args, paths, url) for name, args in specs]
 
 
+def role_devices(cfg: RunConfig, roles: list[RoleProcess]) -> dict[str, str]:
+    """The device of each role that runs a model, resolved as the role resolves it
+    (``trainer.device``, ``inference.device``: "auto" is cuda when torch sees a GPU)."""
+    from roles.lib.model.loading import resolve_device
+
+    served = (
+        "cuda (vllm)" if cfg.inference.backend == "vllm" else resolve_device(cfg.inference.device)
+    )
+    devices = {"trainer": resolve_device(cfg.trainer.device)}
+    devices |= {r.name: served for r in roles if r.name.startswith("inference-")}
+    return {r.name: devices[r.name] for r in roles if r.name in devices}
+
+
 def new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
 
@@ -110,6 +123,8 @@ def _launch_locked(
         paths.config.write_text(dump_toml(cfg))
         policy_model_dir(cfg, run)  # build the tiny model once, before roles race to it
         roles = role_specs(cfg, paths, url)
+        devices = role_devices(cfg, roles)
+        print("devices: " + ", ".join(f"{name} {dev}" for name, dev in devices.items()), flush=True)
         return asyncio.run(supervise(cfg, paths, url, roles, live_view))
 
 
