@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from replay.sql import connect
-from roles.cli import app
+from roles.cli.monitor import monitor
 from schemas import RunStarted
 from tests.e2e.conftest import ANALYTICS_RUN as RUN
 from tests.sink_readback import Scalars, tensorboard_scalars, wandb_run
@@ -25,6 +26,19 @@ def lake_scalars(data: Path) -> Scalars:
     con = connect(data, RUN)
     rows = con.sql("select role || '/' || metric, step, value from metrics").fetchall()
     return sorted((name, int(step), float(value)) for name, step, value in rows)
+
+
+def cli() -> typer.Typer:
+    """The command alone: the whole app's callback would point structlog at the
+    runner's captured stderr, which is closed once the runner returns."""
+    app = typer.Typer()
+
+    @app.callback()
+    def group() -> None:
+        """A group, so that `monitor` is a subcommand as in rlbus."""
+
+    app.command("monitor")(monitor)
+    return app
 
 
 def same(a: Scalars, b: Scalars) -> None:
@@ -48,12 +62,12 @@ def test_monitor_command_writes_the_same_scalars(
     data, _ = smoke
     out = tmp_path / "tb"
     args = ["monitor", RUN, "--to", "tensorboard", "--out", str(out), "--data-dir", str(data)]
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(cli(), args)
     assert result.exit_code == 0, result.output
     same(tensorboard_scalars(out), tensorboard_scalars(data / RUN / "tb"))
     # Pointed at the live sink's directory, it finds nothing left to write.
     again = CliRunner().invoke(
-        app, ["monitor", RUN, "--to", "tensorboard", "--data-dir", str(data)]
+        cli(), ["monitor", RUN, "--to", "tensorboard", "--data-dir", str(data)]
     )
     assert again.exit_code == 0, again.output
     assert "tensorboard: 0 metrics events" in again.output
