@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.consumer import Delivery, Effects, Subscription
-from bus.reader import last_seq, read_log
+from bus.reader import Progress, last_seq, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, check_token, durable_name
 from roles.algorithm.base import Refs
@@ -79,6 +79,7 @@ class AlgorithmWorker(Role):
         *,
         scorer: RefScorer | None = None,
         exit_when_done: bool = False,
+        on_catch_up: Progress | None = None,
     ):
         super().__init__(bus, instance, heartbeat_interval_s)
         self.name = check_token(core.algorithm_id, "algorithm id")
@@ -88,6 +89,7 @@ class AlgorithmWorker(Role):
         self.from_seq = core.from_seq
         self.detach_floor = 0  # newest algorithm.detached seq for our id when we started
         self.exit_when_done = exit_when_done  # attached by hand: exit once the run stopped
+        self.on_catch_up = on_catch_up  # (traces read, traces stored) while catching up
         self.metrics_interval_s = metrics_interval_s
         self.scored_total = 0  # groups this instance published (catch-up included)
         self.last_step = 0
@@ -165,6 +167,8 @@ class AlgorithmWorker(Role):
 
         def progress(read: int, total: int | None) -> None:
             nonlocal said
+            if self.on_catch_up is not None:
+                self.on_catch_up(read, total)
             if time.monotonic() - said >= CATCH_UP_LOG_S:
                 said = time.monotonic()
                 self.log.info(
@@ -270,13 +274,17 @@ def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
     return RefScorer(InferenceClient(bus, timeout_s=timeout), ctx.load_renderer(), env_for)
 
 
-async def serve_worker(ctx: RoleContext, core: ScoringCore, exit_when_done: bool = False) -> None:
-    """Run one worker until SIGTERM or its detach (``rlbus role algorithm`` and ``attach``)."""
+async def serve_worker(
+    ctx: RoleContext, core: ScoringCore, exit_when_done: bool = False,
+    on_catch_up: Progress | None = None,
+) -> None:  # fmt: skip
+    """Run one worker until SIGTERM or its detach (``rlbus role algorithm`` and ``attach``,
+    which shows the catch-up's progress through ``on_catch_up``)."""
     bus = await ctx.connect()
     scorer = make_scorer(ctx, bus) if core.needs_refs else None
     worker = AlgorithmWorker(
         bus, ctx.instance, core, scorer=scorer, exit_when_done=exit_when_done,
-        heartbeat_interval_s=ctx.cfg.bus.heartbeat_interval_s,
+        heartbeat_interval_s=ctx.cfg.bus.heartbeat_interval_s, on_catch_up=on_catch_up,
     )  # fmt: skip
     await serve_role(worker)
 

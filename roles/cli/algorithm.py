@@ -18,6 +18,8 @@ lines land in the role's log file when ``rlbus up`` runs the worker.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import typer
@@ -25,6 +27,7 @@ import typer
 from roles.cli.common import run_async, server_for
 
 if TYPE_CHECKING:
+    from bus.reader import Progress
     from schemas import AlgorithmAttached
 
 app = typer.Typer(help="Attach, detach and list algorithm workers of a run.", no_args_is_help=True)
@@ -76,16 +79,34 @@ def attach(
         )
         typer.echo(
             f"attached {wid} ({name}, {'shadow' if shadow else 'training'}) to {run}; "
-            f"scoring traces from seq {attached.from_seq} (stored ones first: "
-            f"algorithm.catch_up lines below show how far). Ctrl-C stops this worker (it "
-            f"stays attached); `rlbus algorithm detach {wid} --run {run}` detaches it.",
+            f"scoring traces from seq {attached.from_seq}, stored ones first. Ctrl-C stops "
+            f"this worker (it stays attached); `rlbus algorithm detach {wid} --run {run}` "
+            "detaches it.",
             err=True,
         )
         from roles.algorithm.core import ScoringCore
         from roles.algorithm.role import serve_worker
 
         core = ScoringCore.attached(ctx.cfg, attached)  # the worker runs as the log says
-        run_async(serve_worker(ctx, core, exit_when_done=True))
+        with _catch_up_progress(wid) as on_catch_up:
+            run_async(serve_worker(ctx, core, exit_when_done=True, on_catch_up=on_catch_up))
+
+
+@contextlib.contextmanager
+def _catch_up_progress(wid: str) -> Iterator[Progress]:
+    """The catch-up's progress (traces read of those stored), closed once it has read
+    them all: the worker then goes on scoring new traces as they come."""
+    from roles.cli.progress import progress
+
+    with contextlib.ExitStack() as stack:
+        update = stack.enter_context(progress(f"catch-up {wid}", unit="traces"))
+
+        def on_catch_up(done: int, total: int | None) -> None:
+            update(done, total)
+            if total is not None and done >= total:
+                stack.close()
+
+        yield on_catch_up
 
 
 async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> AlgorithmAttached:  # type: ignore[no-untyped-def]

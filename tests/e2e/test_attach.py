@@ -107,6 +107,10 @@ def attached_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pat
             # The run stopped: the shadow finishes scoring the log, then exits by itself.
             shadow_out, _ = shadow.communicate(timeout=120)
             assert shadow.returncode == 0, shadow_out[-4000:]
+            # Its catch-up over the stored traces showed its progress, to the end.
+            assert re.search(r"^catch-up max_rl: (\d+)/\1 traces \(100%\)$", shadow_out, re.M), (
+                shadow_out[:2000]
+            )
             events = asyncio.run(all_events(url, RUN))
         finally:
             for p in procs:
