@@ -5,9 +5,11 @@ set shell := ["bash", "-cu"]
 python := env_var_or_default("PYTHON", "python3")
 
 # Install (torch CPU wheel first, then rlbus with dev tools) and start the default run.
+# (Arguments pass through as they are: `just up 'monitor.sinks=["tensorboard"]'` works.)
 [group('run')]
+[positional-arguments]
 up *ARGS: install
-    {{python}} -m roles.cli up {{ARGS}}
+    {{python}} -m roles.cli up "$@"
 
 # Install torch (CPU) and rlbus with its dev extras into the current Python.
 [group('run')]
