@@ -103,6 +103,28 @@ class Subscription:
         self.types = tuple(dict.fromkeys(s.schema for s in specs))
 
 
+def dead_lettered(
+    run: str, consumer: str, role: str, msg: Msg, d: Delivery, error_type: str, error: str
+) -> DeadLettered:
+    """The record of a message ``consumer`` could not take: its id derives from the
+    consumer and the stream sequence, so the same message is recorded once, however
+    often it is met (a redelivery, a restarted follower)."""
+    return DeadLettered(
+        run=run,
+        event_id=derive_id("dead", consumer, d.stream_seq),
+        causation_id=(msg.headers or {}).get(codec.H_MSG_ID),
+        role=role,
+        consumer=consumer,
+        subject=d.subject,
+        stream_seq=d.stream_seq,
+        deliveries=d.deliveries,
+        error_type=error_type,
+        error=error[:4000],
+        payload=bytes(msg.data or b""),
+        headers={k: v for k, v in (msg.headers or {}).items() if k != codec.H_MSG_ID},
+    )
+
+
 class Consumer:
     def __init__(self, bus: Bus, sub: Subscription, role: str):
         self.bus = bus
@@ -252,21 +274,7 @@ class Consumer:
                     await msg.in_progress()
 
     async def _dead_letter(self, msg: Msg, d: Delivery, error_type: str, error: str) -> None:
-        headers = {k: v for k, v in (msg.headers or {}).items() if k != codec.H_MSG_ID}
-        dead = DeadLettered(
-            run=self.bus.run,
-            event_id=derive_id("dead", self.sub.durable, d.stream_seq),
-            causation_id=(msg.headers or {}).get(codec.H_MSG_ID),
-            role=self.role,
-            consumer=self.sub.durable,
-            subject=d.subject,
-            stream_seq=d.stream_seq,
-            deliveries=d.deliveries,
-            error_type=error_type,
-            error=error[:4000],
-            payload=bytes(msg.data),
-            headers=headers,
-        )
+        dead = dead_lettered(self.bus.run, self.sub.durable, self.role, msg, d, error_type, error)
         await self.bus.publish(dead)
         await msg.term()
         self.dead_lettered += 1

@@ -13,9 +13,15 @@ returns what the event caused, exactly like a durable handler (a list of events 
 There is nothing to ack: a restarted follower reads the log again, and the events it
 re-derives carry the same ids, which the server drops as duplicates.
 
-An event the follower cannot decode raises (``on_undecodable="raise"``: a fold must not
-silently miss an event) or is logged and stepped over (``"skip"``). Roles declare
-followers in ``Role.subscriptions()``, and ``serve_role`` runs them beside the durables.
+A message the follower cannot decode (garbage, an unknown schema, a missing body) is
+dead-lettered and stepped over (``on_undecodable="dead_letter"``, the default): a
+``DeadLettered`` event records it with the error, its id derived from the follower's
+name and the message's sequence, so a restarted follower (or a replay of the same log)
+steps over exactly the same messages and records each once (the stream drops the repeat).
+One bad message never stops a fold. ``"skip"`` only logs it (a follower that reads from
+the newest message, whose durable owner dead-letters it); ``"raise"`` fails the follower.
+Roles declare followers in ``Role.subscriptions()``, and ``serve_role`` runs them beside
+the durables.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
-from bus.consumer import Delivery, Handler, commit
+from bus.consumer import Delivery, Handler, commit, dead_lettered
 from bus.errors import BodyError, DecodeError
 from bus.reader import LogReader, Topics, stored_event
 from bus.runtime import Bus
@@ -40,16 +46,17 @@ class Follow:
     handler: Handler
     from_seq: int = 1
     start: Literal["last", "new"] | None = None  # instead of from_seq
-    on_undecodable: Literal["raise", "skip"] = "raise"
+    on_undecodable: Literal["dead_letter", "skip", "raise"] = "dead_letter"
     idle_timeout_s: float = 1.0  # how often it looks at the stop event while idle
 
 
 class Follower:
     """Runs one ``Follow`` until ``stop`` is set."""
 
-    def __init__(self, bus: Bus, follow: Follow):
+    def __init__(self, bus: Bus, follow: Follow, role: str):
         self.bus = bus
         self.follow = follow
+        self.role = role
         self.log = bus.log.bind(follower=follow.name)
         self.handled = 0
         self.skipped = 0
@@ -71,6 +78,11 @@ class Follower:
                         raise
                     self.skipped += 1
                     self.log.error("follower.undecodable", seq=delivery.stream_seq, error=repr(e))
+                    if f.on_undecodable == "dead_letter":
+                        dead = dead_lettered(
+                            self.bus.run, f.name, self.role, msg, delivery, type(e).__name__, str(e)
+                        )  # fmt: skip
+                        await self.bus.publish(dead)
                     continue
                 await commit(self.bus, await f.handler(event, delivery))
                 self.handled += 1

@@ -134,7 +134,7 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     role.consumers = [
         Consumer(role.bus, s, role.role) for s in declared if isinstance(s, Subscription)
     ]
-    role.followers = [Follower(role.bus, f) for f in declared if isinstance(f, Follow)]
+    role.followers = [Follower(role.bus, f, role.role) for f in declared if isinstance(f, Follow)]
     heartbeat = Heartbeat(
         role.bus.js, role.run, role.role, role.instance, role.heartbeat_interval_s,
         consumer=",".join(c.sub.durable for c in role.consumers) or None, probe=role.status,

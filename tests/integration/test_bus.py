@@ -12,6 +12,7 @@ import pytest
 from bus import codec
 from bus.consumer import Consumer, Delivery, Subscription
 from bus.errors import BodyError
+from bus.follower import Follow, Follower
 from bus.runtime import Bus, BusSettings
 from bus.subjects import Topic, subject
 from schemas import (
@@ -136,6 +137,33 @@ async def test_garbage_bytes_are_dead_lettered_and_consumption_goes_on(bus: Bus)
     dead = await dead_letters(bus, consumer.dead_lettered)
     assert all(d.error_type == "DecodeError" and d.deliveries == 1 for d in dead)
     assert b"\x00" in {d.payload for d in dead}
+
+
+async def test_a_follower_dead_letters_garbage_once_and_folds_on(bus: Bus) -> None:
+    """A fold (a Follow) steps over an undecodable message and records it; a second pass
+    over the same log (a restart, a replay) steps over the same message and adds no
+    second record."""
+    await bus.publish(RunStopped(run=bus.run, reason="before"))
+    await bus.js.publish(
+        subject(bus.run, Topic.RUN_STOPPED), b"\xc1 garbage", headers={"Nats-Msg-Id": "junk3"}
+    )
+    await bus.publish(RunStopped(run=bus.run, reason="after"))
+    for _ in range(2):
+        got: list[Any] = []
+        stop = asyncio.Event()
+        follower = Follower(bus, Follow("fold", [(Topic.RUN_STOPPED, None)], collector(got)), "t")
+        task = asyncio.create_task(follower.run(stop))
+        async with asyncio.timeout(20):
+            while len(got) < 2:
+                await asyncio.sleep(0.02)
+        stop.set()
+        await task
+        assert [e.reason for e in got] == ["before", "after"] and follower.skipped == 1
+    (dead,) = await dead_letters(bus, 1)
+    assert dead.consumer == "fold" and dead.role == "t" and dead.error_type == "DecodeError"
+    assert dead.payload == b"\xc1 garbage" and dead.stream_seq == 2
+    info = await bus.js.stream_info(bus.stream)
+    assert info.state.messages == 4  # the three published and one record, not two
 
 
 async def test_a_handler_that_always_raises_is_dead_lettered_after_max_deliver(bus: Bus) -> None:
