@@ -127,9 +127,8 @@ def missing_library(name: str) -> str | None:
     """Why sink ``name`` cannot run here, in one line, or None."""
     import importlib.util
 
-    module = {"tensorboard": "tensorboard", "wandb": "wandb"}[name]
-    if importlib.util.find_spec(module) is None:
-        return f"the {name} sink needs the {module!r} package: pip install -e '.[monitor]'"
+    if importlib.util.find_spec(name) is None:  # each sink's package has the sink's name
+        return f"the {name} sink needs the {name!r} package: pip install -e '.[monitor]'"
     return None
 
 

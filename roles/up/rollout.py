@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bus.reader import Progress  # on_progress(rollouts done, rollouts expected)
 from configs import RunConfig, dump_toml
 from configs.paths import RunPaths
 from roles.up.processes import RoleProcess, role_process
 
 Note = Callable[[str], None]
-OnProgress = Callable[[int, int | None], None]  # (rollouts done, rollouts expected)
 
 # The phase of requests made outside a run's schedule (``schemas.TaskRequested.phase``).
 ADHOC_PHASE = "adhoc"
@@ -286,7 +286,7 @@ async def run_rollouts(
     config_path: Path,
     timeout_s: float,
     note: Note = _quiet,
-    on_progress: OnProgress | None = None,
+    on_progress: Progress | None = None,
 ) -> RolloutResult:
     """Start the missing roles, publish ``requests`` (``build_requests`` of ``plans``),
     collect their traces (``on_progress(done, total)`` as they come), stop what was started."""
@@ -317,7 +317,7 @@ async def _collect(
     result: RolloutResult,
     timeout_s: float,
     note: Note,
-    on_progress: OnProgress | None,
+    on_progress: Progress | None,
 ) -> None:
     """Publish the requests and fill ``result`` with their answers until every rollout is
     back, a started role dies, or ``timeout_s`` passes."""
