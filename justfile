@@ -34,7 +34,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms bench-trace
+bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -85,7 +85,17 @@ bench-replay:
 bench-trace:
     {{python}} -m benchmarks.trace_bench
 
+# Trainer tokens/s on 1 vs 2 ranks (CPU, gloo, FSDP2), side by side.
+[group('bench')]
+bench-trainer:
+    {{python}} -m benchmarks.trainer_bench
+
 # Attached-worker catch-up speed and the cost of the ce/ref_kl loss channels.
 [group('bench')]
 bench-algorithms:
     {{python}} -m benchmarks.algorithm_bench
+
+# The gpu preset on one CUDA GPU (not in `just bench`): throughput, MFU, weights lag, mismatch KL.
+[group('bench')]
+bench-gpu *ARGS:
+    {{python}} -m benchmarks.gpu_bench {{ARGS}}

@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus import codec
-from bus.errors import BodyError, DecodeError
+from bus.errors import BodyError, DecodeError, HandlerBroken
 from bus.runtime import Bus
 from bus.subjects import TOPICS, Topic, TopicSpec, filter_subject
 from schemas import DeadLettered, Event, derive_id
@@ -134,6 +134,7 @@ class Consumer:
         self.handled = 0
         self.dead_lettered = 0
         self._inflight: set[asyncio.Task[None]] = set()
+        self._broken: HandlerBroken | None = None  # a concurrent handler broke: stop
         self._active: dict[int, Msg] = {}  # being handled (by id: Msg is unhashable)
         self._slots = asyncio.Semaphore(max(1, sub.concurrency))
 
@@ -180,6 +181,8 @@ class Consumer:
         keepalive = asyncio.create_task(self._keep_alive())
         try:
             while not stop.is_set():
+                if self._broken is not None:  # a concurrent handler's (see HandlerBroken)
+                    raise self._broken
                 want = self.sub.batch if sequential else self._free_slots()
                 if want == 0:
                     await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
@@ -221,6 +224,8 @@ class Consumer:
     async def _process_release(self, msg: Msg) -> None:
         try:
             await self._process(msg)
+        except HandlerBroken as e:
+            self._broken = e
         finally:
             self._slots.release()
 
@@ -244,7 +249,7 @@ class Consumer:
         self._active[id(msg)] = msg
         try:
             await commit(self.bus, await self.sub.handler(event, delivery))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, HandlerBroken):
             with contextlib.suppress(Exception):
                 await msg.nak()
             raise

@@ -56,3 +56,10 @@ class RequestTimeout(BusError):
 
 class NoResponders(RequestTimeout):
     """Nobody is subscribed to answer (e.g. the inference role is still starting)."""
+
+
+class HandlerBroken(BusError):
+    """The handler's own machinery broke, not the message (e.g. a trainer rank died):
+    the consumer hands the message back and stops with this error, so the role exits
+    and its supervisor restarts it, instead of retrying and dead-lettering a good
+    message."""

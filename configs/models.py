@@ -78,9 +78,16 @@ class InferenceConfig(_Section):
     backend: Literal["torch", "vllm"] = "torch"
     replicas: int = Field(default=1, ge=1)
     device: str = "auto"  # "auto" = cuda when available, else cpu
+    # Dtype the weights are served in: "auto" = bfloat16 on CUDA (float16 if model.dtype
+    # is float16), model.dtype elsewhere; float32 on CUDA trades speed for less mismatch.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = Field(default=64, ge=1)
     batch_window_ms: float = Field(default=5.0, ge=0)  # how long to wait to fill a batch
     request_timeout_s: float = Field(default=60.0, gt=0)
+    # Share of the GPU's memory inference may take (CUDA only), so the trainer fits beside
+    # it on one GPU: the torch backend caps its allocator, vLLM gets it as
+    # `gpu_memory_utilization`.
+    gpu_memory_fraction: float = Field(default=0.45, gt=0, le=1)
 
 
 class EnvServerConfig(_Section):
@@ -117,6 +124,18 @@ class TrainerConfig(_Section):
     # Newest published weights versions kept in the run's object store (older ones are
     # deleted once a newer one is announced; the initial weights always stay); 0 = keep all.
     keep_weights: int = Field(default=4, ge=0)
+    # Ranks (processes joined by torch.distributed, FSDP2-sharded; gloo on CPU, NCCL on
+    # CUDA, one GPU per rank) that train as one role; checkpoints resume on as many ranks.
+    world_size: int = Field(default=1, ge=1)
+    # Seconds a rank waits in a collective before the group gives up (a dead or hung rank).
+    collective_timeout_s: float = Field(default=120.0, gt=0)
+    # "auto": bf16 autocast over fp32 master weights on CUDA, plain fp32 on the CPU.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # Where published weights go: "auto" = the object store up to 200 MB, else a file in
+    # `weights_dir`; "object"; "path" (a file in `weights_dir`, for hosts sharing it);
+    # "shm" (a file in /dev/shm: trainer and inference on one host, no disk round trip).
+    weights_via: Literal["auto", "object", "path", "shm"] = "auto"
+    weights_dir: str | None = None  # None = <run dir>/weights
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

@@ -87,10 +87,19 @@ class TrainerLog:
         """The config in force for ``step`` (plus ``overrides``), forced onto the CPU."""
         return self.config_of(self.start_for(step), overrides)
 
+    @property
+    def world_size(self) -> int | None:
+        """The trainer's ranks as recorded (``rlbus role trainer --nproc`` may differ from
+        the config), None for a run recorded before trainers reported it."""
+        first = self.recorded.get(min(self.recorded, default=0))
+        size = first.metrics.get("world_size") if first is not None else None
+        return int(size) if size else None
+
     def config_of(self, start: RunStarted, overrides: Sequence[str] = ()) -> RunConfig:
         key = (start.event_id, tuple(overrides))
         if key not in self._cache:
-            raw = apply_overrides(start.config, [*overrides, "trainer.device=cpu"])
+            ranks = [f"trainer.world_size={self.world_size}"] if self.world_size else []
+            raw = apply_overrides(start.config, [*ranks, *overrides, "trainer.device=cpu"])
             self._cache[key] = resolve(raw, source=f"run.started {start.event_id} of {start.run}")
         return self._cache[key]
 
@@ -150,10 +159,11 @@ StepCallback = Callable[[StepRecord, list[Mismatch]], None]
 
 
 def make_core(cfg: RunConfig, model_dir: Path) -> Any:
-    """A fresh trainer on the CPU (torch loads here, not at import)."""
-    from roles.trainer.core import TrainerCore
+    """A fresh trainer on the CPU, on ``trainer.world_size`` ranks (gloo) like the run;
+    the caller closes it. Torch loads here, not at import."""
+    from roles.trainer.group import make_trainer, start_ranks
 
-    return TrainerCore(cfg, model_dir, device="cpu")
+    return make_trainer(cfg, model_dir, start_ranks(cfg, model_dir, "cpu"), device="cpu")
 
 
 def replay_steps(
@@ -215,10 +225,13 @@ def replay_run(
 ) -> ReplayResult:
     """The whole check: a fresh core, every recorded step compared."""
     core = make_core(log.config(1), model_dir)
-    return replay_steps(
-        core, log.batches, log.recorded, until, on_step, config_for=log.config,
-        on_progress=on_progress,
-    )  # fmt: skip
+    try:
+        return replay_steps(
+            core, log.batches, log.recorded, until, on_step, config_for=log.config,
+            on_progress=on_progress,
+        )  # fmt: skip
+    finally:
+        core.close()
 
 
 # -- forks ------------------------------------------------------------------------------
@@ -254,6 +267,17 @@ def run_fork(
         raise ReplayError(f"--from {from_step} is outside the run's steps 0..{len(log.batches)}")
     cfg = log.config(from_step + 1, overrides)
     core = make_core(log.config(1), model_dir)
+    try:
+        return _fork(log, core, cfg, from_step, until, on_step, on_fork_step, on_progress)
+    finally:
+        core.close()
+
+
+def _fork(
+    log: TrainerLog, core: Any, cfg: RunConfig, from_step: int, until: int | None,
+    on_step: StepCallback | None, on_fork_step: StepCallback | None,
+    on_progress: Progress | None,
+) -> ForkResult:  # fmt: skip
     kept: dict[int, bytes] = {}
     total = sum(1 for b in log.batches if until is None or b.step <= until)
 

@@ -142,9 +142,12 @@ def trainer(
     nats_url: str | None = URL,
     config: str | None = CONFIG,
     data_dir: str | None = DATA,
+    nproc: int | None = typer.Option(
+        None, "--nproc", min=1, help="Ranks to train on (default: trainer.world_size)."
+    ),
 ) -> None:
-    """Train on assembled batches in order and publish new weights."""
-    _start("roles.trainer.role:main", "trainer", run, nats_url, config, data_dir)
+    """Train on assembled batches in order and publish new weights (on --nproc ranks)."""
+    _start("roles.trainer.role:main", "trainer", run, nats_url, config, data_dir, nproc=nproc)
 
 
 @app.command("lake")

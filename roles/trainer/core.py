@@ -80,8 +80,18 @@ def torch_threads() -> int:
     return int(os.environ.get("RLBUS_TORCH_THREADS", "1"))
 
 
+class CheckpointMismatch(Exception):
+    """A checkpoint written by a trainer of another world size."""
+
+
 class TrainerCore:
-    """Model + AdamW + step counter; ``train_step`` applies one batch."""
+    """Model + AdamW + step counter; ``train_step`` applies one batch.
+
+    One process holds the whole model. ``roles.trainer.sharded.ShardedCore`` is the same
+    fold on one rank of many: it overrides the hooks marked "(rank hook)" below.
+    """
+
+    world_size = 1
 
     def __init__(self, cfg: RunConfig, model_dir: str | Path, device: str | None = None):
         self.cfg = cfg
@@ -90,13 +100,19 @@ class TrainerCore:
             # cuBLAS is deterministic only with a fixed workspace; it must be set before
             # cuBLAS initialises, i.e. before the model's first matmul on the GPU.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        self.model = load_model(
+        # bf16 autocast over fp32 master weights on CUDA ("auto"); exact fp32 on the CPU.
+        precision = cfg.trainer.precision
+        self.autocast = precision == "bf16" or (
+            precision == "auto" and self.device.startswith("cuda")
+        )
+        model = load_model(
             model_dir,
             dtype=cfg.model.dtype,
             device=self.device,
             local_files_only=cfg.model.local_files_only,
         )
-        self.model.train()
+        model.train()
+        self.model = self._wrap(model)
         self.pad_id = int(self.model.config.pad_token_id or 0)
         t = cfg.trainer
         self.optimizer = torch.optim.AdamW(
@@ -108,7 +124,37 @@ class TrainerCore:
         self.step = 0  # batches trained == current policy version
         self.threads = torch_threads()
 
+    # -- rank hooks: one process holds everything ----------------------------------------
+
+    def _wrap(self, model: Any) -> Any:
+        """The model the optimizer steps (rank hook: FSDP2 shards it)."""
+        return model
+
+    def share(self, n_micro_batches: int, step: int) -> list[int | None]:
+        """The micro-batches this process trains, in order (rank hook; None = a pass
+        that trains nothing, so every rank runs as many passes)."""
+        return list(range(n_micro_batches))
+
+    def _sync_gradients(self, last: bool) -> None:
+        """Before each pass (rank hook: ranks reduce gradients in the last pass only)."""
+
+    def _empty_backward(self, logits: torch.Tensor | None) -> None:
+        """A pass that trains nothing (rank hook: ranks must backward as often as each
+        other, so sharded ranks run a zero-weighted one)."""
+
+    def reduce_stats(self, stats: LossStats) -> LossStats:
+        """This step's loss stats over the whole batch (rank hook: a sum over ranks)."""
+        return stats
+
+    def close(self) -> None:
+        """Release what the core holds beyond memory (rank hook: the process group)."""
+
     # -- training -----------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
 
     @contextlib.contextmanager
     def _deterministic(self, step: int) -> Iterator[None]:
@@ -141,6 +187,11 @@ class TrainerCore:
         """Continue under ``cfg`` (a replay's fork): the fold reads its config every step;
         AdamW's hyper-parameters live in its param groups (the learning rate is set per
         step)."""
+        if cfg.trainer.world_size != self.cfg.trainer.world_size:
+            raise ValueError(
+                f"trainer.world_size cannot change within a run ({self.cfg.trainer.world_size} "
+                f"-> {cfg.trainer.world_size}): the sharding of every step would change"
+            )
         self.cfg = cfg
         for group in self.optimizer.param_groups:
             group["betas"] = tuple(cfg.trainer.betas)
@@ -160,19 +211,31 @@ class TrainerCore:
         stats = LossStats()
         with self._deterministic(batch.step):
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in mbs:
-                if mb.input_ids.shape[1] < 2:
-                    continue  # one-token samples predict nothing
-                logits = self.model(input_ids=mb.input_ids.to(self.device), use_cache=False).logits
+            mine = self.share(len(mbs), batch.step)
+            for n, i in enumerate(mine):
+                self._sync_gradients(last=n == len(mine) - 1)
+                mb = mbs[i] if i is not None else None
+                if mb is None or mb.input_ids.shape[1] < 2:  # one-token samples predict nothing
+                    self._empty_backward(None)
+                    continue
+                with self._autocast():
+                    logits = self.model(
+                        input_ids=mb.input_ids.to(self.device), use_cache=False
+                    ).logits
+                # Per-token logprobs in fp32 whatever the forward ran in (a no-op in fp32).
                 loss, s = policy_loss(
-                    logits[:, :-1], mb.loss.to(self.device), cfg.loss, batch.phase, denominators
-                )
+                    logits[:, :-1].float(), mb.loss.to(self.device), cfg.loss, batch.phase,
+                    denominators,
+                )  # fmt: skip
                 if s.loss_tokens:
                     loss.backward()
+                else:
+                    self._empty_backward(logits)
                 stats = stats + s
+            stats = self.reduce_stats(stats)
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = (
-                float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if params else 0.0
+                _norm(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if params else 0.0
             )
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -188,6 +251,7 @@ class TrainerCore:
             "tokens": float(tokens),
             "samples": float(len(samples)),
             "micro_batches": float(len(mbs)),
+            "world_size": float(self.world_size),  # replay trains on as many ranks
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "step_s": elapsed,
         }
@@ -195,6 +259,7 @@ class TrainerCore:
     # -- weights ------------------------------------------------------------------------
 
     def weights_bytes(self) -> bytes:
+        """The current weights as safetensors bytes (what ``weights.published`` names)."""
         return state_dict_to_bytes(self.model)
 
     def weights_digest(self) -> str:
@@ -210,12 +275,12 @@ class TrainerCore:
         final = paths.checkpoint(self.step)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         try:
-            weights = self.weights_bytes()
-            (tmp / "model.safetensors").write_bytes(weights)
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            state = {"step": self.step, "weights_digest": digest(weights), "extra": extra or {}}
+            state = {
+                "step": self.step, "world_size": self.world_size, "extra": extra or {},
+                **self.write_snapshot(tmp),
+            }  # fmt: skip
             (tmp / "state.json").write_text(json.dumps(state, sort_keys=True))
-            for f in tmp.iterdir():
+            for f in filter(Path.is_file, tmp.iterdir()):
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
             if final.exists():  # the same step saved again (e.g. interval, then stop)
@@ -230,18 +295,43 @@ class TrainerCore:
             shutil.rmtree(stale, ignore_errors=True)
         return final
 
+    def write_snapshot(self, folder: Path) -> dict[str, Any]:
+        """Write model and optimizer into ``folder``; returns what state.json adds (rank
+        hook: ranks write their shards with torch.distributed.checkpoint)."""
+        weights = self.weights_bytes()
+        (folder / "model.safetensors").write_bytes(weights)
+        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+        return {"weights_digest": digest(weights)}
+
+    def read_snapshot(self, folder: Path, state: dict[str, Any]) -> None:
+        """Inverse of ``write_snapshot`` (rank hook)."""
+        load_state_bytes(
+            self.model, (folder / "model.safetensors").read_bytes(), state["weights_digest"]
+        )
+        opt = torch.load(folder / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(opt)
+
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore model, optimizer and step from ``path``; returns the saved ``extra``."""
         path = Path(path)
         state = json.loads((path / "state.json").read_text())
-        load_state_bytes(
-            self.model, (path / "model.safetensors").read_bytes(), state["weights_digest"]
-        )
-        opt = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(opt)
+        saved = int(state.get("world_size", 1))
+        if saved != self.world_size:
+            raise CheckpointMismatch(
+                f"checkpoint {path} was written by {saved} trainer rank(s) but "
+                f"trainer.world_size is {self.world_size}: resume with "
+                f"trainer.world_size={saved}"
+            )
+        self.read_snapshot(path, state)
         self.step = int(state["step"])
         extra: dict[str, Any] = state.get("extra", {})
         return extra
+
+
+def _norm(total: torch.Tensor) -> float:
+    """A norm as a float; a sharded model's is a DTensor whose full value is the norm."""
+    full = getattr(total, "full_tensor", None)
+    return float(full() if full is not None else total)
 
 
 def _checkpoints(root: Path) -> list[Path]:

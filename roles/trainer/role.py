@@ -47,13 +47,14 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import nats.errors
 
 from bus.consumer import Delivery, Effects, Subscription, commit
-from bus.errors import BusError
+from bus.errors import BusError, HandlerBroken
 from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
 from bus.runtime import Bus
@@ -63,6 +64,7 @@ from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from roles.trainer import retention
 from roles.trainer.core import BatchGap, TrainerCore, latest_checkpoint
+from roles.trainer.group import GroupBroken, Ranks, make_trainer, start_ranks
 from schemas import (
     BatchAssembled,
     Event,
@@ -76,6 +78,8 @@ from schemas import (
 _READ_TIMEOUT_S = 30.0
 # What a failed delete or rewrite raises (nats errors, a BodyError, a file system error).
 _STORE_ERRORS = (BusError, OSError, nats.errors.Error)
+# Weights published with ``trainer.weights_via = "shm"`` (memory, not disk), per run.
+SHM_ROOT = Path("/dev/shm/rlbus")
 
 
 @dataclass
@@ -99,6 +103,8 @@ class TrainerRole(Role):
         self.cfg = ctx.cfg
         self.run_dir = ctx.run_dir
         self._core: TrainerCore | None = None  # built in setup (loads the model)
+        self.ranks: Ranks | None = None  # ranks 1..N-1 of a multi-rank trainer
+        self.broken = False  # the rank group failed: nothing more is asked of it
         self.sub = Subscription(
             durable_name("trainer"),
             [(Topic.BATCH_ASSEMBLED, None)],
@@ -124,6 +130,16 @@ class TrainerRole(Role):
     def subscriptions(self) -> list[Subscription]:
         return [self.sub]
 
+    def background(self) -> list[Awaitable[None]]:
+        return [self._watch_ranks()] if self.cfg.trainer.world_size > 1 else []
+
+    async def _watch_ranks(self) -> None:
+        """A rank that dies between steps takes the role down now, not at the next batch."""
+        while not await self.sleep(1.0):
+            if self.ranks is not None:
+                with self._group_fault():
+                    self.ranks.check()
+
     async def status(self) -> dict[str, object]:
         out = await super().status()
         if self._core is not None:
@@ -135,7 +151,9 @@ class TrainerRole(Role):
 
     async def setup(self) -> None:
         model_dir = await asyncio.to_thread(self.ctx.model_dir)
-        self._core = await asyncio.to_thread(TrainerCore, self.cfg, model_dir)
+        # Ranks 1..N-1 start from this (the event loop's) thread: they die with it.
+        self.ranks = start_ranks(self.cfg, model_dir)
+        self._core = await asyncio.to_thread(make_trainer, self.cfg, model_dir, self.ranks)
         start_seq = 1
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is not None:
@@ -147,7 +165,8 @@ class TrainerRole(Role):
             "trainer.loaded", model=str(model_dir), checkpoint=str(checkpoint), step=self.core.step
         )
         self.stored_weights = await self._list_stored_weights()
-        await self.beating(self._catch_up(start_seq), consumer=self.sub.durable)
+        with self._group_fault():
+            await self.beating(self._catch_up(start_seq), consumer=self.sub.durable)
         if not self.pending:  # what an earlier process left: catch-up announced up to here
             await self._collect_weights(self.core.step)
 
@@ -204,6 +223,21 @@ class TrainerRole(Role):
     # -- the durable consumer -------------------------------------------------------------
 
     async def on_batch(self, batch: BatchAssembled, delivery: Delivery) -> Effects | None:
+        with self._group_fault():
+            return await self._on_batch(batch, delivery)
+
+    @contextlib.contextmanager
+    def _group_fault(self) -> Iterator[None]:
+        """A broken rank group is the trainer's fault, not the batch's: the role exits
+        (``HandlerBroken``: the batch is handed back, not retried or dead-lettered) and
+        its supervisor restarts the group, which resumes from its checkpoint."""
+        try:
+            yield
+        except GroupBroken as e:
+            self.broken = True
+            raise HandlerBroken(str(e)) from e
+
+    async def _on_batch(self, batch: BatchAssembled, delivery: Delivery) -> Effects | None:
         wait_s = time.monotonic() - self.idle_since
         if batch.step > self.core.step:
             for p in self.pending:  # announced again first (their weights, before the next step)
@@ -232,7 +266,7 @@ class TrainerRole(Role):
             await self._prepare(p)
         done = list(self.pending)
         events = [e for p in done for e in p.events or ()]
-        return Effects(events, after_publish=lambda: self._announced(done))
+        return Effects(events, after_publish=lambda: self._announced_once(done))
 
     async def _prepare(self, p: _Pending) -> None:
         """Store the weights of a step just trained and build its events (once: a retry
@@ -275,6 +309,10 @@ class TrainerRole(Role):
         )
         p.events = events
 
+    async def _announced_once(self, done: list[_Pending]) -> None:
+        with self._group_fault():  # its checkpoint runs on every rank
+            await self._announced(done)
+
     async def _announced(self, done: list[_Pending]) -> None:
         """The steps' events are stored: record them, checkpoint if one is due."""
         for p in done:
@@ -293,7 +331,10 @@ class TrainerRole(Role):
         self.idle_since = time.monotonic()
 
     async def _store_weights(self, version: int, data: bytes, weights_digest: str) -> ObjectRef:
-        if len(data) <= OBJECT_STORE_MAX_BYTES:
+        via = self.cfg.trainer.weights_via
+        if via == "auto":
+            via = "object" if len(data) <= OBJECT_STORE_MAX_BYTES else "path"
+        if via == "object":
             name = retention.object_name(version)
             stored = await self.bus.objects.put(name, data)
             self.stored_weights[version] = "object"
@@ -301,12 +342,20 @@ class TrainerRole(Role):
                 kind="object", location=name, bucket=self.bus.objects.bucket,
                 size=len(data), digest=stored,
             )  # fmt: skip
-        path = self.ctx.paths.weights / retention.file_name(version)
+        path = self._weights_folder(via) / retention.file_name(version)
         await asyncio.to_thread(_write_atomic, path, data)
-        self.stored_weights[version] = "path"
+        self.stored_weights[version] = via
         return ObjectRef(
-            kind="path", location=str(path.resolve()), size=len(data), digest=weights_digest
+            kind=via, location=str(path.resolve()), size=len(data), digest=weights_digest
         )
+
+    def _weights_folder(self, kind: str) -> Path:
+        """Where weights files of ``kind`` go: "path" in ``trainer.weights_dir/<run>``
+        (default: the run's weights folder), "shm" in ``/dev/shm/rlbus/<run>``."""
+        if kind == "shm":
+            return SHM_ROOT / self.run
+        given = self.cfg.trainer.weights_dir
+        return Path(given) / self.run if given else self.ctx.paths.weights
 
     # -- weights garbage collection ----------------------------------------------------
 
@@ -317,11 +366,12 @@ class TrainerRole(Role):
             for name in await self.bus.objects.names(retention.OBJECT_PREFIX)
             if (v := retention.version_of_object(name)) is not None
         }
-        folder = self.ctx.paths.weights
-        if folder.is_dir():
-            for f in folder.iterdir():
-                if (v := retention.version_of_file(f.name)) is not None:
-                    found[v] = "path"
+        for kind in ("path", "shm"):
+            folder = self._weights_folder(kind)
+            if folder.is_dir():
+                for f in folder.iterdir():
+                    if (v := retention.version_of_file(f.name)) is not None:
+                        found[v] = kind
         return found
 
     async def _collect_weights(self, newest: int) -> None:
@@ -359,7 +409,7 @@ class TrainerRole(Role):
         if kind == "object":
             await self.bus.objects.delete(retention.object_name(version))
         else:
-            path = self.ctx.paths.weights / retention.file_name(version)
+            path = self._weights_folder(kind) / retention.file_name(version)
             await asyncio.to_thread(path.unlink, missing_ok=True)
 
     async def _checkpoint(self) -> None:
@@ -371,12 +421,19 @@ class TrainerRole(Role):
 
     async def teardown(self) -> None:
         if self._core is None:
+            if self.ranks is not None:  # the group never formed
+                await asyncio.to_thread(self.ranks.close, 5.0)
             return
-        if self.pending:
-            with contextlib.suppress(Exception):  # best effort; catch-up redoes it otherwise
-                await commit(self.bus, await self._announcement())
-        if not self.pending and self.core.step > self.saved_step and self.last_batch_seq:
-            await self._checkpoint()
+        try:
+            if self.broken:  # no collective can finish: the restarted group redoes the rest
+                return
+            if self.pending:
+                with contextlib.suppress(Exception):  # best effort; catch-up redoes it otherwise
+                    await commit(self.bus, await self._announcement())
+            if not self.pending and self.core.step > self.saved_step and self.last_batch_seq:
+                await self._checkpoint()
+        finally:
+            await asyncio.to_thread(self.core.close)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -389,7 +446,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-async def main(ctx: RoleContext) -> None:
-    """``rlbus role trainer``: serve until SIGTERM, then checkpoint and exit."""
+async def main(ctx: RoleContext, nproc: int | None = None) -> None:
+    """``rlbus role trainer [--nproc N]``: serve until SIGTERM, then checkpoint and exit;
+    ``nproc`` overrides ``trainer.world_size``."""
+    if nproc is not None:
+        ctx.cfg.trainer = ctx.cfg.trainer.model_copy(update={"world_size": nproc})
     bus = await ctx.connect()
     await serve_role(TrainerRole(bus, ctx))

@@ -58,12 +58,14 @@ def state_dict_to_bytes(model: torch.nn.Module) -> bytes:
     """The model's weights as deterministic safetensors bytes, tied copies dropped."""
     state = model.state_dict()
     tied = tied_keys(state)
-    tensors = {
-        name: state[name].detach().to("cpu").contiguous()
-        for name in sorted(state)
-        if name not in tied
-    }
-    return st_save(tensors, metadata=_METADATA)
+    return tensors_to_bytes({name: t for name, t in state.items() if name not in tied})
+
+
+def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Named tensors as deterministic safetensors bytes (sorted names, contiguous CPU
+    tensors): a sharded trainer gathers its full state dict and serialises it here."""
+    out = {name: tensors[name].detach().to("cpu").contiguous() for name in sorted(tensors)}
+    return st_save(out, metadata=_METADATA)
 
 
 def bytes_to_state_dict(b: bytes) -> dict[str, torch.Tensor]:
