@@ -10,7 +10,9 @@ from schemas.base import Event, Record
 class ObjectRef(Record, frozen=True):
     """Where a body lives outside the stream: an object-store object or a shared path."""
 
-    kind: str  # "object" (JetStream Object Store) | "path" (shared filesystem)
+    # "object" (JetStream Object Store) | "path" (shared filesystem) | "shm" (a file under
+    # /dev/shm on the writer's host)
+    kind: str
     location: str  # object name, or filesystem path
     bucket: str | None = None  # object-store bucket for kind == "object"
     size: int = 0

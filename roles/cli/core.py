@@ -50,9 +50,11 @@ def up(
 
     try:
         cfg = settle_data_dir(load_config(config, overrides or []), overrides or [])
-        from roles.up.preflight import check  # model paths, env/algorithm names, disk
+        from roles.up.preflight import check, device_problems  # models, names, disk, GPU
 
-        check(cfg)  # first: check_routing builds every env and algorithm it names
+        # first: check_routing builds every env and algorithm it names. A dry run resolves
+        # a GPU config on any machine (preflight's docstring); it only notes the devices.
+        check(cfg, devices=not dry_run)
         check_routing(cfg)
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
@@ -60,6 +62,8 @@ def up(
     if run:
         cfg.run = run
     if dry_run:
+        if problems := device_problems(cfg):
+            typer.echo(f"note: rlbus up would refuse this here: {'; '.join(problems)}", err=True)
         typer.echo(dump_toml(cfg), nl=False)
         return
     from roles.up.launcher import launch

@@ -14,7 +14,8 @@ under the run directory); a key of ``orchestrator.models`` loads its ``path`` (o
 base ``model.path`` when unset) and never changes. The policy replica follows
 ``weights.published``: at start it loads the newest announcement on the stream, then
 an ordered consumer (DeliverPolicy.LAST, NATS_NOTES #11) delivers new ones; the bytes
-come from the object store (``kind == "object"``) or a shared path (``kind == "path"``),
+come from the object store (``kind == "object"``) or a file (``kind == "path"`` on a
+shared filesystem, ``"shm"`` under /dev/shm on the trainer's host),
 the digest is verified, and the swap happens between batches. Announcements that pile
 up while a load runs collapse to the newest. A bad announcement (wrong digest, missing
 object, other shape) is logged as ``weights.rejected`` and the old weights keep serving.
@@ -24,7 +25,10 @@ announcement is loaded instead (a collected version always has a newer one).
 
 Every ``metrics_interval_s`` (10 s) with traffic it logs ``inference.throughput`` and
 publishes ``MetricsReported(role="inference")``: tokens/s, requests/s, mean batch size,
-mean queue time. The heartbeat carries ``policy_version``.
+mean queue time, and ``weights_lag_s``: for the last swap, the seconds from the
+trainer's ``weights.published`` (its ``ts_ns``) to this replica serving those weights
+(fetch and load included; ``weights.swapped`` logs it as ``lag_s`` for every swap).
+The heartbeat carries ``policy_version``.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from bus.reader import last_event
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
-from roles.inference.backend import Backend
+from roles.inference.backend import Backend, serving_dtype
 from roles.lib.model import materialize_model
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
@@ -94,7 +98,13 @@ async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
     if inf.backend == "vllm":
         from roles.inference.vllm_backend import VllmBackend
 
-        return VllmBackend(path, dtype=cfg.model.dtype, weights_dir=weights_dir, seed=cfg.seed)
+        return VllmBackend(
+            path,
+            dtype=serving_dtype(cfg.model.dtype, "cuda", inf.dtype),  # vLLM: CUDA only
+            weights_dir=weights_dir,
+            seed=cfg.seed,
+            gpu_memory_utilization=inf.gpu_memory_fraction,
+        )
     from roles.inference.torch_backend import TorchBackend
 
     return await asyncio.to_thread(
@@ -105,6 +115,8 @@ async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
         local_files_only=cfg.model.local_files_only,
         max_batch_size=inf.max_batch_size,
         batch_window_ms=inf.batch_window_ms,
+        gpu_memory_fraction=inf.gpu_memory_fraction,
+        served_dtype=inf.dtype,
     )
 
 
@@ -116,15 +128,22 @@ async def read_latest_weights(bus: Bus) -> WeightsPublished | None:
     return event
 
 
+# Weights announced as a file: "path" (a shared filesystem) or "shm" (a file under
+# /dev/shm the trainer wrote on this host: no disk round trip). Both are read the same way.
+FILE_KINDS = ("path", "shm")
+
+
 async def fetch_weights(bus: Bus, ref: ObjectRef) -> bytes:
     """The announced bytes (object store reads verify the digest on the way)."""
     if ref.kind == "object":
         return await BodyStore(bus.js, ref.bucket or bus.objects.bucket).get(
             ref.location, ref.digest
         )
-    if ref.kind == "path":
+    if ref.kind in FILE_KINDS:
         return await asyncio.to_thread(Path(ref.location).read_bytes)
-    raise ValueError(f"unknown weights location kind {ref.kind!r} (expected 'object' or 'path')")
+    raise ValueError(
+        f"unknown weights location kind {ref.kind!r} (expected 'object', 'path' or 'shm')"
+    )
 
 
 async def weights_gone(bus: Bus, ref: ObjectRef) -> bool:
@@ -134,7 +153,7 @@ async def weights_gone(bus: Bus, ref: ObjectRef) -> bool:
         if ref.kind == "object":
             store = BodyStore(bus.js, ref.bucket or bus.objects.bucket)
             return not await store.exists(ref.location)
-        if ref.kind == "path":
+        if ref.kind in FILE_KINDS:
             return not await asyncio.to_thread(Path(ref.location).exists)
     except Exception:  # noqa: BLE001 - unknown: not "gone"
         return False
@@ -178,6 +197,7 @@ class InferenceRole(Role):
         self.backend: Backend | None = None
         self.ready = asyncio.Event()  # set once the model is loaded and requests are served
         self.weights_loaded = 0
+        self.weights_lag_s: float | None = None  # published -> serving, of the last swap
         self.weights_rejected = 0
         self.last_weights_error: str | None = None
         self._rpc: NatsSubscription | None = None
@@ -309,6 +329,9 @@ class InferenceRole(Role):
             self._reject(event, e, previous)
             return False
         self.weights_loaded += 1
+        # Wall clocks of two processes (one host under `rlbus up`): the event's ts_ns is
+        # the trainer's, taken when it announced the version.
+        self.weights_lag_s = (time.time_ns() - event.ts_ns) / 1e9
         self.log.info(
             "weights.swapped",
             version=event.version,
@@ -316,6 +339,7 @@ class InferenceRole(Role):
             digest=event.weights.digest,
             bytes=len(data),
             load_s=round(time.perf_counter() - started, 4),
+            lag_s=round(self.weights_lag_s, 4),
         )
         return True
 
@@ -375,6 +399,8 @@ class InferenceRole(Role):
         self._prev_stats, self._prev_t = cur, now
         if values is None:
             return None
+        if self.weights_lag_s is not None:
+            values["weights_lag_s"] = self.weights_lag_s
         version = self.backend.policy_version
         self.log.info("inference.throughput", policy_version=version, **values)
         return MetricsReported(

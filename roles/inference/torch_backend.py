@@ -26,6 +26,17 @@ How a generate batch runs (``TorchEngine._generate``):
     backend = TorchBackend(engine, max_batch_size=32, batch_window_ms=5)
     (result,) = await backend.generate([GenerateRequest(request_id="r", prompt_ids=...)])
 
+On CUDA (``serving_dtype``, ``limit_gpu_memory``): the weights are held in bfloat16
+whatever ``model.dtype`` says (float16 only if it says float16), because the trainer
+keeps float32 master weights and a float32 copy would double inference's memory and
+halve its speed for nothing; every logprob (sampled and scored) is still computed in
+float32 (``logits.float()`` before the log-softmax), so the log-softmax adds no bf16
+rounding of its own. The bf16 weights and activations still make the served model differ
+a little from the trainer's: the trainer's ``mismatch_kl`` measures by how much (measured
+on an H100 for the ``gpu`` preset: benchmarks/results/gpu.md). The process's CUDA
+allocator is capped at ``inference.gpu_memory_fraction`` so a trainer fits beside it on
+one GPU. On the CPU nothing of this applies: weights stay in ``model.dtype``.
+
 Torch threads: ``RLBUS_TORCH_THREADS`` (default 1), because several roles share a
 small CPU and oversubscribed BLAS threads make every one of them slower.
 """
@@ -45,7 +56,7 @@ import numpy as np
 import torch
 
 from roles.inference import sampling
-from roles.inference.backend import admit_generate, admit_score
+from roles.inference.backend import admit_generate, admit_score, on_cuda, serving_dtype
 from roles.inference.batcher import Batcher
 from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
 from roles.lib.model.weights import (
@@ -70,6 +81,16 @@ def configure_torch_threads() -> int:
     if n > 0 and torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def limit_gpu_memory(device: str, fraction: float | None) -> None:
+    """Cap this process's CUDA caching allocator at ``fraction`` of the device's memory
+    (``inference.gpu_memory_fraction``), so a trainer on the same GPU keeps the rest.
+    A no-op off CUDA or without a fraction."""
+    if fraction is None or not on_cuda(device):
+        return
+    # An index-less "cuda" is the current device (None), as the model's .to("cuda") is.
+    torch.cuda.set_per_process_memory_fraction(float(fraction), torch.device(device).index)
 
 
 def default_stop_ids(tokenizer: Any) -> list[int]:
@@ -150,10 +171,18 @@ class TorchEngine:
         dtype: str = "float32",
         local_files_only: bool = True,
         stop_token_ids: Sequence[int] | None = None,
+        gpu_memory_fraction: float | None = None,
+        served_dtype: str = "auto",
     ) -> TorchEngine:
+        """Load the model for serving: ``serving_dtype`` and the memory cap on CUDA."""
         configure_torch_threads()
+        dev = resolve_device(device)
+        limit_gpu_memory(dev, gpu_memory_fraction)  # before the first allocation
         model = load_model(
-            path, dtype=dtype, device=resolve_device(device), local_files_only=local_files_only
+            path,
+            dtype=serving_dtype(dtype, dev, served_dtype),
+            device=dev,
+            local_files_only=local_files_only,
         )
         tokenizer = load_tokenizer(path, local_files_only=local_files_only)
         return cls(model, tokenizer, stop_token_ids=stop_token_ids)
@@ -183,7 +212,12 @@ class TorchEngine:
             )
 
     def load_state(self, data: bytes, expected_digest: str, version: int) -> None:
-        """Copy the weights in and set the version (caller holds the batch lock)."""
+        """Copy the weights in and set the version (caller holds the batch lock).
+
+        ``load_state_dict`` copies into the model's own parameters, which casts each
+        tensor to their dtype and device: the trainer's float32 weights land in
+        bfloat16 on CUDA (``serving_dtype``), with the same rounding as ``.to()``.
+        """
         with torch.no_grad():
             load_state_bytes(self.model, data, expected_digest)
         self.policy_version = version
@@ -288,7 +322,8 @@ class TorchEngine:
         keep = {"logits_to_keep": 1} if self._keep_arg else {}
         out = self._forward(ids, mask, pos, use_cache=True, **keep)
         cache = out.past_key_values
-        logits = out.logits[:, -1, :]
+        # float32 before sampling's log-softmax (a no-op for a float32 model: the CPU path).
+        logits = out.logits[:, -1, :].float()
         next_pos = pos[:, -1:] + 1
         live = list(rows)  # the rows in the tensors, in order
         compact = hasattr(cache, "batch_select_indices")
@@ -320,7 +355,7 @@ class TorchEngine:
                 tok[:, None], mask, next_pos, past_key_values=cache, use_cache=True, **keep
             )
             cache = out.past_key_values
-            logits = out.logits[:, -1, :]
+            logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
 
     def _hit_stop_string(self, row: _Row) -> bool:
@@ -412,6 +447,8 @@ class TorchBackend:
         max_batch_size: int = 64,
         batch_window_ms: float = 5.0,
         stop_token_ids: Sequence[int] | None = None,
+        gpu_memory_fraction: float | None = None,
+        served_dtype: str = "auto",
     ) -> TorchBackend:
         """Load the model (slow: call it in a thread from async code)."""
         engine = TorchEngine.from_path(
@@ -420,6 +457,8 @@ class TorchBackend:
             dtype=dtype,
             local_files_only=local_files_only,
             stop_token_ids=stop_token_ids,
+            gpu_memory_fraction=gpu_memory_fraction,
+            served_dtype=served_dtype,
         )
         return cls(engine, max_batch_size=max_batch_size, batch_window_ms=batch_window_ms)
 

@@ -19,6 +19,9 @@ How the ``Backend`` contract maps onto vLLM:
   since cached KV from old weights is wrong. To keep "never mid-batch" for an engine
   without batches, admission pauses and in-flight requests drain before the swap, so
   every answer comes from one weights version;
+- memory and dtype: ``gpu_memory_utilization`` (the share of the GPU the engine may
+  take) is ``inference.gpu_memory_fraction``, so a trainer fits beside it; the dtype is
+  ``backend.serving_dtype`` (bfloat16 unless ``model.dtype`` is float16);
 - score: ``prompt_logprobs=0`` with one generated token. vLLM computes prompt logprobs
   from raw logits, so only temperature 1 (or 0, which means 1) is served here.
 

@@ -15,6 +15,9 @@ it can check cheaply (no torch, no model load, no network), each problem naming 
 - each algorithm name (``orchestrator.algorithms``, ``orchestrator.warmup.algorithms``)
   names an algorithm: a built-in or an importable ``module:Class``;
 - ``inference.backend = "vllm"`` has vllm installed;
+- ``trainer.device`` and ``inference.device``, when they name a CUDA device
+  (``"cuda"``, ``"cuda:1"``), name one torch sees (``"auto"`` falls back to the CPU and
+  is not checked); this imports torch, and only then;
 - each ``monitor.sinks`` entry has its library installed, and online W&B has a key;
 - ``bus.data_dir`` is writable and has ``MIN_FREE_BYTES`` free.
 
@@ -27,7 +30,9 @@ name here is known to resolve).
 ``rlbus up --dry-run`` runs these checks too, model path and disk included: a dry run
 that prints a config ``rlbus up`` would then reject on this machine is a trap, and the
 cost is that a config for another machine (whose model lives elsewhere) fails its dry
-run here, with one line saying why.
+run here, with one line saying why. The devices are the exception (``check(cfg,
+devices=False)``): resolving a GPU preset on a laptop is what a dry run is for, so it
+prints the config and says on stderr that ``rlbus up`` would refuse it here.
 """
 
 from __future__ import annotations
@@ -47,13 +52,15 @@ GIB = 1 << 30
 _WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
-def check(cfg: RunConfig) -> None:
-    """Raise ``ConfigError`` with every problem found, on one line; return if none."""
+def check(cfg: RunConfig, *, devices: bool = True) -> None:
+    """Raise ``ConfigError`` with every problem found, on one line; return if none.
+    ``devices=False`` leaves out ``device_problems`` (``rlbus up --dry-run``)."""
     problems = [
         *model_problems(cfg),
         *env_problems(cfg),
         *algorithm_problems(cfg),
         *backend_problems(cfg),
+        *(device_problems(cfg) if devices else []),
         *sink_problems(cfg),
         *data_dir_problems(cfg),
     ]
@@ -167,6 +174,40 @@ def backend_problems(cfg: RunConfig) -> list[str]:
     if cfg.inference.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         return ['`inference.backend` = "vllm", but vllm is not installed (pip install rlbus[vllm])']
     return []
+
+
+def device_problems(cfg: RunConfig) -> list[str]:
+    """A ``trainer.device`` / ``inference.device`` naming a CUDA device torch cannot see.
+
+    Without this a CPU-only torch fails inside the trainer and the inference role, which
+    crash-loop until the supervisor gives up. vLLM ignores ``inference.device``."""
+    named = [("trainer.device", cfg.trainer.device)]
+    if cfg.inference.backend == "torch":
+        named.append(("inference.device", cfg.inference.device))
+    cuda = [(key, device) for key, device in named if device.startswith("cuda")]
+    if not cuda:
+        return []  # no torch import for CPU and "auto" configs
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems = []
+    for key, device in cuda:
+        try:
+            index = torch.device(device).index or 0
+        except RuntimeError as e:  # "cuda:x" and the like
+            problems.append(f'`{key}` = "{device}": {_one_line(e)}')
+            continue
+        ranks = cfg.trainer.world_size if key == "trainer.device" else 1
+        if count == 0:
+            why = f"torch sees no CUDA GPU (torch {torch.__version__})"
+        elif index >= count:
+            why = f"torch sees {count} CUDA GPU(s), so no {device}"
+        elif ranks > count:
+            why = f"`trainer.world_size` = {ranks} needs a GPU per rank; torch sees {count}"
+        else:
+            continue
+        problems.append(f'`{key}` = "{device}", but {why}')
+    return problems
 
 
 def sink_problems(cfg: RunConfig) -> list[str]:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
@@ -18,11 +21,11 @@ from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, infer_subject, subject
 from configs import ConfigError, RunConfig, load_config
-from roles.inference.role import InferenceRole, resolve_served_model
+from roles.inference.role import InferenceRole, fetch_weights, resolve_served_model, weights_gone
 from roles.lib.clients import InferenceClient
 from roles.lib.model.loading import load_model
 from roles.lib.model.tiny import build_tiny_model
-from roles.lib.model.weights import state_dict_to_bytes
+from roles.lib.model.weights import digest, state_dict_to_bytes
 from roles.runtime.role import serve_role
 from schemas import (
     GenerateResult,
@@ -227,3 +230,52 @@ def test_served_model_comes_from_the_config(tiny_path: Path) -> None:
     assert (teacher.path, teacher.follows_weights) == (str(tiny_path), False)
     with pytest.raises(ConfigError, match="orchestrator.models"):
         resolve_served_model(cfg, "nobody")
+
+
+@pytest.fixture
+def shm_file(tmp_path: Path) -> Iterator[Path]:
+    """A file under /dev/shm (tmp_path where there is none), removed afterwards."""
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
+    fd, name = tempfile.mkstemp(dir=shm, prefix="rlbus-test-weights-")
+    os.close(fd)
+    yield Path(name)
+    Path(name).unlink(missing_ok=True)
+
+
+async def test_weights_in_a_shm_file_load_like_a_path_and_report_their_lag(
+    bus: Bus,
+    nats_server: EmbeddedServer,
+    tiny_path: Path,
+    tmp_path: Path,
+    perturbed_weights: bytes,
+    shm_file: Path,
+) -> None:
+    """kind "shm" (a file the trainer wrote under /dev/shm) is read like "path"; the swap's
+    lag, published -> serving, is measured from the announcement's ts_ns and reported."""
+    await asyncio.to_thread(shm_file.write_bytes, perturbed_weights)
+    ref = ObjectRef(kind="shm", location=str(shm_file), size=len(perturbed_weights), digest=digest(perturbed_weights))  # fmt: skip
+    client = InferenceClient(bus, timeout_s=30)
+    announced = time.time_ns() - 2_000_000_000  # as if the trainer announced it 2 s ago
+    assert await fetch_weights(bus, ref) == perturbed_weights
+    assert not await weights_gone(bus, ref)
+    async with running_role(nats_server, bus.run, _cfg(tiny_path), tmp_path, "inf-shm") as role:
+        event = WeightsPublished(run=bus.run, version=1, step=1, weights=ref, ts_ns=announced)
+        await bus.publish(event)
+
+        async def reported() -> bool:  # traffic, so that a report is due
+            await _generate(client, "traffic")
+            try:
+                msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.METRICS_REPORTED, "inference"))  # fmt: skip
+            except Exception:  # noqa: BLE001 - not published yet
+                return False
+            m = await bus.decode_msg(msg, [MetricsReported])
+            return "weights_lag_s" in m.values and m.policy_version == 1
+
+        await _until(reported)
+        lag = role.weights_lag_s
+        msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.METRICS_REPORTED, "inference"))  # fmt: skip
+        values = (await bus.decode_msg(msg, [MetricsReported])).values
+    await asyncio.to_thread(shm_file.unlink)
+    assert await weights_gone(bus, ref)
+    assert lag is not None and 2.0 <= lag < 30.0
+    assert values["weights_lag_s"] == lag

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from roles.inference import sampling
+from roles.inference.backend import serving_dtype
 from roles.inference.torch_backend import TorchBackend, TorchEngine
 from roles.lib.model.loading import load_model, load_tokenizer
 from roles.lib.model.render import Renderer
@@ -302,3 +303,86 @@ def test_vllm_backend_without_vllm_names_the_extra(tmp_path: Path) -> None:
 
     with pytest.raises(ImportError, match=r"rlbus\[vllm\]"):
         VllmBackend(tmp_path)
+
+
+# -- the CUDA path, checked on the CPU ------------------------------------------------------
+
+
+def test_serving_dtype_is_bf16_on_cuda_unless_fp16_and_unchanged_on_cpu() -> None:
+    assert [serving_dtype(d, "cpu") for d in ("float32", "bfloat16", "float16")] == [
+        "float32", "bfloat16", "float16",
+    ]  # fmt: skip
+    assert [serving_dtype(d, "cuda:1") for d in ("float32", "bfloat16", "float16")] == [
+        "bfloat16", "bfloat16", "float16",
+    ]  # fmt: skip
+    # inference.dtype, when it names one, wins on any device
+    assert serving_dtype("float32", "cuda", "float32") == "float32"
+    assert serving_dtype("float32", "cpu", "bfloat16") == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "cap"),
+    [
+        ("cuda", "bfloat16", [(0.45, None)]),
+        ("cuda:1", "float16", [(0.3, 1)]),
+        ("cpu", "float32", []),
+    ],
+)
+def test_from_path_serves_in_the_serving_dtype_under_the_memory_cap(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, device: str, dtype: str, cap: list[Any]
+) -> None:
+    """On CUDA the allocator is capped before the model loads, in bf16 (fp16 if asked);
+    on the CPU neither happens. The model itself is loaded on the CPU here."""
+    from roles.inference import torch_backend
+
+    calls: list[Any] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d))
+    )
+
+    def fake_load(path: Any, *, dtype: str, device: str, local_files_only: bool) -> Any:
+        calls.append({"dtype": dtype, "device": device})
+        return load_model(path, dtype=dtype)
+
+    monkeypatch.setattr(torch_backend, "load_model", fake_load)
+    asked = "float16" if device == "cuda:1" else "float32"
+    fraction = 0.3 if device == "cuda:1" else 0.45
+    engine = TorchEngine.from_path(
+        tiny_dir, device=device, dtype=asked, gpu_memory_fraction=fraction
+    )
+    assert calls == [*cap, {"dtype": dtype, "device": device}]
+    assert next(engine.model.parameters()).dtype == getattr(torch, dtype)
+
+
+def test_a_bf16_engine_reports_float32_logprobs_and_casts_published_weights(
+    tiny_dir: Path, renderer: Renderer
+) -> None:
+    """Weights held in bf16 (as on CUDA): the trainer's fp32 bytes load cast to bf16, and
+    sampled and scored logprobs are the float32 log-softmax of the bf16 logits."""
+    trainer = load_model(tiny_dir)
+    _scramble(trainer, seed=7)
+    data = state_dict_to_bytes(trainer)
+    engine = TorchEngine(load_model(tiny_dir, dtype="bfloat16"), load_tokenizer(tiny_dir))
+    engine.load_state(data, digest(data), version=1)
+    served = engine.model.state_dict()
+    for name, p in trainer.state_dict().items():
+        assert served[name].dtype == torch.bfloat16
+        assert torch.equal(served[name], p.to(torch.bfloat16)), name
+
+    prompt = _prompts(renderer)[2]
+    (res,) = _run(engine, [_gen("g", prompt, temperature=0.0, max_completion_tokens=8)])
+    comp = i32(res.completion_ids).tolist()
+    logits = _full_logits(engine, prompt + comp)[len(prompt) - 1 : len(prompt) + len(comp) - 1]
+    assert logits.dtype == torch.float32  # _full_logits: the bf16 logits, cast
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor(comp)[:, None]).squeeze(-1)
+    got = torch.tensor(f32(res.logprobs))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    # A log-softmax taken in bf16 would give only bf16 values; float32 maths does not.
+    assert not any(got == got.to(torch.bfloat16).float())
+
+    ids = prompt + comp
+    (scored,) = _run(
+        engine, [ScoreRequest(request_id="s", token_ids=pack_i32(ids), start=len(prompt))]
+    )
+    assert isinstance(scored, ScoreResult)
+    torch.testing.assert_close(torch.tensor(f32(scored.logprobs)), expected, atol=1e-4, rtol=0)
