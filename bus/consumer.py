@@ -192,12 +192,17 @@ class Consumer:
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
                 for i, msg in enumerate(msgs):
+                    if stop.is_set() or self._broken is not None:
+                        for rest in msgs[i:]:  # hand back what we fetched but did not start
+                            await rest.nak()
+                        break
                     if sequential:
-                        if stop.is_set():  # hand back what we fetched but did not start
-                            for rest in msgs[i:]:
+                        try:
+                            await self._process(msg)
+                        except HandlerBroken:
+                            for rest in msgs[i + 1 :]:
                                 await rest.nak()
-                            break
-                        await self._process(msg)
+                            raise
                     else:
                         await self._slots.acquire()
                         task = asyncio.create_task(self._process_release(msg))
@@ -208,6 +213,8 @@ class Consumer:
             keepalive.cancel()
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+        if self._broken is not None:  # broke while stopping or draining: still an error
+            raise self._broken
 
     def _free_slots(self) -> int:
         return max(0, min(self.sub.batch, self.sub.concurrency - len(self._inflight)))

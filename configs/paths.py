@@ -71,6 +71,10 @@ def settle_data_dir(
     return cfg
 
 
+# Weights published with `trainer.weights_via = "shm"`: memory, not disk, one folder per run.
+SHM_WEIGHTS_ROOT = Path("/dev/shm/rlbus")
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """The files of one run under a data directory (see the module docstring)."""
@@ -176,6 +180,12 @@ class RunPaths:
     def weights(self) -> Path:
         """Published weights too large for the object store."""
         return self.dir / "weights"
+
+    @property
+    def shm_weights(self) -> Path:
+        """Published weights in memory (``trainer.weights_via = "shm"``), outside the run
+        directory: ``rlbus up --fresh`` deletes them with it."""
+        return SHM_WEIGHTS_ROOT / self.run
 
     @property
     def import_record(self) -> Path:

@@ -40,7 +40,7 @@ from configs.paths import CHECKPOINT_PREFIX, RunPaths
 from roles.lib.model.loading import load_model, resolve_device
 from roles.lib.model.weights import digest, load_state_bytes, state_dict_to_bytes
 from roles.trainer.loss import LossStats, loss_denominators, policy_loss
-from roles.trainer.packing import collate, pack
+from roles.trainer.packing import MicroBatch, collate, pack
 from schemas import BatchAssembled, stable_seed
 
 KEEP_CHECKPOINTS = 2
@@ -146,8 +146,9 @@ class TrainerCore:
         """This step's loss stats over the whole batch (rank hook: a sum over ranks)."""
         return stats
 
-    def close(self) -> None:
-        """Release what the core holds beyond memory (rank hook: the process group)."""
+    def close(self, broken: bool = False) -> None:
+        """Release what the core holds beyond memory (rank hook: the process group and
+        the other ranks, stopped at once when ``broken``)."""
 
     # -- training -----------------------------------------------------------------------
 
@@ -197,6 +198,15 @@ class TrainerCore:
             group["betas"] = tuple(cfg.trainer.betas)
             group["weight_decay"] = cfg.trainer.weight_decay
 
+    def micro_batches(self, batch: BatchAssembled) -> tuple[list[MicroBatch], dict[str, int]]:
+        """``batch`` packed into micro-batches, and the loss denominators over all of them
+        (per channel, before the first backward: see trainer.loss). Pure: a malformed
+        batch raises here, before anything is trained."""
+        cfg = self.cfg.trainer
+        groups = pack([len(s) for s in batch.samples], cfg.seq_len, cfg.micro_batch_size)
+        mbs = [collate(batch.samples, g, self.pad_id) for g in groups]
+        return mbs, loss_denominators([mb.loss for mb in mbs], batch.phase, cfg.loss.normalize)
+
     def train_step(self, batch: BatchAssembled) -> dict[str, float]:
         """Train on ``batch`` (which must be step ``self.step + 1``); returns its metrics."""
         self.check_next(batch)
@@ -204,10 +214,7 @@ class TrainerCore:
         cfg = self.cfg.trainer
         lr = lr_at(self.cfg, batch.step, batch.phase)
         samples = batch.samples
-        groups = pack([len(s) for s in samples], cfg.seq_len, cfg.micro_batch_size)
-        mbs = [collate(samples, g, self.pad_id) for g in groups]
-        # Per channel, over every micro-batch before the first backward (see trainer.loss).
-        denominators = loss_denominators([mb.loss for mb in mbs], batch.phase, cfg.loss.normalize)
+        mbs, denominators = self.micro_batches(batch)
         stats = LossStats()
         with self._deterministic(batch.step):
             self.optimizer.zero_grad(set_to_none=True)

@@ -26,10 +26,14 @@ Failure is all-or-nothing, and never a wait without end:
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -82,10 +86,20 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Command)
 
 
-def write_command(out: IO[bytes], command: Command) -> None:
+def write_command(fd: int, command: Command, timeout_s: float) -> None:
+    """Send ``command`` down a non-blocking pipe within ``timeout_s``: a rank that is alive
+    but stuck (not reading) must not block rank 0 for ever once the pipe is full."""
     data = _encoder.encode(command)
-    out.write(len(data).to_bytes(4, "big") + data)
-    out.flush()
+    view = memoryview(len(data).to_bytes(4, "big") + data)
+    deadline = time.monotonic() + timeout_s
+    while view:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [fd], [], left)[1]:
+            raise TimeoutError(f"the rank read no command for {timeout_s:.0f} s")
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            continue
 
 
 def read_command(src: IO[bytes]) -> Command | None:
@@ -115,9 +129,13 @@ class Ranks:
     child exits (``bus.children``).
     """
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]], master: str):
+    def __init__(self, procs: list[subprocess.Popen[bytes]], master: str, timeout_s: float):
         self.procs = procs
         self.master = master
+        self.timeout_s = timeout_s  # trainer.collective_timeout_s: for commands too
+        for proc in procs:
+            assert proc.stdin is not None
+            os.set_blocking(proc.stdin.fileno(), False)
 
     @property
     def world_size(self) -> int:
@@ -135,7 +153,7 @@ class Ranks:
             )
             for rank in range(1, ws)
         ]
-        ranks = cls(procs, master)
+        ranks = cls(procs, master, cfg.trainer.collective_timeout_s)
         ranks.tell(Init(cfg.model_dump(mode="json"), str(model_dir), device, cfg.run or ""))
         return ranks
 
@@ -154,21 +172,21 @@ class Ranks:
         for rank, proc in self._numbered():
             assert proc.stdin is not None
             try:
-                write_command(proc.stdin, command)
-            except (BrokenPipeError, ValueError) as e:  # ValueError: stdin already closed
+                write_command(proc.stdin.fileno(), command, self.timeout_s)
+            except (OSError, ValueError) as e:  # a closed pipe or stdin, a rank not reading
                 raise GroupBroken(f"trainer rank {rank} takes no more commands: {e!r}") from e
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """End of input for every rank (they leave the group and exit), then wait."""
+        """End of input for every rank (they leave the group and exit), then wait for all
+        of them together up to ``timeout_s`` (0: kill them at once) and kill the rest."""
         for _, proc in self._numbered():
             if proc.stdin is not None and not proc.stdin.closed:
-                try:
+                with contextlib.suppress(OSError):
                     proc.stdin.close()
-                except BrokenPipeError:
-                    pass
+        deadline = time.monotonic() + timeout_s
         for _, proc in self._numbered():
             try:
-                proc.wait(timeout_s)
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -200,7 +218,10 @@ class GroupLeader(ShardedCore):
             raise GroupBroken(f"{type(e).__name__}: {e} {self.ranks.exits()}".strip()) from e
 
     def train_step(self, batch: BatchAssembled) -> dict[str, float]:
-        self.check_next(batch)  # a gap is the batch's fault, not the group's: no command
+        # A gap or a malformed batch is the batch's fault, not the group's: it raises here,
+        # before any rank sees it, and is retried, then dead-lettered, as on one rank.
+        self.check_next(batch)
+        self.micro_batches(batch)
         return self._together(Train(batch), super().train_step, batch)
 
     def weights_bytes(self) -> bytes:
@@ -216,8 +237,10 @@ class GroupLeader(ShardedCore):
         self.ranks.tell(Reconfigure(cfg.model_dump(mode="json")))
         super().reconfigure(cfg)
 
-    def close(self) -> None:
-        self.ranks.close()
+    def close(self, broken: bool = False) -> None:
+        """Stop the other ranks (at once when ``broken``: they may sit in a collective)
+        and leave the group."""
+        self.ranks.close(0.0 if broken else 30.0)
         super().close()
 
 

@@ -78,8 +78,6 @@ from schemas import (
 _READ_TIMEOUT_S = 30.0
 # What a failed delete or rewrite raises (nats errors, a BodyError, a file system error).
 _STORE_ERRORS = (BusError, OSError, nats.errors.Error)
-# Weights published with ``trainer.weights_via = "shm"`` (memory, not disk), per run.
-SHM_ROOT = Path("/dev/shm/rlbus")
 
 
 @dataclass
@@ -351,9 +349,9 @@ class TrainerRole(Role):
 
     def _weights_folder(self, kind: str) -> Path:
         """Where weights files of ``kind`` go: "path" in ``trainer.weights_dir/<run>``
-        (default: the run's weights folder), "shm" in ``/dev/shm/rlbus/<run>``."""
+        (default: the run's weights folder), "shm" in ``RunPaths.shm_weights``."""
         if kind == "shm":
-            return SHM_ROOT / self.run
+            return self.ctx.paths.shm_weights
         given = self.cfg.trainer.weights_dir
         return Path(given) / self.run if given else self.ctx.paths.weights
 
@@ -433,7 +431,7 @@ class TrainerRole(Role):
             if not self.pending and self.core.step > self.saved_step and self.last_batch_seq:
                 await self._checkpoint()
         finally:
-            await asyncio.to_thread(self.core.close)
+            await asyncio.to_thread(self.core.close, self.broken)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

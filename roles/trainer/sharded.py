@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 from configs import RunConfig
-from roles.lib.model.weights import tensors_to_bytes, tied_keys
+from roles.lib.model.weights import digest, tensors_to_bytes, tied_keys
 from roles.trainer.core import TrainerCore
 from roles.trainer.loss import LossStats
 
@@ -53,8 +53,11 @@ _STAT_FIELDS = tuple(LossStats.__dataclass_fields__)
 
 
 def rank_device(device: str, rank: int) -> str:
-    """Rank ``rank``'s device: its own GPU (``cuda:<rank>``) on CUDA, else the CPU."""
-    return f"cuda:{rank}" if device.startswith("cuda") else device
+    """Rank ``rank``'s device: on CUDA its own GPU, counted from the configured one
+    (``cuda:1`` puts rank 0 on GPU 1, rank 1 on GPU 2), else the CPU."""
+    if not device.startswith("cuda"):
+        return device
+    return f"cuda:{(torch.device(device).index or 0) + rank}"
 
 
 class ShardedCore(TrainerCore):
@@ -134,6 +137,11 @@ class ShardedCore(TrainerCore):
     def weights_bytes(self) -> bytes:
         """The full weights, gathered: safetensors bytes on rank 0, b"" on the others
         (every rank must call it: the gather is a collective)."""
+        return self._gather_weights()
+
+    def _gather_weights(self) -> bytes:
+        # Not overridden by rank 0's GroupLeader (which sends each public call to the
+        # other ranks first): write_snapshot gathers inside a call they already run.
         full = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -145,7 +153,13 @@ class ShardedCore(TrainerCore):
     def write_snapshot(self, folder: Path) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
-        return {}
+        # The full weights too, as one process writes them: `rlbus model export` and
+        # whoever reads a checkpoint's model need no torch.distributed (rank 0 writes).
+        weights = self._gather_weights()
+        if self.rank != 0:
+            return {}
+        (folder / "model.safetensors").write_bytes(weights)
+        return {"weights_digest": digest(weights)}
 
     def read_snapshot(self, folder: Path, state: dict[str, Any]) -> None:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -155,7 +169,7 @@ class ShardedCore(TrainerCore):
             self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state
         )
 
-    def close(self) -> None:
+    def close(self, broken: bool = False) -> None:
         """Leave the process group (a process holds one at a time; idempotent)."""
         if dist.is_initialized():
             dist.destroy_process_group()

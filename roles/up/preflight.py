@@ -185,9 +185,13 @@ def device_problems(cfg: RunConfig) -> list[str]:
     if cfg.inference.backend == "torch":
         named.append(("inference.device", cfg.inference.device))
     cuda = [(key, device) for key, device in named if device.startswith("cuda")]
-    if not cuda:
-        return []  # no torch import for CPU and "auto" configs
+    ranks_on_auto = cfg.trainer.device == "auto" and cfg.trainer.world_size > 1
+    if not cuda and not ranks_on_auto:
+        return []  # no torch import for CPU and single-process "auto" configs
     import torch
+
+    if ranks_on_auto and torch.cuda.is_available():  # "auto" means CUDA here
+        cuda.insert(0, ("trainer.device", "cuda"))
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     problems = []
@@ -202,8 +206,8 @@ def device_problems(cfg: RunConfig) -> list[str]:
             why = f"torch sees no CUDA GPU (torch {torch.__version__})"
         elif index >= count:
             why = f"torch sees {count} CUDA GPU(s), so no {device}"
-        elif ranks > count:
-            why = f"`trainer.world_size` = {ranks} needs a GPU per rank; torch sees {count}"
+        elif index + ranks > count:
+            why = f"`trainer.world_size` = {ranks} needs a GPU per rank from {device}; torch sees {count}"
         else:
             continue
         problems.append(f'`{key}` = "{device}", but {why}')

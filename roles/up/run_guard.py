@@ -123,6 +123,7 @@ def start_over(paths: RunPaths) -> None:
             f"a nats-server is still running on run {paths.run!r}'s store ({url}); "
             "stop it before --fresh"
         )
+    shutil.rmtree(paths.shm_weights, ignore_errors=True)  # trainer.weights_via = "shm"
     for child in paths.dir.iterdir():
         if child.name == LOCK_FILE:
             continue

@@ -41,10 +41,10 @@ def children_running(pid: int, module: str) -> list[int]:
 async def test_killed_rank_restarts_the_group_and_the_run_replays_bit_for_bit(
     tmp_path: Path,
 ) -> None:
-    run, steps = "ranks2", 12
+    run, steps = "ranks2", 8
     proc = rlbus_up(
         tmp_path, run, f"max_steps={steps}", "trainer.world_size=2",
-        "trainer.checkpoint_interval=4",
+        "trainer.checkpoint_interval=3",
     )  # fmt: skip
     store = tmp_path / run / "nats"
     killed = None

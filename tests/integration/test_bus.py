@@ -11,7 +11,7 @@ import pytest
 
 from bus import codec
 from bus.consumer import Consumer, Delivery, Subscription
-from bus.errors import BodyError
+from bus.errors import BodyError, HandlerBroken
 from bus.follower import Follow, Follower
 from bus.runtime import Bus, BusSettings
 from bus.subjects import Topic, subject
@@ -190,6 +190,32 @@ async def test_a_handler_that_always_raises_is_dead_lettered_after_max_deliver(b
     assert dead.error_type == "RuntimeError" and "always fails" in dead.error
     assert dead.deliveries == bus.settings.max_deliver and dead.causation_id == "poison"
     assert codec.decode(dead.payload, [RunStopped]).reason == "poison"
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_a_broken_handler_stops_its_consumer_and_hands_the_message_back(
+    bus: Bus, concurrency: int
+) -> None:
+    """HandlerBroken (the handler's machinery, not the message, e.g. a dead trainer rank):
+    the consumer stops with it, nothing is dead-lettered, and the next process gets the
+    message again."""
+    await bus.publish(RunStopped(run=bus.run, reason="fine", event_id="fine"))
+    seen: list[int] = []
+
+    async def broken(ev: RunStopped, d: Delivery) -> list[Event]:
+        seen.append(d.deliveries)
+        raise HandlerBroken("rank 1 exited with code -9")
+
+    sub = Subscription("b", [(Topic.RUN_STOPPED, None)], broken, concurrency=concurrency)
+    consumer = Consumer(bus, sub, role="test")
+    with pytest.raises(HandlerBroken, match="rank 1"):
+        await asyncio.wait_for(consumer.run(asyncio.Event()), timeout=20)
+    assert seen == [1] and consumer.dead_lettered == 0
+    got: list[RunStopped] = []
+    await consume_until(
+        bus, Subscription("b", [(Topic.RUN_STOPPED, None)], collector(got)), lambda: bool(got)
+    )
+    assert [e.event_id for e in got] == ["fine"]
 
 
 async def test_twenty_megabyte_body_round_trips_through_offload(bus: Bus) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from configs import RunConfig, load_config
@@ -13,6 +14,7 @@ from roles.lib.model.tiny import build_tiny_model
 from roles.lib.model.weights import digest, load_state_bytes
 from roles.trainer.core import CheckpointMismatch, TrainerCore
 from roles.trainer.group import GroupBroken, make_trainer, start_ranks
+from schemas.arrays import pack_f32
 from tests.unit.test_trainer_core import synthetic_batch
 
 # A step's loss on 2 ranks differs from 1 rank's only by float summation order.
@@ -69,8 +71,8 @@ def test_a_sharded_checkpoint_resumes_bit_for_bit(
         two_ranks.train_step(batch)
     path = two_ranks.save_checkpoint(tmp_path, {"batch_seq": 4})
     assert sorted(p.name for p in path.iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "state.json",
-    ]  # fmt: skip
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "model.safetensors", "state.json",
+    ]  # fmt: skip  # the full weights too: `rlbus model export` reads them
     straight = []
     for batch in BATCHES[4:]:
         two_ranks.train_step(batch)
@@ -101,3 +103,14 @@ def test_a_dead_rank_breaks_the_group_at_once(two_ranks: TrainerCore) -> None:
     rank1.wait()
     with pytest.raises(GroupBroken, match="rank 1 exited with code -9"):
         two_ranks.train_step(BATCHES[1])
+
+
+def test_a_malformed_batch_fails_alone_and_the_group_trains_on(two_ranks: TrainerCore) -> None:
+    """A batch every rank would reject is rejected on rank 0 before any rank sees it: an
+    ordinary error (retried, then dead-lettered, as on one rank), not a broken group."""
+    good = BATCHES[0]
+    bad_sample = msgspec.structs.replace(good.samples[0], logprobs=pack_f32([0.0]))
+    bad = msgspec.structs.replace(good, samples=[bad_sample, *good.samples[1:]])
+    with pytest.raises(ValueError, match="logprobs has 1 entries for"):
+        two_ranks.train_step(bad)
+    assert two_ranks.train_step(good)["loss_tokens"] > 0 and two_ranks.step == 1

@@ -13,14 +13,16 @@ from structlog.testing import capture_logs
 
 from bus.errors import BodyError
 from bus.offload import BodyStore
+from bus.reader import read_log
 from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
+from bus.subjects import Topic
 from configs import RunConfig
 from configs.paths import RunPaths
 from roles.inference.role import InferenceRole
 from roles.lib.model.loading import load_model
 from roles.lib.model.tiny import build_tiny_model
-from roles.lib.model.weights import state_dict_to_bytes
+from roles.lib.model.weights import digest, state_dict_to_bytes
 from roles.trainer import retention
 from schemas import ObjectRef, WeightsPublished
 from tests.integration.test_trainer import start_role, stop_role, trainer_config, wait_for_version
@@ -247,3 +249,44 @@ async def _announce(bus: Bus, version: int, data: bytes) -> WeightsPublished:
     event = WeightsPublished(run=bus.run, version=version, step=version, weights=ref)
     await bus.publish(event)
     return event
+
+
+# -- weights as files (trainer.weights_via) ----------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["shm", "path"])
+async def test_weights_via_a_file_is_announced_by_kind_and_collected(
+    nats_server: EmbeddedServer,
+    bus: Bus,
+    tiny_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    via: str,
+) -> None:
+    """``shm`` and ``path`` weights skip the object store: each announcement names its
+    kind and a file holding exactly the announced bytes, in ``/dev/shm/rlbus/<run>`` or
+    ``trainer.weights_dir/<run>``, and old files are deleted like old objects."""
+    import configs.paths
+
+    monkeypatch.setattr(configs.paths, "SHM_WEIGHTS_ROOT", tmp_path / "shm")  # hermetic
+    folder = (tmp_path / "shm" if via == "shm" else tmp_path / "shared") / bus.run
+    cfg = trainer_config(
+        tiny_dir, tmp_path, f"trainer.weights_via={via}", "trainer.keep_weights=1",
+        f"trainer.weights_dir={tmp_path / 'shared'}",
+    )  # fmt: skip
+    role, task = await start_role(cfg, nats_server.url, bus.run)
+    try:
+        await bus.publish_many([synthetic_batch(bus.run, s) for s in range(1, 4)])
+        await wait_for_version(bus, 3)
+        async with asyncio.timeout(20):  # collection runs right after the announcement
+            while sorted(p.name for p in folder.iterdir()) != [retention.file_name(3)]:
+                await asyncio.sleep(0.05)
+    finally:
+        await stop_role(role, task)
+    announced = [e async for e in read_log(bus, [(Topic.WEIGHTS_PUBLISHED, None)], (WeightsPublished,))]  # fmt: skip
+    assert [(w.version, w.weights.kind) for w in announced] == [(1, via), (2, via), (3, via)]
+    newest = announced[-1].weights
+    assert Path(newest.location) == (folder / retention.file_name(3)).resolve()
+    data = await asyncio.to_thread(Path(newest.location).read_bytes)
+    assert digest(data) == newest.digest
+    assert await bus.objects.names("weights.") == []  # nothing went to the object store
