@@ -34,7 +34,7 @@ from typing import Any
 from benchmarks.common import save
 from configs import load_config
 from roles.lib.model.loading import load_model
-from roles.lib.model.tiny import build_tiny_model
+from roles.lib.model.tiny import build_tiny_model, count_params
 from roles.trainer.group import make_trainer, start_ranks
 from tests.unit.test_trainer_core import synthetic_batch
 
@@ -66,6 +66,15 @@ def run_setup(
         core.close()
 
 
+def build_model(tmp: Path, args: argparse.Namespace) -> tuple[Path, int]:
+    """The benchmark's model (64-wide heads, a 4x MLP) and its parameter count."""
+    model_dir = build_tiny_model(
+        tmp / "model", seed=0, hidden_size=args.hidden, num_layers=args.layers,
+        num_heads=max(1, args.hidden // 64), intermediate_size=4 * args.hidden,
+    )  # fmt: skip
+    return model_dir, count_params(load_model(model_dir))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
@@ -79,11 +88,7 @@ def main() -> None:
     if args.device != "cpu":
         return cuda(args)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(
-            Path(tmp) / "model", seed=0, hidden_size=args.hidden, num_layers=args.layers,
-            num_heads=4, intermediate_size=4 * args.hidden,
-        )  # fmt: skip
-        params = sum(p.numel() for p in load_model(model_dir).parameters())
+        model_dir, params = build_model(Path(tmp), args)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
         for r in range(args.rounds):
             for name, (ranks, threads) in SETUPS.items():
@@ -113,11 +118,7 @@ def cuda(args: argparse.Namespace) -> None:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(
-            Path(tmp) / "model", seed=0, hidden_size=args.hidden, num_layers=args.layers,
-            num_heads=args.hidden // 64, intermediate_size=4 * args.hidden,
-        )  # fmt: skip
-        params = sum(p.numel() for p in load_model(model_dir).parameters())
+        model_dir, params = build_model(Path(tmp), args)
         result = run_setup(model_dir, 1, 1, args.steps, args.samples, args.device)
     tps = result["tokens_per_s"]
     mfu = 6 * params * tps / (args.peak_tflops * 1e12)

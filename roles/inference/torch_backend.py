@@ -26,16 +26,11 @@ How a generate batch runs (``TorchEngine._generate``):
     backend = TorchBackend(engine, max_batch_size=32, batch_window_ms=5)
     (result,) = await backend.generate([GenerateRequest(request_id="r", prompt_ids=...)])
 
-On CUDA (``serving_dtype``, ``limit_gpu_memory``): the weights are held in bfloat16
-whatever ``model.dtype`` says (float16 only if it says float16), because the trainer
-keeps float32 master weights and a float32 copy would double inference's memory and
-halve its speed for nothing; every logprob (sampled and scored) is still computed in
-float32 (``logits.float()`` before the log-softmax), so the log-softmax adds no bf16
-rounding of its own. The bf16 weights and activations still make the served model differ
-a little from the trainer's: the trainer's ``mismatch_kl`` measures by how much (measured
-on an H100 for the ``gpu`` preset: benchmarks/results/gpu.md). The process's CUDA
-allocator is capped at ``inference.gpu_memory_fraction`` so a trainer fits beside it on
-one GPU. On the CPU nothing of this applies: weights stay in ``model.dtype``.
+On CUDA (``serving_dtype``, ``limit_gpu_memory``): weights are served in bfloat16 (or
+``inference.dtype``) while the trainer keeps float32 masters; every logprob is computed
+in float32 (``logits.float()`` before the log-softmax); the CUDA allocator is capped at
+``inference.gpu_memory_fraction`` so a trainer fits beside it. On the CPU weights stay in
+``model.dtype``. Measured on an H100: docs/deployment.md.
 
 Torch threads: ``RLBUS_TORCH_THREADS`` (default 1), because several roles share a
 small CPU and oversubscribed BLAS threads make every one of them slower.

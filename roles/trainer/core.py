@@ -211,10 +211,20 @@ class TrainerCore:
         """Train on ``batch`` (which must be step ``self.step + 1``); returns its metrics."""
         self.check_next(batch)
         start = time.perf_counter()
+        return self.train_packed(batch, *self.micro_batches(batch), start=start)
+
+    def train_packed(
+        self,
+        batch: BatchAssembled,
+        mbs: list[MicroBatch],
+        denominators: dict[str, int],
+        start: float,
+    ) -> dict[str, float]:
+        """``train_step`` once ``batch`` is packed (``micro_batches``) and checked; ``start``
+        is when the step began, for ``tokens_per_s``."""
         cfg = self.cfg.trainer
         lr = lr_at(self.cfg, batch.step, batch.phase)
         samples = batch.samples
-        mbs, denominators = self.micro_batches(batch)
         stats = LossStats()
         with self._deterministic(batch.step):
             self.optimizer.zero_grad(set_to_none=True)

@@ -221,8 +221,9 @@ class GroupLeader(ShardedCore):
         # A gap or a malformed batch is the batch's fault, not the group's: it raises here,
         # before any rank sees it, and is retried, then dead-lettered, as on one rank.
         self.check_next(batch)
-        self.micro_batches(batch)
-        return self._together(Train(batch), super().train_step, batch)
+        start = time.perf_counter()
+        mbs, denominators = self.micro_batches(batch)
+        return self._together(Train(batch), self.train_packed, batch, mbs, denominators, start)
 
     def weights_bytes(self) -> bytes:
         return self._together(Gather(), super().weights_bytes)
@@ -234,8 +235,8 @@ class GroupLeader(ShardedCore):
         self._together(Load(str(folder)), super().read_snapshot, folder, state)
 
     def reconfigure(self, cfg: RunConfig) -> None:
+        super().reconfigure(cfg)  # first: a refused config must not reach the other ranks
         self.ranks.tell(Reconfigure(cfg.model_dump(mode="json")))
-        super().reconfigure(cfg)
 
     def close(self, broken: bool = False) -> None:
         """Stop the other ranks (at once when ``broken``: they may sit in a collective)

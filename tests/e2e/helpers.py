@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
+
 from bus.reader import read_log
+from bus.registry import RoleHeartbeat, list_roles
 from bus.runtime import Bus
+from bus.server import running_server_url
 from bus.subjects import Topic
-from schemas import EVENT_TYPES
+from schemas import EVENT_TYPES, WeightsPublished
 
 
 def rlbus_up(
@@ -39,6 +45,37 @@ async def all_events(url: str, run: str) -> list[Any]:
         return [e async for e in read_log(bus, [(t, None) for t in Topic], EVENT_TYPES)]
     finally:
         await bus.close()
+
+
+async def reached_version(
+    proc: subprocess.Popen[str], data_dir: Path, run: str, version: int, timeout_s: float
+) -> str | None:
+    """Poll a running ``rlbus up`` until its run has announced weights ``version``: the
+    url of the run's server then; None if the run ended or time ran out first."""
+    store = data_dir / run / "nats"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        await asyncio.sleep(0.5)
+        url = running_server_url(store)
+        if url is None:
+            continue
+        try:
+            events = await all_events(url, run)
+        except nats.js.errors.NotFoundError:
+            continue  # the run's stream does not exist yet
+        if any(isinstance(e, WeightsPublished) and e.version >= version for e in events):
+            return url
+    return None
+
+
+async def running_role(url: str, run: str, role: str) -> RoleHeartbeat:
+    """The one running process of ``role`` in the registry."""
+    bus = await Bus.connect(url, run=run, producer="e2e")
+    try:
+        (found,) = [r for r in await list_roles(bus.js, run) if r.role == role and r.status == "running"]  # fmt: skip
+    finally:
+        await bus.close()
+    return found
 
 
 def summary(data_dir: Path, run: str) -> dict[str, Any]:

@@ -7,17 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import nats.js.errors
 import pytest
 
-from bus.registry import list_roles
-from bus.runtime import Bus
-from bus.server import EmbeddedServer, running_server_url
+from bus.server import EmbeddedServer
 from schemas import WeightsPublished
-from tests.e2e.helpers import all_events, rlbus_up, summary
+from tests.e2e.helpers import all_events, reached_version, rlbus_up, running_role, summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -47,29 +43,12 @@ async def test_killed_rank_restarts_the_group_and_the_run_replays_bit_for_bit(
         "trainer.checkpoint_interval=3",
     )  # fmt: skip
     store = tmp_path / run / "nats"
-    killed = None
-    deadline = time.monotonic() + 400
-    while killed is None and time.monotonic() < deadline and proc.poll() is None:
-        await asyncio.sleep(0.5)
-        url = running_server_url(store)
-        if url is None:
-            continue
-        try:
-            events = await all_events(url, run)
-        except nats.js.errors.NotFoundError:
-            continue  # the run's stream does not exist yet
-        if max((e.version for e in events if isinstance(e, WeightsPublished)), default=0) < 3:
-            continue
-        bus = await Bus.connect(url, run=run, producer="e2e")
-        try:
-            roles = await list_roles(bus.js, run)
-        finally:
-            await bus.close()
-        (trainer,) = [r for r in roles if r.role == "trainer" and r.status == "running"]
-        for pid in children_running(trainer.pid, "roles.trainer.rank"):
-            os.kill(pid, signal.SIGKILL)
-            killed = pid
-    assert killed is not None, "the run never reached version 3 with rank 1 running"
+    url = await reached_version(proc, tmp_path, run, 3, timeout_s=400)
+    assert url is not None, "the run never reached version 3"
+    trainer = await running_role(url, run, "trainer")
+    ranks = children_running(trainer.pid, "roles.trainer.rank")
+    assert len(ranks) == 1, ranks
+    os.kill(ranks[0], signal.SIGKILL)
     out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
     assert proc.returncode == 0, out[-4000:]
     assert summary(tmp_path, run)["restarts"].get("trainer", 0) >= 1

@@ -5,14 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from pathlib import Path
 
-import nats.js.errors
 import pytest
 
-from bus.registry import list_roles
-from bus.runtime import Bus
 from bus.server import EmbeddedServer, running_server_url
 from configs import load_config
 from schemas import (
@@ -26,7 +22,7 @@ from schemas import (
     TraceCompleted,
     WeightsPublished,
 )
-from tests.e2e.helpers import all_events, rlbus_up, summary
+from tests.e2e.helpers import all_events, reached_version, rlbus_up, running_role, summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -80,31 +76,9 @@ async def test_killed_trainer_resumes_without_training_a_batch_twice(tmp_path: P
     steps = 30  # long enough that the kill lands mid-run
     proc = rlbus_up(tmp_path, run, f"max_steps={steps}", "trainer.checkpoint_interval=4")
     store = tmp_path / run / "nats"
-    killed = False
-    deadline = time.monotonic() + 400
-    while not killed and time.monotonic() < deadline and proc.poll() is None:
-        await asyncio.sleep(0.5)
-        url = running_server_url(store)
-        if url is None:
-            continue
-        bus = await Bus.connect(url, run=run, producer="e2e")
-        try:
-            try:
-                events = await all_events(url, run)
-            except nats.js.errors.NotFoundError:
-                continue  # the run's stream does not exist yet
-            versions = [e.version for e in events if isinstance(e, WeightsPublished)]
-            if max(versions, default=0) >= 3:
-                (trainer,) = [
-                    r
-                    for r in await list_roles(bus.js, run)
-                    if r.role == "trainer" and r.status == "running"
-                ]
-                os.kill(trainer.pid, signal.SIGKILL)
-                killed = True
-        finally:
-            await bus.close()
-    assert killed, "the run never reached version 3"
+    url = await reached_version(proc, tmp_path, run, 3, timeout_s=400)
+    assert url is not None, "the run never reached version 3"
+    os.kill((await running_role(url, run, "trainer")).pid, signal.SIGKILL)
     out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
     assert proc.returncode == 0, out[-4000:]
     assert summary(tmp_path, run)["restarts"].get("trainer", 0) >= 1
@@ -129,18 +103,7 @@ async def test_ctrl_c_drains_every_role_and_exits_cleanly(tmp_path: Path) -> Non
     run = "ctrlc1"
     proc = rlbus_up(tmp_path, run, "max_steps=500")
     store = tmp_path / run / "nats"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        await asyncio.sleep(0.5)
-        url = running_server_url(store)
-        if url is None:
-            continue
-        try:
-            events = await all_events(url, run)
-        except nats.js.errors.NotFoundError:
-            continue
-        if any(isinstance(e, WeightsPublished) and e.version >= 2 for e in events):
-            break
+    await reached_version(proc, tmp_path, run, 2, timeout_s=300)  # then Ctrl-C, reached or not
     proc.send_signal(signal.SIGINT)
     out, _ = await asyncio.to_thread(proc.communicate, timeout=240)
     assert proc.returncode == 130, out[-3000:]

@@ -23,20 +23,18 @@ from roles.lib.model.weights import digest, state_dict_to_bytes
 
 
 def tiny_config(
-    vocab_size: int,
+    tokenizer: Any,
     *,
-    pad_token_id: int,
-    bos_token_id: int,
-    eos_token_id: int,
     hidden_size: int = 128,
     num_layers: int = 2,
     num_heads: int = 4,
     intermediate_size: int = 256,
     max_position_embeddings: int = 256,
 ) -> LlamaConfig:
-    """The LlamaConfig of the tiny model (tied embeddings, plain multi-head attention)."""
+    """The LlamaConfig of the tiny model over ``tokenizer``'s vocabulary and special
+    tokens (tied embeddings, plain multi-head attention)."""
     return LlamaConfig(
-        vocab_size=vocab_size,
+        vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -44,9 +42,9 @@ def tiny_config(
         num_key_value_heads=num_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
 
 
@@ -76,10 +74,7 @@ def build_tiny_model(
     out = Path(out_dir)
     tokenizer = build_tokenizer()
     config = tiny_config(
-        len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        tokenizer,
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
