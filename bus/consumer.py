@@ -12,6 +12,7 @@ redelivered input republishes the same ids and the server dedups them.
 Failure rules (the one catch-all boundary of rlbus):
 - undecodable bytes or an unknown schema: dead-lettered at once with the decode error, then
   ``term()``; the role keeps consuming;
+- an event the handler's validation refuses (``bus.errors.Rejected``): the same, at once;
 - a handler exception: ``nak(delay)`` and redelivery, up to ``max_deliver`` deliveries, then
   dead-lettered with the last error;
 - a message delivered more than ``max_deliver`` times because earlier handlers never
@@ -33,7 +34,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus import codec
-from bus.errors import BodyError, DecodeError, HandlerBroken
+from bus.errors import BodyError, DecodeError, HandlerBroken, Rejected
 from bus.runtime import Bus
 from bus.subjects import TOPICS, Topic, TopicSpec, filter_subject
 from schemas import DeadLettered, Event, derive_id
@@ -260,6 +261,9 @@ class Consumer:
             with contextlib.suppress(Exception):
                 await msg.nak()
             raise
+        except Rejected as e:
+            await self._dead_letter(msg, delivery, type(e).__name__, str(e))
+            return
         except Exception as e:  # noqa: BLE001 - the bus boundary is the one catch-all
             if delivery.deliveries >= max_deliver:
                 await self._dead_letter(msg, delivery, type(e).__name__, str(e))

@@ -46,6 +46,15 @@ class UnknownSchema(DecodeError):
         self.schema = schema
 
 
+class Rejected(BusError):
+    """The event decoded but its reader's validation refuses it: an impossible value (an
+    unknown phase, a step or version that cannot come next, a non-finite number). The
+    consumer dead-letters it at once (no retries: the same event is refused every time)
+    and goes on; a follower does the same, so a restart and a replay step over exactly
+    the same events. Raise it only from checks that are a pure function of the event and
+    the fold's state, never for a transient failure."""
+
+
 class BodyError(BusError):
     """An offloaded body is missing or does not match its recorded digest."""
 

@@ -18,7 +18,9 @@ dead-lettered and stepped over (``on_undecodable="dead_letter"``, the default): 
 ``DeadLettered`` event records it with the error, its id derived from the follower's
 name and the message's sequence, so a restarted follower (or a replay of the same log)
 steps over exactly the same messages and records each once (the stream drops the repeat).
-One bad message never stops a fold. ``"skip"`` only logs it (a follower that reads from
+An event the handler refuses (it raises ``bus.errors.Rejected``: a value its fold cannot
+take) is dead-lettered the same way, whatever ``on_undecodable`` says, since the handler
+asked for it. One bad message never stops a fold. ``"skip"`` only logs an undecodable one (a follower that reads from
 the newest message, whose durable owner dead-letters it); ``"raise"`` fails the follower.
 Roles declare followers in ``Role.subscriptions()``, and ``serve_role`` runs them beside
 the durables.
@@ -31,8 +33,10 @@ import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
+from nats.aio.msg import Msg
+
 from bus.consumer import Delivery, Handler, commit, dead_lettered
-from bus.errors import BodyError, DecodeError
+from bus.errors import BodyError, DecodeError, Rejected
 from bus.reader import LogReader, Topics, stored_event
 from bus.runtime import Bus
 
@@ -79,10 +83,21 @@ class Follower:
                     self.skipped += 1
                     self.log.error("follower.undecodable", seq=delivery.stream_seq, error=repr(e))
                     if f.on_undecodable == "dead_letter":
-                        dead = dead_lettered(
-                            self.bus.run, f.name, self.role, msg, delivery, type(e).__name__, str(e)
-                        )  # fmt: skip
-                        await self.bus.publish(dead)
+                        await self._dead_letter(msg, delivery, e)
                     continue
-                await commit(self.bus, await f.handler(event, delivery))
+                try:
+                    outputs = await f.handler(event, delivery)
+                except Rejected as e:
+                    self.skipped += 1
+                    self.log.error("follower.rejected", seq=delivery.stream_seq, error=str(e))
+                    await self._dead_letter(msg, delivery, e)
+                    continue
+                await commit(self.bus, outputs)
                 self.handled += 1
+
+    async def _dead_letter(self, msg: Msg, delivery: Delivery, error: Exception) -> None:
+        name = type(error).__name__
+        dead = dead_lettered(
+            self.bus.run, self.follow.name, self.role, msg, delivery, name, str(error)
+        )
+        await self.bus.publish(dead)

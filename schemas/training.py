@@ -14,6 +14,7 @@ to three loss channels (``docs/algorithms.md``):
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -47,6 +48,27 @@ class Sample(Record, frozen=True):
 
     def __len__(self) -> int:
         return len(self.token_ids) // 4
+
+    def problem(self) -> str | None:
+        """Why this sample cannot be trained (misaligned arrays, a non-finite value,
+        a token id below 0), or None: what every reader of samples checks first."""
+        n = len(self.token_ids) // 4
+        if len(self.token_ids) % 4:
+            return "token_ids is not a whole number of int32"
+        try:
+            arrays_ = self.arrays()
+        except ValueError as e:  # a float32 buffer whose size is not a multiple of 4
+            return f"unreadable array: {e}"
+        for name, values in arrays_.items():
+            if len(values) != n:
+                return f"{name} has {len(values)} values for {n} tokens"
+            if values.dtype.kind == "f" and not np.isfinite(values).all():
+                return f"{name} holds a non-finite value"
+        if n and int(arrays_["token_ids"].min()) < 0:
+            return "a negative token id"
+        if not math.isfinite(self.reward):
+            return "reward is not finite"
+        return None
 
     def arrays(self) -> dict[str, np.ndarray]:
         out = {
