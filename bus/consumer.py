@@ -17,7 +17,11 @@ Failure rules (the one catch-all boundary of rlbus):
   dead-lettered with the last error;
 - a message delivered more than ``max_deliver`` times because earlier handlers never
   answered (the process crashed on it): dead-lettered when seen again.
-Long handlers send ``in_progress()`` so the server does not redeliver them meanwhile.
+Every fetched message not yet answered (acked, naked or termed) gets ``in_progress()``
+every ack_wait/3, the one being handled and those waiting behind it in the same fetch
+alike: so ``ack_wait`` can be short (work held by a dead consumer comes back within it)
+without a slow handler, or a long batch, being redelivered meanwhile. Handlers must not
+block the event loop for longer than that (heavy work goes to a thread).
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Delivery:
     subject: str
     stream_seq: int
     deliveries: int
+    pending: int = 0  # messages of the reader's subjects stored after this one (followers)
 
 
 @dataclass
@@ -136,7 +141,8 @@ class Consumer:
         self.dead_lettered = 0
         self._inflight: set[asyncio.Task[None]] = set()
         self._broken: HandlerBroken | None = None  # a concurrent handler broke: stop
-        self._active: dict[int, Msg] = {}  # being handled (by id: Msg is unhashable)
+        # Fetched and not yet answered: kept alive (by id: Msg is unhashable).
+        self._held: dict[int, Msg] = {}
         self._slots = asyncio.Semaphore(max(1, sub.concurrency))
 
     def config(self) -> ConsumerConfig:
@@ -192,17 +198,16 @@ class Consumer:
                     msgs = await psub.fetch(want, timeout=self.sub.fetch_timeout_s)
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
+                self._held.update((id(m), m) for m in msgs)
                 for i, msg in enumerate(msgs):
                     if stop.is_set() or self._broken is not None:
-                        for rest in msgs[i:]:  # hand back what we fetched but did not start
-                            await rest.nak()
+                        await self._hand_back(msgs[i:])  # fetched but not started
                         break
                     if sequential:
                         try:
                             await self._process(msg)
                         except HandlerBroken:
-                            for rest in msgs[i + 1 :]:
-                                await rest.nak()
+                            await self._hand_back(msgs[i + 1 :])
                             raise
                     else:
                         await self._slots.acquire()
@@ -212,10 +217,18 @@ class Consumer:
         finally:
             await self._drain(drain_timeout_s)
             keepalive.cancel()
+            # What is still held (a sequential consumer stopped by an error) is not kept
+            # alive any more: the server redelivers it after ack_wait.
+            self._held.clear()
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
         if self._broken is not None:  # broke while stopping or draining: still an error
             raise self._broken
+
+    async def _hand_back(self, msgs: Sequence[Msg]) -> None:
+        for msg in msgs:
+            self._held.pop(id(msg), None)
+            await msg.nak()
 
     def _free_slots(self) -> int:
         return max(0, min(self.sub.batch, self.sub.concurrency - len(self._inflight)))
@@ -238,6 +251,14 @@ class Consumer:
             self._slots.release()
 
     async def _process(self, msg: Msg) -> None:
+        """Handle one message and answer it; it is no longer kept alive once this returns
+        or raises (answered, or handed back)."""
+        try:
+            await self._handle(msg)
+        finally:
+            self._held.pop(id(msg), None)
+
+    async def _handle(self, msg: Msg) -> None:
         meta = msg.metadata
         delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered)
         max_deliver = self.bus.settings.max_deliver
@@ -254,7 +275,6 @@ class Consumer:
         except (DecodeError, BodyError) as e:
             await self._dead_letter(msg, delivery, type(e).__name__, str(e))
             return
-        self._active[id(msg)] = msg
         try:
             await commit(self.bus, await self.sub.handler(event, delivery))
         except (asyncio.CancelledError, HandlerBroken):
@@ -274,18 +294,20 @@ class Consumer:
                 )  # fmt: skip
                 await msg.nak(delay=self.bus.settings.nak_delay_s)
             return
-        finally:
-            self._active.pop(id(msg), None)
         await msg.ack()
         self.handled += 1
 
     async def _keep_alive(self) -> None:
         """One loop per consumer (not a timer per message: those cost every message):
-        every ack_wait/3 it tells the server that messages still being handled are alive."""
-        interval = max(0.5, self.bus.settings.ack_wait_s / 3)
+        every ack_wait/3 it tells the server that every message fetched and not yet
+        answered is alive, the ones waiting behind a slow handler included (a sequential
+        consumer's batch would otherwise expire and be delivered twice)."""
+        interval = max(0.1, self.bus.settings.ack_wait_s / 3)
         while True:
             await asyncio.sleep(interval)
-            for msg in list(self._active.values()):
+            for key, msg in list(self._held.items()):
+                if key not in self._held:  # answered while we sent the others
+                    continue
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 

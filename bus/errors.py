@@ -52,7 +52,13 @@ class Rejected(BusError):
     consumer dead-letters it at once (no retries: the same event is refused every time)
     and goes on; a follower does the same, so a restart and a replay step over exactly
     the same events. Raise it only from checks that are a pure function of the event and
-    the fold's state, never for a transient failure."""
+    the fold's state, never for a transient failure. A follower's handler may pass what
+    the refusal itself caused (``outputs``, as a handler returns them): the follower
+    publishes them after the dead-letter record."""
+
+    def __init__(self, reason: str, outputs: object = None):
+        super().__init__(reason)
+        self.outputs = outputs
 
 
 class BodyError(BusError):

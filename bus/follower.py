@@ -74,7 +74,9 @@ class Follower:
         async with contextlib.aclosing(reader.messages()) as messages:
             async for msg in messages:
                 meta = msg.metadata
-                delivery = Delivery(msg.subject, meta.sequence.stream, meta.num_delivered)
+                delivery = Delivery(
+                    msg.subject, meta.sequence.stream, meta.num_delivered, meta.num_pending
+                )
                 try:
                     event = await stored_event(self.bus, msg)
                 except (DecodeError, BodyError) as e:
@@ -91,6 +93,7 @@ class Follower:
                     self.skipped += 1
                     self.log.error("follower.rejected", seq=delivery.stream_seq, error=str(e))
                     await self._dead_letter(msg, delivery, e)
+                    await commit(self.bus, e.outputs)  # type: ignore[arg-type]
                     continue
                 await commit(self.bus, outputs)
                 self.handled += 1

@@ -7,6 +7,10 @@ redelivered input republishing derived ids) is stored once. ``publish_many`` pip
 (``publish_async`` with a bounded window, each wait bounded: nats-py's future can hang
 when the server rejects a message, NATS_NOTES #1).
 
+Ids are predictable, so a message of another kind may already hold an event's id (a
+buggy or hostile client "squatting" it): a duplicate ack is checked against what is
+stored, and a squatted event is stored under a salted header id instead of vanishing.
+
     bus = await Bus.connect("nats://127.0.0.1:4222", run="demo", producer="trainer-0")
     await bus.ensure_stream()
     await bus.publish(RunStopped(run="demo", reason="user"))
@@ -34,7 +38,9 @@ from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore
 from bus.subjects import objects_bucket, run_of_stream, stream_name, stream_subjects, subject_for
-from schemas import BodyRef, Event
+from schemas import BodyRef, Event, derive_id
+
+Prepared = tuple[str, bytes, dict[str, str]]  # (subject, payload, headers) as published
 
 
 @dataclass(frozen=True)
@@ -48,9 +54,10 @@ class BusSettings:
     )  # cap in-flight bytes (stream ingest queue, NATS_NOTES #3)
     duplicate_window_s: float = 3600.0
     max_deliver: int = 5
-    ack_wait_s: float = 30.0
+    ack_wait_s: float = 5.0
     nak_delay_s: float = 1.0
     server_lost_s: float = 60.0  # unreachable this long: ``watch_server`` gives up
+    squat_steps: int = 3  # salted ids tried for a squatted event before PublishError
 
 
 _RETRYABLE = (
@@ -216,7 +223,7 @@ class Bus:
         payload = codec.encode(event)
         headers = codec.headers_for(event)
         if len(payload) > self.settings.offload_threshold_bytes:
-            name = f"body.{event.event_id}"
+            name = _BODY_PREFIX + event.event_id
             digest = await self.objects.put(name, payload)
             ref = BodyRef(
                 bucket=self.objects.bucket,
@@ -237,9 +244,65 @@ class Bus:
         prepared = [await self.prepare(e) for e in events]
         return await self.publish_raw(prepared)
 
-    async def publish_raw(
-        self, prepared: Sequence[tuple[str, bytes, dict[str, str]]]
-    ) -> list[PubAck]:
+    async def publish_raw(self, prepared: Sequence[Prepared]) -> list[PubAck]:
+        """Publish already prepared messages in order; acks in order, each naming where
+        the message is stored (a squatted one: its salted copy, see ``_settle``)."""
+        acks = await self._publish_acked(prepared)
+        # Only a duplicate costs a check (a read of the stored copy): the happy path
+        # stays one pipelined round trip. Checked a slice at a time, concurrently.
+        dups = [i for i, a in enumerate(acks) if a.duplicate]
+        for start in range(0, len(dups), _CHECKS_AT_ONCE):
+            part = dups[start : start + _CHECKS_AT_ONCE]
+            settled = await asyncio.gather(*(self._settle(prepared[i], acks[i]) for i in part))
+            for i, ack in zip(part, settled, strict=True):
+                acks[i] = ack
+        return acks
+
+    async def _settle(self, item: Prepared, ack: PubAck) -> PubAck:
+        """The ack of the copy of ``item`` the stream holds, given a duplicate ``ack``.
+
+        A duplicate ack names the stored message that holds the header id. If that is the
+        same event (subject, schema, payload ``event_id``: not the whole payload, a rerun
+        rollout republished under its id may differ, and the first copy wins), this is an
+        ordinary duplicate. Otherwise the id was squatted: the same payload goes out under
+        ``derive_id(id, "squatted", k)``, deterministic so a restarted publisher or a
+        replay lands on the copy already stored, and is checked again, up to
+        ``settings.squat_steps`` times."""
+        subj, payload, headers = item
+        mine = _identity(subj, payload, headers)
+        msg_id = tried = headers.get(codec.H_MSG_ID, "")
+        for k in range(1, self.settings.squat_steps + 2):
+            stored = await self._stored_identity(ack)
+            if stored == mine:
+                return ack
+            if k > self.settings.squat_steps:
+                break
+            self.log.error(
+                "publish.squatted", subject=subj, id=tried, seq=ack.seq,
+                stored_subject=stored[0], stored_schema=stored[1], stored_event_id=stored[2],
+            )  # fmt: skip
+            tried = derive_id(msg_id, "squatted", k)
+            (ack,) = await self._publish_acked(
+                [(subj, payload, {**headers, codec.H_MSG_ID: tried})]
+            )
+            if not ack.duplicate:
+                return ack
+        raise PublishError(
+            f"{subj}: id {msg_id} and {self.settings.squat_steps} salted ids all hold other messages"
+        )
+
+    async def _stored_identity(self, ack: PubAck) -> _Identity:
+        """(subject, schema, event id) of the message an ack points at; empty if gone."""
+        try:
+            msg = await self.js.get_msg(ack.stream or self.stream, ack.seq)
+        except nats.js.errors.NotFoundError:
+            return ("", None, None)  # deleted: nothing holds our event under that id
+        except _RETRYABLE as e:
+            raise PublishError(f"cannot read stored message {ack.seq} back: {e!r}") from e
+        return _identity(msg.subject or "", msg.data or b"", msg.headers or {})
+
+    async def _publish_acked(self, prepared: Sequence[Prepared]) -> list[PubAck]:
+        """Publish in order, pipelined and retried; acks as the server gives them."""
         acks: list[PubAck | None] = [None] * len(prepared)
         todo = list(range(len(prepared)))
         last_error: BaseException | None = None
@@ -319,13 +382,40 @@ class Bus:
             await self.nc.close()
 
 
+_BODY_PREFIX = "body."  # offloaded bodies are named by their event's id
+_CHECKS_AT_ONCE = 64  # duplicate acks checked concurrently
+
+_Identity = tuple[str, str | None, str | None]  # (subject, Rl-Schema, payload event_id)
+
+
+class _Ids(msgspec.Struct):
+    """The two keys the identity check reads of a payload; every other key is skipped."""
+
+    event_id: str | None = None  # an event
+    name: str | None = None  # a BodyRef: ``body.<event id>``
+
+
+_ids_decoder = msgspec.msgpack.Decoder(_Ids)
+
+
+def _identity(subject: str, payload: bytes, headers: dict[str, str]) -> _Identity:
+    """What makes a stored message "the same event" for the duplicate check. The event id
+    is the payload's (readers dedup on it), or an offloaded body's, from its name."""
+    try:
+        ids = _ids_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return (subject, headers.get(codec.H_SCHEMA), None)
+    event_id = ids.event_id
+    if headers.get(codec.H_BODY) == "ref" and ids.name and ids.name.startswith(_BODY_PREFIX):
+        event_id = ids.name.removeprefix(_BODY_PREFIX)
+    return (subject, headers.get(codec.H_SCHEMA), event_id)
+
+
 def _with_producer(event: Event, producer: str) -> Event:
     return msgspec.structs.replace(event, producer=producer)
 
 
-def _chunks(
-    todo: list[int], prepared: Sequence[tuple[str, bytes, dict[str, str]]], max_bytes: int
-) -> Iterable[list[int]]:
+def _chunks(todo: list[int], prepared: Sequence[Prepared], max_bytes: int) -> Iterable[list[int]]:
     """Split the publish list so no window holds more than ``max_bytes`` in flight."""
     chunk: list[int] = []
     size = 0

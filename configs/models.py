@@ -34,7 +34,10 @@ class BusConfig(_Section):
     # Bodies larger than this go to the object store; NATS max_payload defaults to 1 MB.
     offload_threshold_bytes: int = Field(default=512 * 1024, gt=0)
     max_deliver: int = Field(default=5, ge=1)  # deliveries before a message is dead-lettered
-    ack_wait_s: float = Field(default=30.0, gt=0)
+    # Seconds a consumer may hold a message unanswered before the server redelivers it:
+    # how soon work held by a dead consumer comes back. Live consumers keep every message
+    # they hold alive (`in_progress` every ack_wait/3), so a slow handler is not affected.
+    ack_wait_s: float = Field(default=5.0, gt=0)
     nak_delay_s: float = Field(default=1.0, ge=0)
     # How long the stream remembers Nats-Msg-Id values to drop duplicate publishes.
     duplicate_window_s: float = Field(default=3600.0, gt=0)
@@ -84,10 +87,22 @@ class InferenceConfig(_Section):
     max_batch_size: int = Field(default=64, ge=1)
     batch_window_ms: float = Field(default=5.0, ge=0)  # how long to wait to fill a batch
     request_timeout_s: float = Field(default=60.0, gt=0)
+    # Seconds one attempt of a request waits before it is sent again (the queue group hands
+    # it to a live replica: one that died holding it costs this, not request_timeout_s).
+    attempt_timeout_s: float = Field(default=20.0, gt=0)
     # Share of the GPU's memory inference may take (CUDA only), so the trainer fits beside
     # it on one GPU: the torch backend caps its allocator, vLLM gets it as
     # `gpu_memory_utilization`.
     gpu_memory_fraction: float = Field(default=0.45, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _attempt_within_request(self) -> InferenceConfig:
+        if self.attempt_timeout_s > self.request_timeout_s:
+            raise ValueError(
+                f"`inference.attempt_timeout_s` ({self.attempt_timeout_s:g}) must not exceed "
+                f"`inference.request_timeout_s` ({self.request_timeout_s:g})"
+            )
+        return self
 
 
 class EnvServerConfig(_Section):

@@ -160,6 +160,15 @@ class OrchestratorConfig(_Section):
     max_groups_in_flight: int = Field(default=16, ge=1)
     skip_zero_advantage_groups: bool = True
     max_no_signal_batches: int = Field(default=5, ge=1)  # stop after this many signal-free batches
+    # A train group not fully scored this long after the orchestrator saw it dispatched is
+    # released ("deadline"): its slot frees, nothing of it trains.
+    group_timeout_s: float = Field(default=600.0, gt=0)
+    # A stall: no batch for `stall_factor` x the median recent step time, and at least
+    # `stall_min_s`. It is reported (log line, `rlbus status`, the live view) with what
+    # the run waits for; a stall longer than `stall_stop_s` stops the run (reason "stalled").
+    stall_factor: float = Field(default=5.0, gt=0)
+    stall_min_s: float = Field(default=30.0, gt=0)
+    stall_stop_s: float = Field(default=900.0, gt=0)
     actor: str = POLICY
     train: TrainConfig = Field(default_factory=TrainConfig)
     algorithms: list[AlgorithmConfig] = Field(default_factory=_default_algorithms)

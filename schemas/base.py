@@ -14,10 +14,21 @@ ids and the server's ``Nats-Msg-Id`` dedup stores them once.
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 import uuid
+from typing import Annotated
 
 import msgspec
+
+# Declared constraints, checked by msgspec as a message decodes: a value outside them is a
+# decode error, so every reader dead-letters it the same way (bus.consumer, bus.follower).
+# A finite float (NaN and the infinities fail both bounds).
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+# Rollouts in one group: a bound well above any real group, below anything absurd.
+GroupSize = Annotated[int, msgspec.Meta(ge=1, le=4096)]
 
 
 def new_id() -> str:

@@ -10,13 +10,17 @@ concatenation, never a re-tokenisation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
 
 from schemas import arrays
-from schemas.base import Event, Record
+from schemas.base import Event, Finite, GroupSize, NonNegative, Record
+
+# Whose request a task is: the orchestrator's warm start ("sft"), its train groups ("rl"),
+# its eval rounds ("eval"), or a one-off from `rlbus rollout`/`rlbus eval` ("adhoc").
+Phase = Literal["sft", "rl", "eval", "adhoc"]
 
 
 class SamplingParams(Record, frozen=True):
@@ -41,17 +45,17 @@ class TaskRequested(Event, frozen=True, tag="task_requested/1"):
     env: str
     task: TaskRef
     group_id: str
-    group_size: int
+    group_size: GroupSize
     sampling: SamplingParams = SamplingParams()
     model: str = "policy"  # inference model key that acts (the policy, or a frozen teacher)
-    step: int = 0  # orchestrator step at dispatch
-    policy_version: int = 0  # newest weights version the orchestrator knew at dispatch
+    step: NonNegative = 0  # orchestrator step at dispatch
+    policy_version: NonNegative = 0  # newest weights version the orchestrator knew at dispatch
     seed: int = 0  # base seed of the group; rollout i uses derive(seed, i)
     max_turns: int | None = None
     args: dict[str, Any] = msgspec.field(default_factory=dict)  # env args from the config
     # The orchestrator's "sft" (warm start on a teacher) | "rl" (which batches its samples
     # feed) | "eval"; "adhoc": asked by `rlbus rollout`/`rlbus eval`, no orchestrator's own.
-    phase: str = "rl"
+    phase: Phase = "rl"
     # Training algorithm ids whose samples this group waits for, decided at dispatch
     # (empty in logs written before runtime attach: the config's routing then applies).
     algorithms: list[str] = msgspec.field(default_factory=list)
@@ -148,8 +152,8 @@ class Trace(Record, frozen=True):
 class TraceCompleted(Event, frozen=True, tag="trace_completed/1"):
     env: str  # == trace.env; the subject key
     request_id: str  # the TaskRequested event id
-    group_size: int
-    step: int
+    group_size: GroupSize
+    step: NonNegative
     trace: Trace
 
 
@@ -158,8 +162,8 @@ class EvalCompleted(Event, frozen=True, tag="eval_completed/1"):
 
     request_id: str
     env: str
-    step: int
+    step: NonNegative
     task_index: int
-    rewards: list[float]
+    rewards: list[Finite]
     traces: list[Trace] = msgspec.field(default_factory=list)
-    errors: int = 0
+    errors: NonNegative = 0

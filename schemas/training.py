@@ -15,13 +15,13 @@ to three loss channels (``docs/algorithms.md``):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
 
 from schemas import arrays
-from schemas.base import Event, Record
+from schemas.base import Event, Finite, NonNegative, Positive, Record
 from schemas.run import ObjectRef
 
 
@@ -37,9 +37,9 @@ class Sample(Record, frozen=True):
     temperatures: bytes  # float32
     advantages: bytes  # float32
     sft_mask: bytes | None = None  # uint8: the ce channel's positions
-    reward: float = 0.0
-    policy_min: int = 0
-    policy_max: int = 0
+    reward: Finite = 0.0
+    policy_min: NonNegative = 0
+    policy_max: NonNegative = 0
     ce_weights: bytes | None = None  # float32: ce weight per token (None = 1 on sft_mask)
     ref_logprobs: bytes | None = None  # float32: the reference's logprob of each token
     ref_weights: bytes | None = None  # float32: ref_kl coefficient per token (0 = not in it)
@@ -95,29 +95,33 @@ class SamplesScored(Event, frozen=True, tag="samples_scored/1"):
     group_id: str
     request_id: str  # the TaskRequested that started the group
     task_index: int
-    step: int  # orchestrator step at dispatch
+    step: NonNegative  # orchestrator step at dispatch
     samples: list[Sample]
-    rewards: list[float] = msgspec.field(default_factory=list)  # of the non-errored rollouts
-    excluded: int = 0  # errored rollouts left out of the baseline and of training
+    rewards: list[Finite] = msgspec.field(default_factory=list)  # of the non-errored rollouts
+    excluded: NonNegative = 0  # errored rollouts left out of the baseline and of training
     zero_advantage: bool = False  # no channel has a non-zero weight: no learning signal
+    # Why this algorithm could not score the group (its scoring raised, it made a sample
+    # that cannot be trained, or the orchestrator gave up waiting: "deadline ..."); the
+    # group is then released, not trained. Empty for a scored group.
+    failed: str = ""
 
 
 class BatchAssembled(Event, frozen=True, tag="batch_assembled/1"):
     """One training step's data. Large batches are offloaded by the bus transparently."""
 
-    step: int
+    step: Positive
     samples: list[Sample]
-    policy_version: int  # newest weights version when assembled
+    policy_version: NonNegative  # newest weights version when assembled
     sources: list[str] = msgspec.field(default_factory=list)  # SamplesScored event ids
-    num_tokens: int = 0
-    dropped_stale: int = 0  # samples dropped since the last batch for max_off_policy_steps
-    skipped_zero_advantage: int = 0  # groups skipped since the last batch
-    phase: str = "rl"  # "sft" (warm start) | "rl"
+    num_tokens: NonNegative = 0
+    dropped_stale: NonNegative = 0  # samples dropped since the last batch for max_off_policy_steps
+    skipped_zero_advantage: NonNegative = 0  # groups skipped since the last batch
+    phase: Literal["sft", "rl"] = "rl"  # "sft" (warm start) | "rl"
 
 
 class WeightsPublished(Event, frozen=True, tag="weights_published/1"):
-    version: int  # policy version == trainer step that produced it
-    step: int
+    version: NonNegative  # policy version == trainer step that produced it
+    step: NonNegative
     weights: ObjectRef
     format: str = "safetensors"
     batch_id: str | None = None  # the BatchAssembled event it was trained on

@@ -15,7 +15,9 @@ the same steps in the same order, so replay is the worker, bit for bit, by const
 The only input that is not in the trace is a distillation algorithm's reference
 logprobs: ``refs_for(group)`` asks the inference role in the worker and returns the
 recorded ones in replay. ``done`` runs after the result is stored: a failed publish
-leaves the group unscored, and its redelivered trace completes it again.
+leaves the group unscored, and its redelivered trace completes it again. A group the
+algorithm cannot score (it raises, or makes a sample ``Sample.problem`` refuses) gets a
+``failed`` answer instead, so the orchestrator releases it rather than wait forever.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from configs import RunConfig
 from roles.algorithm.base import Algorithm, Refs
 from roles.algorithm.registry import create
 from roles.algorithm.samples import GroupBuffer, ToolSft, score_group
-from schemas import AlgorithmAttached, SamplesScored, TraceCompleted
+from schemas import AlgorithmAttached, SamplesScored, TraceCompleted, derive_id
 
 RefsFor = Callable[[list[TraceCompleted]], Awaitable[Refs | None]]
 
@@ -45,6 +47,19 @@ def tool_sft_rules(cfg: RunConfig) -> dict[str, ToolSft]:
 def attached_envs(event: AlgorithmAttached) -> set[str] | None:
     """Env keys a worker attached at runtime scores (None: every env; always for a shadow)."""
     return set(event.envs) if event.envs and not event.shadow else None
+
+
+def failed(algorithm_id: str, group: list[TraceCompleted], reason: str) -> SamplesScored:
+    """The group's answer when the algorithm cannot score it: no samples and why, so the
+    orchestrator releases the group instead of waiting for it (same id as its scores
+    would have had: scoring is a pure function of the group, a retry fails the same way)."""
+    first = group[0]
+    return SamplesScored(
+        run=first.run, event_id=derive_id("scored", algorithm_id, first.trace.group_id),
+        causation_id=first.request_id, algorithm=algorithm_id, env=first.env,
+        group_id=first.trace.group_id, request_id=first.request_id,
+        task_index=first.trace.task.index, step=first.step, samples=[], failed=reason[:2000],
+    )  # fmt: skip
 
 
 def needs_refs(algorithm: Algorithm) -> bool:
@@ -115,13 +130,21 @@ class ScoringCore:
         if group is None:
             return None
         refs = await refs_for(group) if refs_for is not None and self.needs_refs else None
-        return score_group(
-            self.algorithm_id, self.algorithm, group, self.state, refs,
-            self.tool_sft.get(event.env),
-        )  # fmt: skip
+        try:
+            scored = score_group(
+                self.algorithm_id, self.algorithm, group, self.state, refs,
+                self.tool_sft.get(event.env),
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the algorithm's own failure on this group
+            return failed(self.algorithm_id, group, f"{type(e).__name__}: {e}")
+        problem = next(
+            (f"sample {i}: {p}" for i, x in enumerate(scored.samples) if (p := x.problem())),
+            None,
+        )
+        return scored if problem is None else failed(self.algorithm_id, group, problem)
 
     def done(self, scored: SamplesScored) -> None:
         """The group is scored and stored: never score it again; fold the state."""
         self.buffer.mark_scored(scored.group_id)
-        if self.algorithm.stateful:
+        if self.algorithm.stateful and not scored.failed:
             self.state = self.algorithm.fold(self.state, scored)

@@ -223,6 +223,9 @@ class AlgorithmWorker(Role):
     def _scored(self, scored: SamplesScored) -> None:
         """A scored group is stored (or joins the catch-up backlog): fold it in."""
         self.core.done(scored)
+        if scored.failed:
+            self.log.warning("group.failed", group_id=scored.group_id, reason=scored.failed)
+            return
         self.scored_total += 1
         w = self.window
         w.groups += 1
@@ -270,8 +273,9 @@ def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
             envs[key] = make_env(spec.id if spec else key, dict(spec.args) if spec else {})
         return envs[key]
 
-    timeout = ctx.cfg.inference.request_timeout_s
-    return RefScorer(InferenceClient(bus, timeout_s=timeout), ctx.load_renderer(), env_for)
+    i = ctx.cfg.inference
+    client = InferenceClient(bus, i.request_timeout_s, i.attempt_timeout_s)
+    return RefScorer(client, ctx.load_renderer(), env_for)
 
 
 async def serve_worker(

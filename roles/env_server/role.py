@@ -370,12 +370,13 @@ async def main(ctx: RoleContext, env: str) -> None:
 
     bus = await ctx.connect()
     timeout = ctx.cfg.inference.request_timeout_s
+    client = InferenceClient(bus, timeout, ctx.cfg.inference.attempt_timeout_s)
     server = EnvServer(
         bus,
         ctx.instance,
         env,
         renderer,
-        client_generate(InferenceClient(bus, timeout_s=timeout), wait_for_responders_s=timeout),
+        client_generate(client, wait_for_responders_s=timeout),
         **server_options(ctx, env),
     )
     await serve_role(server)

@@ -2,13 +2,26 @@
 
 Env servers and algorithm workers use it; the inference role answers. It is a library,
 not a role, so roles do not import each other.
+
+A request is retried, not just waited on: each attempt waits at most
+``attempt_timeout_s``, and a timeout or "no responders" sends it again (same
+``request_id``) until ``timeout_s`` is spent in all. The queue group hands each attempt
+to a live replica, so a replica that died holding a request costs one attempt, not the
+whole wait (and the rollout). Inference dedups nothing: a slow replica may still answer
+an earlier attempt, which is harmless, the reply goes to that attempt's own inbox.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
+from typing import Any
+
+import msgspec
 
 from bus import rpc
+from bus.errors import NoResponders, RequestTimeout
 from bus.runtime import Bus
 from bus.subjects import infer_subject
 from schemas import (
@@ -21,11 +34,14 @@ from schemas import (
 )
 from schemas.arrays import pack_i32
 
+_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)  # before retrying "no responders" (replicas starting)
+
 
 class InferenceClient:
-    def __init__(self, bus: Bus, timeout_s: float = 60.0):
+    def __init__(self, bus: Bus, timeout_s: float = 60.0, attempt_timeout_s: float = 20.0):
         self.bus = bus
         self.timeout_s = timeout_s
+        self.attempt_timeout_s = attempt_timeout_s
 
     async def generate(
         self,
@@ -46,12 +62,8 @@ class InferenceClient:
             seed=seed,
             env=env,
         )
-        reply: GenerateResult | InferenceFailed = await rpc.request(
-            self.bus.nc,
-            infer_subject(self.bus.run, model),
-            req,
-            [GenerateResult, InferenceFailed],
-            self.timeout_s,
+        reply: GenerateResult | InferenceFailed = await self._request(
+            model, req, request_id, [GenerateResult, InferenceFailed]
         )
         return reply
 
@@ -63,17 +75,43 @@ class InferenceClient:
         start: int = 1,
         temperature: float = 1.0,
     ) -> ScoreResult | InferenceFailed:
+        """Raises ``bus.errors.RequestTimeout`` when no replica answers in time."""
         req = ScoreRequest(
             request_id=request_id,
             token_ids=pack_i32(token_ids),
             start=start,
             temperature=temperature,
         )
-        reply: ScoreResult | InferenceFailed = await rpc.request(
-            self.bus.nc,
-            infer_subject(self.bus.run, model),
-            req,
-            [ScoreResult, InferenceFailed],
-            self.timeout_s,
+        reply: ScoreResult | InferenceFailed = await self._request(
+            model, req, request_id, [ScoreResult, InferenceFailed]
         )
         return reply
+
+    async def _request(
+        self, model: str, req: msgspec.Struct, request_id: str, reply_types: list[type]
+    ) -> Any:
+        """``req`` answered by a replica, retried until ``timeout_s`` is spent; raises the
+        last ``RequestTimeout`` (``NoResponders`` if nobody was subscribed) after that."""
+        subject = infer_subject(self.bus.run, model)
+        deadline = time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            wait_s = min(self.attempt_timeout_s, deadline - time.monotonic())
+            try:
+                return await rpc.request(self.bus.nc, subject, req, reply_types, wait_s)
+            except RequestTimeout as e:  # NoResponders included
+                pause = _BACKOFF_S[min(attempt, len(_BACKOFF_S)) - 1]
+                left = deadline - time.monotonic()
+                if left <= (pause if isinstance(e, NoResponders) else 0.0):
+                    raise type(e)(
+                        f"no reply on {subject} within {self.timeout_s:g} s "
+                        f"({attempt} attempt(s); last: {e})"
+                    ) from e
+                # A replica lost is news; nobody subscribed yet is what a start looks like.
+                quiet = isinstance(e, NoResponders)
+                log = self.bus.log.debug if quiet else self.bus.log.warning
+                log("inference.retry", request=request_id, model=model, attempt=attempt,
+                    error=repr(e))  # fmt: skip
+                if quiet:
+                    await asyncio.sleep(pause)

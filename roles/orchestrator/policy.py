@@ -16,7 +16,7 @@ Asynchrony, the two documented bounds:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -35,7 +35,7 @@ from schemas import (
 )
 
 
-def phase_of(step: int, cfg: RunConfig) -> str:
+def phase_of(step: int, cfg: RunConfig) -> Literal["sft", "rl"]:
     return "sft" if step <= cfg.orchestrator.warmup.steps else "rl"
 
 
@@ -128,6 +128,7 @@ class Decider:
                     "dropped_stale_total": float(s.total_dropped_stale),
                     "skipped_zero_advantage_total": float(s.total_skipped_zero),
                     "groups_in_flight": float(len(s.groups)), "errored_rollouts_total": float(s.errored_rollouts),
+                    "groups_released_total": float(s.released),
                     "async_lag": float(step - 1 - s.trainer_version), "sft": float(phase == "sft"),
                 },
             )  # fmt: skip
@@ -152,7 +153,8 @@ class Decider:
     def dispatch(self) -> None:
         s, o = self.state, self.cfg.orchestrator
         horizon = min(self.cfg.max_steps, s.trainer_version + 1 + o.max_async_level)
-        for phase in ("sft", "rl"):
+        phases: tuple[Literal["sft", "rl"], ...] = ("sft", "rl")
+        for phase in phases:
             steps = sum(
                 1 for k in range(s.assembled + 1, horizon + 1) if phase_of(k, self.cfg) == phase
             )
@@ -163,7 +165,7 @@ class Decider:
             while need > 0 and len(s.groups) < o.max_groups_in_flight:
                 need -= self.dispatch_group(phase)
 
-    def dispatch_group(self, phase: str) -> int:
+    def dispatch_group(self, phase: Literal["sft", "rl"]) -> int:
         s, o = self.state, self.cfg.orchestrator
         n = s.dispatched
         env = choose_env(self.cfg, n)
@@ -297,6 +299,36 @@ def eval_metrics(results: list[Any], k: int) -> dict[str, float]:
                 tasks
             )
         out[f"{env}/errors"] = float(sum(r.errors for r in results if r.env == env))
+    return out
+
+
+def waits_for(state: OrchestratorState, cfg: RunConfig) -> list[str]:
+    """What the run waits for now, one phrase each (the stall report): the trainer, the
+    batch's samples, the algorithms the groups in flight wait for, unanswered evals."""
+    o, s = cfg.orchestrator, state
+    out: list[str] = []
+    step = s.assembled + 1
+    if step <= cfg.max_steps:
+        need = step - 1 - o.max_async_level
+        if s.trainer_version < need:
+            out.append(
+                f"trainer: weights v{need} to assemble step {step} (newest v{s.trainer_version})"
+            )
+        else:
+            have = len(s.queues[phase_of(step, cfg)])
+            out.append(f"samples: {have} of {o.batch_size} for step {step}")
+    elif s.trainer_version < cfg.max_steps:
+        out.append(f"trainer: weights v{cfg.max_steps} (newest v{s.trainer_version})")
+    by_algorithm: dict[str, int] = {}
+    for g in s.groups.values():
+        for a in g.waiting_for:
+            by_algorithm[a] = by_algorithm.get(a, 0) + 1
+    for a, n in sorted(by_algorithm.items()):
+        envs = sorted({g.request.env for g in s.groups.values() if a in g.waiting_for})
+        out.append(f"algorithm {a}: {n} group(s) of {', '.join(envs)} not scored")
+    for version, r in sorted(s.eval_rounds.items()):
+        if not r.reported and len(r.results) < r.expected:
+            out.append(f"eval v{version}: {len(r.results)} of {r.expected} tasks answered")
     return out
 
 

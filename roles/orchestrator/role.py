@@ -8,18 +8,33 @@ It has no durable consumer and no state of its own: at start it publishes
 ``OrchestratorState`` and, after each one, returns what ``decide`` returns for the
 runtime to publish. A restarted orchestrator therefore rebuilds its state
 and re-makes its past decisions with the same ids, which the server drops as duplicates.
+An event the fold cannot take (``OrchestratorState.check``) is dead-lettered and skipped.
+
+Beside the fold, a watch (``_watch``, once a second) acts on the clock, which the fold
+never reads: a train group not scored within ``orchestrator.group_timeout_s`` is
+released (a ``samples.scored`` with ``failed="deadline ..."`` for each algorithm it
+still waits for, folded like any other), and a run with no new batch for longer than
+the stall threshold is reported (``run.stalled`` with what it waits for, in the
+heartbeat's info for ``rlbus status`` and the live view, a ``metrics.reported.stall``)
+and, past ``stall_stop_s``, stopped with reason "stalled". What the watch publishes
+is on the log, so a restart and a replay fold the same releases and the same stop.
 """
 
 from __future__ import annotations
 
 import hashlib
+import statistics
+import time
+from collections import deque
 
 from bus.consumer import Delivery, Effects
+from bus.errors import Rejected
 from bus.follower import Follow
 from bus.offload import OBJECT_STORE_MAX_BYTES
+from bus.registry import is_alive, list_roles
 from bus.subjects import Topic
 from configs import RunConfig
-from roles.orchestrator.policy import decide, trains_on
+from roles.orchestrator.policy import decide, trains_on, waits_for
 from roles.orchestrator.state import OrchestratorState
 from roles.runtime.context import RoleContext, read_run_started
 from roles.runtime.role import Role, serve_role
@@ -30,7 +45,9 @@ from schemas import (
     ObjectRef,
     RunStarted,
     RunStopped,
+    SamplesScored,
     derive_id,
+    new_id,
 )
 
 READS = (
@@ -49,6 +66,8 @@ class Orchestrator(Role):
         self.cfg: RunConfig = ctx.cfg
         self.state = OrchestratorState(trains_on=trains_on(ctx.cfg))
         self.applied = 0
+        self.stall: Stall | None = None  # the current stall, while there is one
+        self.caught_up = False  # folded the whole log once (the watch waits for it)
 
     async def setup(self) -> None:
         await self.start_run()
@@ -57,11 +76,15 @@ class Orchestrator(Role):
         topics = [(t, None) for t in READS] + [(Topic.METRICS_REPORTED, "eval")]
         return [Follow("orchestrator", topics, self.on_event)]
 
+    def background(self) -> list:  # type: ignore[type-arg]
+        return [self._watch()]
+
     async def status(self) -> dict[str, object]:
-        return {
-            "policy_version": self.state.trainer_version,
-            "info": {"assembled": str(self.state.assembled)},
-        }
+        info = {"assembled": str(self.state.assembled)}
+        if self.stall is not None:
+            info["stalled_s"] = f"{self.stall.seconds():.0f}"
+            info["waiting_for"] = "; ".join(self.stall.waiting_for)
+        return {"policy_version": self.state.trainer_version, "info": info}
 
     async def start_run(self) -> None:
         if await read_run_started(self.bus) is not None:
@@ -100,12 +123,133 @@ class Orchestrator(Role):
         )
         self.log.info("run.started", model=str(weights_dir))
 
-    async def on_event(self, event: object, delivery: Delivery) -> Effects:
+    async def on_event(self, event: Event, delivery: Delivery) -> Effects:
         """Fold one event, then decide: what the decision returns is published."""
+        self.caught_up = self.caught_up or delivery.pending == 0
+        reason = self.state.check(event)
+        if reason is not None:
+            if not isinstance(event, SamplesScored) or not self.state.expects(event):
+                raise Rejected(reason)
+            # Scores that cannot be trained: the group will never get this algorithm's
+            # samples, so it is released now, and what that frees is decided at once.
+            self.state.fail_group(event, reason)
+            raise Rejected(reason, outputs=self._decide(event))
         self.state.apply(event, skip_zero=self.cfg.orchestrator.skip_zero_advantage_groups)
         self.applied += 1
-        out = decide(self.state, self.cfg, cause=event.event_id)  # type: ignore[attr-defined]
+        return self._decide(event)
+
+    def _decide(self, event: Event) -> Effects:
+        out = decide(self.state, self.cfg, cause=event.event_id)
         return Effects(out, after_publish=lambda: self._log_decisions(out))
+
+    # -- the watch: what depends on the clock --------------------------------------------
+
+    async def _watch(self, interval_s: float = 1.0) -> None:
+        o = self.cfg.orchestrator
+        dispatched: dict[str, float] = {}  # group id -> when the watch first saw it in flight
+        batches: deque[float] = deque(maxlen=11)  # when the newest batches were seen
+        assembled, progress = -1, time.monotonic()
+        while not await self.sleep(interval_s):
+            s, now = self.state, time.monotonic()
+            if s.started is None or s.stopped is not None or not self.caught_up:
+                # Still folding the log (a restart): its deadlines start once caught up.
+                dispatched.clear()
+                progress = now
+                continue
+            if s.assembled != assembled:
+                assembled, progress = s.assembled, now
+                batches.append(now)
+                self._stall_over()
+            for gid in list(dispatched):
+                if gid not in s.groups:
+                    del dispatched[gid]
+            for gid, group in list(s.groups.items()):
+                since = dispatched.setdefault(gid, now)
+                if now - since > o.group_timeout_s and group.request.phase != "eval":
+                    await self._release(group, now - since)
+                    dispatched[gid] = now  # asked once; a later pass asks again if needed
+            steps = [b - a for a, b in zip(batches, list(batches)[1:], strict=False)]
+            threshold = max(o.stall_min_s, o.stall_factor * statistics.median(steps or [0.0]))
+            if now - progress > threshold:
+                await self._stalled(progress, threshold)
+
+    async def _release(self, group, waited_s: float) -> None:  # type: ignore[no-untyped-def]
+        """A group past its deadline: each algorithm it still waits for is marked failed."""
+        r = group.request
+        reason = f"deadline: not scored within {self.cfg.orchestrator.group_timeout_s:g} s"
+        self.log.warning(
+            "group.released", group=r.group_id, env=r.env, waited_s=round(waited_s, 1),
+            algorithms=sorted(group.waiting_for),
+        )  # fmt: skip
+        await self.bus.publish_many(
+            [
+                SamplesScored(
+                    run=self.run,
+                    event_id=derive_id("deadline", a, r.group_id),
+                    causation_id=r.event_id,
+                    algorithm=a,
+                    env=r.env,
+                    group_id=r.group_id,
+                    request_id=r.event_id,
+                    task_index=r.task.index,
+                    step=r.step,
+                    samples=[],
+                    failed=reason,
+                )  # fmt: skip
+                for a in sorted(group.waiting_for)
+            ]
+        )
+
+    async def _stalled(self, since: float, threshold: float) -> None:
+        """Report the stall (at its start, then every threshold), stop the run past the limit."""
+        wants = waits_for(self.state, self.cfg) + await self._silent_roles()
+        if self.stall is None:
+            self.stall = Stall(since, wants)
+        self.stall.waiting_for = wants
+        seconds = self.stall.seconds()
+        if time.monotonic() - self.stall.reported >= threshold:
+            self.stall.reported = time.monotonic()
+            self.log.warning(
+                "run.stalled", stalled_s=round(seconds), waiting_for=wants,
+                step=self.state.assembled,
+            )  # fmt: skip
+            metrics = MetricsReported(
+                run=self.run, event_id=new_id(), role="stall", step=self.state.assembled,
+                policy_version=self.state.trainer_version,
+                values={"stalled_s": seconds, "groups_in_flight": float(len(self.state.groups))},
+            )  # fmt: skip
+            await self.bus.publish(metrics)
+        if seconds > self.cfg.orchestrator.stall_stop_s:
+            detail = f"no batch for {seconds:.0f} s; waiting for: " + "; ".join(wants)
+            self.log.error("run.stopping_stalled", detail=detail)
+            await self.bus.publish(
+                RunStopped(
+                    run=self.run,
+                    event_id=derive_id(self.run, "stopped"),
+                    reason="stalled",
+                    step=self.state.trainer_version,
+                    detail=detail,
+                )  # fmt: skip
+            )
+
+    def _stall_over(self) -> None:
+        if self.stall is not None:
+            self.log.info("run.unstalled", stalled_s=round(self.stall.seconds()))
+            self.stall = None
+
+    async def _silent_roles(self) -> list[str]:
+        """Role instances of this run whose heartbeat stopped (crashed, SIGSTOPped, hung)."""
+        try:
+            beats = await list_roles(self.bus.js, self.run)
+        except Exception as e:  # noqa: BLE001 - the report must not die with the registry
+            return [f"role registry unreadable: {e!r}"]
+        now = time.time_ns()
+        interval = self.cfg.bus.heartbeat_interval_s
+        return [
+            f"{hb.role} {hb.instance}: no heartbeat for {(now - hb.last_seen_ns) / 1e9:.0f} s"
+            for hb in beats
+            if hb.status != "stopped" and not is_alive(hb, interval, now)
+        ]
 
     def _log_decisions(self, out: list[Event]) -> None:
         for e in out:
@@ -119,6 +263,18 @@ class Orchestrator(Role):
             elif isinstance(e, MetricsReported) and e.role == "eval":
                 values = {k.replace("/", "_").replace("@", "_at_"): v for k, v in e.values.items()}
                 self.log.info("eval.reported", version=e.step, **values)
+
+
+class Stall:
+    """A stall in progress: since when (monotonic), what the run waits for."""
+
+    def __init__(self, since: float, waiting_for: list[str]):
+        self.since = since
+        self.waiting_for = waiting_for
+        self.reported = 0.0  # when it was last reported (monotonic)
+
+    def seconds(self) -> float:
+        return time.monotonic() - self.since
 
 
 async def main(ctx: RoleContext) -> None:

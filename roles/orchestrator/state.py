@@ -4,12 +4,21 @@
 applies its own decisions the moment it makes them and recognises them by id when they
 come back on the stream, so replaying the log from sequence 1 rebuilds exactly the
 state, and the decisions, of the original run (see ``roles/orchestrator/role.py``).
+
+``check(event)`` runs before ``apply`` on everything read from the log and says why an
+event is impossible (the role dead-letters it; a restart or replay refuses the same
+ones, since the check is a function of the fold so far). The rule that catches most
+forgeries: the orchestrator's own decisions are always folded before they are read back
+(live, applied when made; on a restart, re-made from the same prefix of the log), so a
+batch, a train or eval dispatch or an eval report it has not made is not its own.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+import msgspec
 
 from roles.orchestrator.merge import merge_scored
 from schemas import (
@@ -35,6 +44,7 @@ class Group:
     request: TaskRequested
     waiting_for: set[str]  # algorithm ids whose samples this group still needs
     received: dict[str, SamplesScored] = field(default_factory=dict)  # by algorithm id
+    failed: list[str] = field(default_factory=list)  # "<algorithm>: <reason>"
 
 
 @dataclass
@@ -69,7 +79,7 @@ class OrchestratorState:
     )
     eval_rounds: dict[int, EvalRound] = field(default_factory=dict)
     eval_requests: dict[str, int] = field(default_factory=dict)  # request id -> policy version
-    seen: set[str] = field(default_factory=set)
+    seen: set[tuple[str, str]] = field(default_factory=set)  # (event type, event id)
     # counters since the last batch (reported in it), and over the run
     dropped_stale: int = 0
     skipped_zero: int = 0
@@ -77,15 +87,53 @@ class OrchestratorState:
     total_skipped_zero: int = 0
     no_signal_streak: int = 0  # consecutive RL groups without learning signal
     errored_rollouts: int = 0
+    released: int = 0  # groups closed without training (an algorithm failed, a deadline)
+    last_release: str = ""  # why the newest one was released
 
     def inflight(self, phase: str) -> int:
         return sum(1 for g in self.groups.values() if g.request.phase == phase)
 
+    def check(self, event: Event) -> str | None:
+        """Why ``event``, read from the log, cannot be folded (None: it can)."""
+        if self.has_seen(event):
+            return None  # our own decision coming back, or a duplicate: apply skips it
+        match event:
+            case RunStarted() if self.started is not None:
+                return f"a second run.started (the run started with {self.started.event_id})"
+            case TaskRequested(phase="rl" | "sft" | "eval"):
+                return f"a {event.phase} task.requested this run's orchestrator did not dispatch"
+            case BatchAssembled():
+                return f"batch.assembled step {event.step} this run's orchestrator did not assemble"
+            case MetricsReported(role="eval"):
+                return f"an eval report for version {event.step} this orchestrator did not make"
+            case WeightsPublished(version=v) if not 1 <= v <= self.assembled:
+                return (
+                    f"weights.published version {v}, but the newest batch is step {self.assembled}"
+                )
+            case SamplesScored():  # expected or not (a shadow's): bad samples never pass
+                return next(
+                    (
+                        f"sample {i} of group {event.group_id}: {problem}"
+                        for i, x in enumerate(event.samples)
+                        if (problem := x.problem() or _foreign(x, event)) is not None
+                    ),
+                    None,
+                )
+        return None
+
+    def has_seen(self, event: Event) -> bool:
+        return (type(event).__name__, event.event_id) in self.seen
+
+    def fail_group(self, event: SamplesScored, reason: str) -> None:
+        """``event``'s algorithm cannot score its group (its samples were refused): the
+        group stops waiting for it and is released once nothing else is pending."""
+        self.apply(msgspec.structs.replace(event, samples=[], failed=reason))
+
     def apply(self, event: Event, *, skip_zero: bool = True) -> None:
-        """Fold one event into the state (idempotent by event id)."""
-        if event.event_id in self.seen:
+        """Fold one event into the state (idempotent by event type and id)."""
+        if self.has_seen(event):
             return
-        self.seen.add(event.event_id)
+        self.seen.add((type(event).__name__, event.event_id))
         match event:
             case RunStarted():
                 self.started = event
@@ -136,18 +184,30 @@ class OrchestratorState:
                 if version is not None:  # None: a duplicate answer to a request already counted
                     self.eval_rounds[version].results.append(event)
 
-    def _on_scored(self, event: SamplesScored, skip_zero: bool) -> None:
+    def expects(self, event: SamplesScored) -> bool:
         group = self.groups.get(event.group_id)
-        if group is None or event.algorithm not in group.waiting_for:
+        return group is not None and event.algorithm in group.waiting_for
+
+    def _on_scored(self, event: SamplesScored, skip_zero: bool) -> None:
+        if not self.expects(event):
             return  # a shadow algorithm, or a group that is not ours to train
+        group = self.groups[event.group_id]
         group.waiting_for.discard(event.algorithm)
-        group.received[event.algorithm] = event
+        if event.failed:
+            group.failed.append(f"{event.algorithm}: {event.failed}")
+        else:
+            group.received[event.algorithm] = event
         if not group.waiting_for:
             self._complete(event.group_id, skip_zero)
 
     def _complete(self, group_id: str, skip_zero: bool) -> None:
-        """Every algorithm the group waited for has scored it: queue its merged samples."""
+        """Every algorithm the group waited for has answered: queue its merged samples,
+        or release it when one of them failed on it (nothing of it trains)."""
         group = self.groups.pop(group_id)
+        if group.failed:
+            self.released += 1
+            self.last_release = f"group {group_id}: " + "; ".join(group.failed)
+            return
         events = [group.received[a] for a in sorted(group.received)]
         if not events:
             return  # its only algorithm was detached before scoring it
@@ -165,3 +225,8 @@ class OrchestratorState:
         sources = tuple(e.event_id for e in events)
         for s in merge_scored(events):
             self.queues[phase].append(Queued(s, group_id, sources, mean))
+
+
+def _foreign(sample: object, event: SamplesScored) -> str | None:
+    group = getattr(sample, "group_id", None)
+    return None if group == event.group_id else f"belongs to group {group}"

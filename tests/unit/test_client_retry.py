@@ -1,0 +1,112 @@
+"""The inference client retries a request a replica dropped, against a real nats-server:
+a dead replica costs one attempt (``attempt_timeout_s``), not the whole request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from nats.aio.msg import Msg
+from structlog.testing import capture_logs
+
+from bus import codec, rpc
+from bus.errors import NoResponders, RequestTimeout
+from bus.runtime import Bus
+from bus.subjects import infer_queue, infer_subject
+from configs import ConfigError, load_config
+from roles.lib.clients import InferenceClient
+from schemas import GenerateRequest, GenerateResult, SamplingParams
+from schemas.arrays import pack_f32, pack_i32
+
+pytestmark = pytest.mark.nats
+
+MODEL = "policy"
+
+
+async def live_replica(bus: Bus) -> list[str]:
+    """A replica of the model's queue group that answers; the request ids it saw."""
+    seen: list[str] = []
+
+    async def answer(req: GenerateRequest) -> GenerateResult:
+        seen.append(req.request_id)
+        return GenerateResult(
+            request_id=req.request_id, completion_ids=pack_i32([7]), logprobs=pack_f32([-0.5]),
+            finish_reason="stop", policy_version=3,
+        )  # fmt: skip
+
+    await rpc.serve(
+        bus.nc, infer_subject(bus.run, MODEL), infer_queue(MODEL), [GenerateRequest], answer
+    )
+    return seen
+
+
+async def generate(client: InferenceClient, rid: str) -> GenerateResult:
+    res = await client.generate(MODEL, rid, [1, 2, 3], SamplingParams())
+    assert isinstance(res, GenerateResult)
+    return res
+
+
+async def test_a_request_a_replica_dropped_is_answered_by_another(bus: Bus) -> None:
+    """The replica that takes the request dies without answering: the next attempt goes
+    to a live one, after about attempt_timeout_s, not request_timeout_s."""
+    taken: list[str] = []
+    live: list[list[str]] = []
+
+    async def die_holding(msg: Msg) -> None:
+        taken.append(codec.decode(msg.data, [GenerateRequest]).request_id)
+        await dead.unsubscribe()  # gone, the request unanswered
+        live.append(await live_replica(bus))
+
+    subj = infer_subject(bus.run, MODEL)
+    dead = await bus.nc.subscribe(subj, queue=infer_queue(MODEL), cb=die_holding)
+    client = InferenceClient(bus, timeout_s=30.0, attempt_timeout_s=0.5)
+    t0 = time.monotonic()
+    with capture_logs() as logs:
+        res = await generate(client, "req-1")
+    elapsed = time.monotonic() - t0
+    assert res.request_id == "req-1" and res.policy_version == 3
+    assert taken == ["req-1"] and live == [["req-1"]]  # the same request id each attempt
+    assert 0.45 <= elapsed < 3.0
+    retries = [e for e in logs if e["event"] == "inference.retry"]
+    assert [(e["attempt"], e["log_level"]) for e in retries] == [(1, "warning")]
+    assert "RequestTimeout" in retries[0]["error"]
+
+
+async def test_no_responders_is_retried_until_a_replica_subscribes(bus: Bus) -> None:
+    """Nobody subscribed yet (inference starting): short backoffs, then the answer."""
+    client = InferenceClient(bus, timeout_s=30.0, attempt_timeout_s=5.0)
+    call = asyncio.create_task(generate(client, "req-2"))
+    await asyncio.sleep(0.4)
+    assert not call.done()
+    seen = await live_replica(bus)
+    res = await asyncio.wait_for(call, 5.0)
+    assert res.request_id == "req-2" and seen == ["req-2"]
+
+
+async def test_the_request_timeout_bounds_every_attempt_in_all(bus: Bus) -> None:
+    """A replica that never answers: RequestTimeout once request_timeout_s is spent."""
+
+    async def never(msg: Msg) -> None:
+        return None
+
+    await bus.nc.subscribe(infer_subject(bus.run, MODEL), queue=infer_queue(MODEL), cb=never)
+    client = InferenceClient(bus, timeout_s=1.2, attempt_timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout, match="3 attempt") as err:
+        await generate(client, "req-3")
+    assert not isinstance(err.value, NoResponders)
+    assert 1.15 <= time.monotonic() - t0 < 2.5
+
+
+async def test_no_responders_at_all_raises_no_responders(bus: Bus) -> None:
+    client = InferenceClient(bus, timeout_s=0.5, attempt_timeout_s=0.5)
+    with pytest.raises(NoResponders):
+        await generate(client, "req-4")
+
+
+def test_attempt_timeout_must_fit_in_the_request_timeout() -> None:
+    cfg = load_config("default")
+    assert (cfg.inference.attempt_timeout_s, cfg.inference.request_timeout_s) == (20.0, 60.0)
+    with pytest.raises(ConfigError, match="inference.attempt_timeout_s"):
+        load_config("default", ["inference.attempt_timeout_s=61"])
