@@ -36,7 +36,7 @@ from nats.js.api import DiscardPolicy, PubAck, RawStreamMsg, StorageType, Stream
 from bus import codec
 from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
-from bus.offload import BodyStore
+from bus.offload import BodyStore, sha256_digest
 from bus.subjects import objects_bucket, run_of_stream, stream_name, stream_subjects, subject_for
 from schemas import BodyRef, Event, derive_id
 
@@ -223,8 +223,12 @@ class Bus:
         payload = codec.encode(event)
         headers = codec.headers_for(event)
         if len(payload) > self.settings.offload_threshold_bytes:
-            name = _BODY_PREFIX + event.event_id
-            digest = await self.objects.put(name, payload)
+            # Named by the event and its content: a republished event whose body differs (a
+            # rerun rollout) or a squatter's body under the same id never overwrites the
+            # body a stored copy points at.
+            digest = sha256_digest(payload)
+            name = f"{_BODY_PREFIX}{event.event_id}.{digest.removeprefix('sha256:')[:16]}"
+            await self.objects.put(name, payload)
             ref = BodyRef(
                 bucket=self.objects.bucket,
                 name=name,
@@ -382,7 +386,7 @@ class Bus:
             await self.nc.close()
 
 
-_BODY_PREFIX = "body."  # offloaded bodies are named by their event's id
+_BODY_PREFIX = "body."  # offloaded bodies: body.<event id>.<content digest prefix>
 _CHECKS_AT_ONCE = 64  # duplicate acks checked concurrently
 
 _Identity = tuple[str, str | None, str | None]  # (subject, Rl-Schema, payload event_id)
@@ -392,7 +396,7 @@ class _Ids(msgspec.Struct):
     """The two keys the identity check reads of a payload; every other key is skipped."""
 
     event_id: str | None = None  # an event
-    name: str | None = None  # a BodyRef: ``body.<event id>``
+    name: str | None = None  # a BodyRef: ``body.<event id>.<digest prefix>``
 
 
 _ids_decoder = msgspec.msgpack.Decoder(_Ids)
@@ -407,7 +411,7 @@ def _identity(subject: str, payload: bytes, headers: dict[str, str]) -> _Identit
         return (subject, headers.get(codec.H_SCHEMA), None)
     event_id = ids.event_id
     if headers.get(codec.H_BODY) == "ref" and ids.name and ids.name.startswith(_BODY_PREFIX):
-        event_id = ids.name.removeprefix(_BODY_PREFIX)
+        event_id = ids.name.removeprefix(_BODY_PREFIX).rsplit(".", 1)[0]
     return (subject, headers.get(codec.H_SCHEMA), event_id)
 
 

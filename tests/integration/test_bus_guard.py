@@ -85,6 +85,9 @@ async def test_a_squatted_event_id_is_stepped_around(bus: Bus, how: str, offload
     rerun = await bus.publish(msgspec.structs.replace(real, num_tokens=7))
     assert rerun.seq == ack.seq
     assert await stored_on(bus, subj) == before + 1
+    # ...and its body too: the stored copy still reads back as the first one
+    msg = await bus.js.get_msg(bus.stream, ack.seq)
+    assert await bus.decode_msg(msg, [BatchAssembled]) == real
 
 
 async def test_an_ordinary_duplicate_costs_no_republish(bus: Bus) -> None:
