@@ -24,6 +24,10 @@ newest ``trainer.keep_weights`` versions, as the trainer keeps them) and trainer
 ``run.stopped`` (reason ``fork``) naming the origin. ``rlbus events``/``sql``/``plot`` read
 it like any run, and ``rlbus replay NEW trainer`` reproduces it.
 
+A batch the trainer refused (``roles.trainer.core.batch_problem``) is stepped over as the
+trainer did (``refuse_step``: a step that trained nothing, ``refused_batch=1``), and a
+non-finite step is dropped as it was, so both replay bit for bit.
+
 Reading the log and training take ``on_progress(done, total)``: messages read, then
 steps trained of those to train (``rlbus replay`` draws both).
 """
@@ -39,6 +43,7 @@ from typing import Any
 import msgspec
 import nats.js.errors
 
+from bus.errors import Rejected
 from bus.offload import sha256_digest
 from bus.reader import Progress, read_log
 from bus.runtime import Bus
@@ -54,6 +59,7 @@ from schemas import (
     RunStarted,
     RunStopped,
     WeightsPublished,
+    batch_id,
     derive_id,
 )
 
@@ -119,8 +125,8 @@ async def read_trainer_log(bus: Bus, on_progress: Progress | None = None) -> Tra
         match event:
             case RunStarted():
                 starts.append((seq, event))
-            case BatchAssembled():
-                batches.setdefault(event.step, (seq, event))
+            case BatchAssembled() if event.event_id == batch_id(bus.run, event.step):
+                batches.setdefault(event.step, (seq, event))  # the orchestrator's only
             case WeightsPublished():
                 weights.setdefault(event.step, event)
             case MetricsReported(role="trainer"):
@@ -198,7 +204,10 @@ def replay_steps(
             break
         if config_for is not None and (cfg := config_for(batch.step)) is not core.cfg:
             core.reconfigure(cfg)
-        metrics = core.train_step(batch)
+        try:
+            metrics = core.train_step(batch)
+        except Rejected:  # refused by the trainer too: a step that trained nothing
+            metrics = core.refuse_step(batch)
         data = core.weights_bytes()
         rec = StepRecord(batch.step, metrics, sha256_digest(data))
         if keep is not None:

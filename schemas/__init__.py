@@ -37,6 +37,7 @@ from schemas.training import (
     Sample,
     SamplesScored,
     WeightsPublished,
+    batch_id,
 )
 
 EVENT_TYPES: tuple[type[Event], ...] = (
@@ -65,6 +66,7 @@ def schema_of(cls: type[msgspec.Struct]) -> tuple[str, int]:
 
 
 __all__ = [
+    "batch_id",
     "EVENT_TYPES",
     "AlgorithmAttached",
     "AlgorithmDetached",

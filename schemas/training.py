@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 from schemas import arrays
-from schemas.base import Event, Finite, NonNegative, Positive, Record
+from schemas.base import Event, Finite, NonNegative, Positive, Record, derive_id
 from schemas.run import ObjectRef
 
 
@@ -104,6 +104,13 @@ class SamplesScored(Event, frozen=True, tag="samples_scored/1"):
     # that cannot be trained, or the orchestrator gave up waiting: "deadline ..."); the
     # group is then released, not trained. Empty for a scored group.
     failed: str = ""
+
+
+def batch_id(run: str, step: int) -> str:
+    """The id of the orchestrator's batch for ``step``: the trainer, its catch-up and
+    trainer replay take a ``batch.assembled`` only with this id (any other is not the
+    orchestrator's, whatever it says)."""
+    return derive_id(run, "batch", step)
 
 
 class BatchAssembled(Event, frozen=True, tag="batch_assembled/1"):

@@ -167,7 +167,8 @@ def status(
                 "role", "instance", "state", "last seen", "policy", "lag", "consumer", "host:pid"
             )
             now = time.time_ns()
-            for hb in await list_roles(bus.js, run):
+            beats = await list_roles(bus.js, run)
+            for hb in beats:
                 state = (
                     "alive"
                     if is_alive(hb, interval, now)
@@ -179,6 +180,13 @@ def status(
                     "" if hb.pending is None else str(hb.pending), hb.consumer or "", f"{hb.host}:{hb.pid}",
                 )  # fmt: skip
             Console().print(table)
+            for hb in beats:  # the orchestrator's stall report (roles/orchestrator/role.py)
+                if hb.status != "stopped" and "stalled_s" in hb.info:
+                    Console().print(
+                        f"[bold red]stalled[/] for {hb.info['stalled_s']} s, waiting for: "
+                        + hb.info.get("waiting_for", "?"),
+                        highlight=False,
+                    )
             if started is not None:
                 from roles.cli.algorithm import algorithm_rich_table
 

@@ -25,8 +25,10 @@ Rules every backend keeps:
   sampling parameters;
 - every result carries the ``policy_version`` of the weights that produced all of it;
 - ``load_weights`` verifies ``digest`` before touching the model (a mismatch raises
-  ``roles.lib.model.weights.WeightsDigestMismatch`` and the old weights keep serving) and
-  sets ``policy_version = version`` atomically with the swap;
+  ``roles.lib.model.weights.WeightsDigestMismatch`` and the old weights keep serving),
+  then that every tensor is finite (``check_finite``: a NaN or an infinity raises
+  ``WeightsNotFinite`` naming the tensor, and the old weights keep serving), and sets
+  ``policy_version = version`` atomically with the swap;
 - logprobs are of the sampled token under the distribution actually sampled from
   (see ``roles.inference.sampling``), computed in float32;
 - on CUDA the weights are served in ``serving_dtype`` (bfloat16 unless ``model.dtype``
@@ -35,7 +37,10 @@ Rules every backend keeps:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
+
+import torch
 
 from roles.inference.sampling import validate
 from schemas import (
@@ -86,6 +91,27 @@ class Backend(Protocol):
 
 
 # -- rules shared by every backend (pure) --------------------------------------------------
+
+
+class WeightsNotFinite(ValueError):
+    """Weights holding a NaN or an infinity: refused, never served. The digest says the
+    bytes are what the trainer sent; this says what it sent cannot answer anything (every
+    logprob would be NaN), so it is refused at once, never retried."""
+
+    def __init__(self, tensor: str) -> None:
+        super().__init__(f"weights tensor {tensor!r} holds a non-finite value (NaN or inf)")
+        self.tensor = tensor
+
+
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Raise ``WeightsNotFinite`` for the first floating-point tensor with a NaN or an inf.
+
+    One ``isfinite(t).all()`` per tensor: a single pass over the weights, cheap next to
+    fetching them, and it keeps no copy, so it can run over tensors read one at a time.
+    """
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise WeightsNotFinite(name)
 
 
 def on_cuda(device: str) -> bool:

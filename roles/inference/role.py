@@ -16,9 +16,14 @@ base ``model.path`` when unset) and never changes. The policy replica follows
 an ordered consumer (DeliverPolicy.LAST, NATS_NOTES #11) delivers new ones; the bytes
 come from the object store (``kind == "object"``) or a file (``kind == "path"`` on a
 shared filesystem, ``"shm"`` under /dev/shm on the trainer's host),
-the digest is verified, and the swap happens between batches. Announcements that pile
-up while a load runs collapse to the newest. A bad announcement (wrong digest, missing
-object, other shape) is logged as ``weights.rejected`` and the old weights keep serving.
+the digest is verified, every tensor is checked finite, and the swap happens between
+batches. Announcements that pile up while a load runs collapse to the newest. A fetch
+that fails for a transient reason (a timeout, a lost connection:
+``TRANSIENT_FETCH_ERRORS``) is retried a few times with backoff (``weights.fetch_retry``),
+so one slow read does not leave a replica on old weights, the last version's included.
+A bad announcement (wrong digest, missing object, other shape) is logged as
+``weights.rejected``, weights holding a NaN or an inf as ``weights.refused`` (version
+and tensor), both at once and for good, and the old weights keep serving.
 The trainer deletes old versions (``trainer.keep_weights``), so a version can vanish
 between its announcement and its load: that is ``weights.superseded``, and the newest
 announcement is loaded instead (a collected version always has a newer one).
@@ -36,11 +41,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
+import nats.errors
+import nats.js.errors
 from nats.aio.subscription import Subscription as NatsSubscription
 
 from bus import rpc
@@ -52,7 +60,7 @@ from bus.reader import last_event
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
-from roles.inference.backend import Backend, serving_dtype
+from roles.inference.backend import Backend, WeightsNotFinite, serving_dtype
 from roles.lib.model import materialize_model
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
@@ -146,6 +154,58 @@ async def fetch_weights(bus: Bus, ref: ObjectRef) -> bytes:
     )
 
 
+T = TypeVar("T")
+
+# What a weights fetch may meet that says nothing about the weights: the server or the
+# connection was slow or away for a moment (``nats: timeout`` is a TimeoutError). Worth
+# another try; a digest mismatch, a missing object or a non-finite tensor is not.
+TRANSIENT_FETCH_ERRORS: tuple[type[Exception], ...] = (
+    TimeoutError,
+    ConnectionError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoServersError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+)
+
+
+async def _sleep(seconds: float) -> bool:
+    await asyncio.sleep(seconds)
+    return False
+
+
+async def retry_transient(
+    call: Callable[[], Awaitable[T]],
+    *,
+    attempts: int,
+    backoff_s: float,
+    on_retry: Callable[[int, float, Exception], None],
+    sleep: Callable[[float], Awaitable[bool]] = _sleep,
+) -> T:
+    """``call()``, tried up to ``attempts`` times while it fails with one of
+    ``TRANSIENT_FETCH_ERRORS``, waiting ``backoff_s`` and twice as long after each try.
+
+    ``on_retry(attempt, delay_s, error)`` is told before each wait; ``sleep(s)`` returning
+    True (the role is stopping) gives up at once. Any other error, or the last transient
+    one, is raised: bounded, so a server that stays away still ends in an answer.
+    """
+    attempt = 1
+    while True:
+        try:
+            return await call()
+        except TRANSIENT_FETCH_ERRORS as e:
+            if attempt >= attempts:
+                raise
+            delay = backoff_s * 2 ** (attempt - 1)
+            on_retry(attempt, delay, e)
+            if await sleep(delay):
+                raise
+            attempt += 1
+
+
 async def weights_gone(bus: Bus, ref: ObjectRef) -> bool:
     """Whether the announced weights are no longer stored (collected by the trainer);
     False when that cannot be told (the announcement is then treated as bad)."""
@@ -174,6 +234,10 @@ class InferenceRole(Role):
     """Answers ``infer.<model>`` requests through a batching backend; follows new weights."""
 
     role = "inference"
+    # Transient fetch errors: tries in all, and the first wait (doubled each time):
+    # 0.5 + 1 + 2 + 4 s, about 8 s before a version is given up.
+    fetch_attempts = 5
+    fetch_backoff_s = 0.5
 
     def __init__(
         self,
@@ -321,10 +385,10 @@ class InferenceRole(Role):
         try:
             if event.format != "safetensors":
                 raise ValueError(f"unsupported weights format {event.format!r}")
-            data = await fetch_weights(self.bus, event.weights)
+            data = await self._fetch(event)
             await self.backend.load_weights(data, event.weights.digest, event.version)
         except Exception as e:  # noqa: BLE001 - bad weights are refused, serving goes on
-            if await weights_gone(self.bus, event.weights):
+            if not isinstance(e, WeightsNotFinite) and await weights_gone(self.bus, event.weights):
                 return await self._load_newer_than(event, e)
             self._reject(event, e, previous)
             return False
@@ -342,6 +406,23 @@ class InferenceRole(Role):
             lag_s=round(self.weights_lag_s, 4),
         )
         return True
+
+    async def _fetch(self, event: WeightsPublished) -> bytes:
+        """The announced bytes, transient errors retried (``retry_transient``)."""
+
+        def retrying(attempt: int, delay_s: float, error: Exception) -> None:
+            self.log.warning(
+                "weights.fetch_retry", version=event.version, attempt=attempt,
+                attempts=self.fetch_attempts, delay_s=delay_s, error=repr(error)[:300],
+            )  # fmt: skip
+
+        return await retry_transient(
+            lambda: fetch_weights(self.bus, event.weights),
+            attempts=self.fetch_attempts,
+            backoff_s=self.fetch_backoff_s,
+            on_retry=retrying,
+            sleep=self.sleep,
+        )
 
     async def _load_newer_than(self, event: WeightsPublished, missing: Exception) -> bool:
         """``event``'s weights are gone: load the newest announcement instead.
@@ -380,6 +461,12 @@ class InferenceRole(Role):
         self.weights_rejected += 1
         self._rejected.add(event.event_id)
         self.last_weights_error = f"{type(error).__name__}: {error}"
+        if isinstance(error, WeightsNotFinite):
+            self.log.error(
+                "weights.refused", version=event.version, tensor=error.tensor,
+                event_id=event.event_id, serving=serving, error=self.last_weights_error[:500],
+            )  # fmt: skip
+            return
         self.log.error(
             "weights.rejected",
             version=event.version,

@@ -51,7 +51,13 @@ import numpy as np
 import torch
 
 from roles.inference import sampling
-from roles.inference.backend import admit_generate, admit_score, on_cuda, serving_dtype
+from roles.inference.backend import (
+    admit_generate,
+    admit_score,
+    check_finite,
+    on_cuda,
+    serving_dtype,
+)
 from roles.inference.batcher import Batcher
 from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
 from roles.lib.model.weights import (
@@ -185,10 +191,11 @@ class TorchEngine:
     # -- weights ------------------------------------------------------------------------
 
     def check_state(self, data: bytes, expected_digest: str) -> None:
-        """Raise unless ``data`` has the announced digest and fits this model exactly.
+        """Raise unless ``data`` has the announced digest, fits this model exactly and is
+        finite everywhere (``WeightsNotFinite`` names the first tensor that is not).
 
         Run before taking the batch lock: a bad blob is refused without touching the
-        model, so a half-copied state dict can never serve.
+        model, so a half-copied or NaN state dict can never serve.
         """
         actual = digest(data)
         if actual != expected_digest:
@@ -205,6 +212,7 @@ class TorchEngine:
                 f"weights do not fit the model: missing {missing[:5]}, unexpected "
                 f"{unexpected[:5]}, wrong shape {reshaped[:5]}"
             )
+        check_finite(state.items())
 
     def load_state(self, data: bytes, expected_digest: str, version: int) -> None:
         """Copy the weights in and set the version (caller holds the batch lock).

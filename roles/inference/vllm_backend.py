@@ -13,7 +13,9 @@ How the ``Backend`` contract maps onto vLLM:
   so the logprob of a sampled token is taken after temperature/top-k/top-p, like the
   torch backend's; greedy requests report the unscaled log-softmax;
 - weights: the bytes are verified against the digest, written as a safetensors file
-  under ``weights_dir``, and loaded by every vLLM worker through ``collective_rpc``
+  under ``weights_dir``, checked finite tensor by tensor from that file
+  (``backend.check_finite``: a NaN or an inf refuses them before the engine is paused),
+  and loaded by every vLLM worker through ``collective_rpc``
   into ``model_runner.model.load_weights`` (``WeightLoaderExtension`` below is mixed
   into vLLM's worker via ``worker_extension_cls``); the prefix cache is reset after,
   since cached KV from old weights is wrong. To keep "never mid-batch" for an engine
@@ -40,7 +42,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from roles.inference.backend import admit_generate, admit_score
+from roles.inference.backend import admit_generate, admit_score, check_finite
 from roles.lib.model.weights import WeightsDigestMismatch
 from roles.lib.model.weights import digest as weights_digest
 from schemas import GenerateRequest, GenerateResult, InferenceFailed, ScoreRequest, ScoreResult
@@ -280,6 +282,11 @@ class VllmBackend:
             raise WeightsDigestMismatch(digest, actual)
         path = self._weights_dir / f"policy-v{version}.safetensors"
         await asyncio.to_thread(_write_atomically, path, data)
+        try:
+            await asyncio.to_thread(_check_finite_file, path)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         async with self._gate.swap():  # no request in flight: none sees two versions
             await self._engine.collective_rpc("rlbus_load_weights", args=(str(path),))
             await self._engine.reset_prefix_cache()
@@ -295,6 +302,15 @@ class VllmBackend:
         shutdown = getattr(self._engine, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _check_finite_file(path: Path) -> None:
+    """``check_finite`` over a safetensors file, one tensor in memory at a time (the
+    file is memory-mapped: a large model is not held twice)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        check_finite((name, f.get_tensor(name)) for name in f.keys())
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -30,6 +30,7 @@ from schemas import (
     SamplingParams,
     TaskRef,
     TaskRequested,
+    batch_id,
     derive_id,
     stable_seed,
 )
@@ -135,7 +136,7 @@ class Decider:
             self.emit(
                 BatchAssembled(
                     run=self.run,
-                    event_id=derive_id(self.run, "batch", step),
+                    event_id=batch_id(self.run, step),
                     step=step,
                     samples=samples,
                     policy_version=s.trainer_version,

@@ -9,6 +9,17 @@ fixed intra-op thread count (``RLBUS_TORCH_THREADS``, default 1: float sums depe
 how work is split across threads). The learning rate is a pure function of the step
 (``lr_at``), so the "scheduler" needs no state beyond ``step``.
 
+Two kinds of step train nothing, and both still count as a step (``step`` moves on, the
+weights stay as they were, so the trainer announces them unchanged as that version and
+the run goes on): a **refused** batch, one holding a sample ``Sample.problem`` refuses
+(or an unknown phase): ``train_step`` raises ``bus.errors.Rejected`` naming the step,
+the sample and the problem before anything is trained, and the caller steps over it
+with ``refuse_step`` (metrics ``refused_batch=1``); and a **non-finite** step, whose
+loss or gradient norm (over the whole batch, on every rank) is a NaN or an infinity: no
+optimizer step, the gradients are dropped, and its metrics say ``nonfinite_step=1``
+with the loss. Both are pure functions of the batch, so a restart and a replay step
+over exactly the same batches and reach the same weights.
+
 A checkpoint is a snapshot of the fold: ``<run_dir>/checkpoints/step-<8 digits>/`` with
 ``model.safetensors``, ``optimizer.pt`` and ``state.json`` (step, weights digest, the
 caller's ``extra``). It is written to a temporary sibling and renamed into place, so a
@@ -35,11 +46,12 @@ from typing import Any
 
 import torch
 
+from bus.errors import Rejected
 from configs import RunConfig
 from configs.paths import CHECKPOINT_PREFIX, RunPaths
 from roles.lib.model.loading import load_model, resolve_device
 from roles.lib.model.weights import digest, load_state_bytes, state_dict_to_bytes
-from roles.trainer.loss import LossStats, loss_denominators, policy_loss
+from roles.trainer.loss import PHASES, LossStats, loss_denominators, policy_loss
 from roles.trainer.packing import MicroBatch, collate, pack
 from schemas import BatchAssembled, stable_seed
 
@@ -52,6 +64,21 @@ class StepOutOfOrder(Exception):
 
 class BatchGap(StepOutOfOrder):
     """A batch past the next step: an earlier batch is missing."""
+
+
+def batch_problem(batch: BatchAssembled) -> str | None:
+    """Why ``batch`` cannot be trained at all, or None.
+
+    A pure function of the batch (no config, no model): rank 0, the other ranks, a
+    restarted trainer and a replay all refuse exactly the same batches, which is what
+    lets a refused batch count as a step without breaking bit-exact replay.
+    """
+    if batch.phase not in PHASES:
+        return f"batch step {batch.step}: unknown phase {batch.phase!r} (expected one of {PHASES})"
+    for i, sample in enumerate(batch.samples):
+        if (problem := sample.problem()) is not None:
+            return f"batch step {batch.step} sample {i} (rollout {sample.rollout_id}): {problem}"
+    return None
 
 
 def lr_at(cfg: RunConfig, step: int, phase: str = "rl") -> float:
@@ -207,11 +234,41 @@ class TrainerCore:
         mbs = [collate(batch.samples, g, self.pad_id) for g in groups]
         return mbs, loss_denominators([mb.loss for mb in mbs], batch.phase, cfg.loss.normalize)
 
+    def check_trainable(self, batch: BatchAssembled) -> None:
+        """Raise ``Rejected`` (dead-lettered at once, never retried) for a batch that
+        ``batch_problem`` refuses; the caller then steps over it with ``refuse_step``."""
+        if (problem := batch_problem(batch)) is not None:
+            raise Rejected(f"refused: {problem}")
+
     def train_step(self, batch: BatchAssembled) -> dict[str, float]:
-        """Train on ``batch`` (which must be step ``self.step + 1``); returns its metrics."""
+        """Train on ``batch`` (which must be step ``self.step + 1``); returns its metrics.
+
+        A refused batch raises ``Rejected`` before anything is trained (see the module
+        docstring; ``refuse_step`` then counts it as a step)."""
         self.check_next(batch)
+        self.check_trainable(batch)
         start = time.perf_counter()
         return self.train_packed(batch, *self.micro_batches(batch), start=start)
+
+    def refuse_step(self, batch: BatchAssembled) -> dict[str, float]:
+        """Count the refused ``batch`` as step ``batch.step`` that trained nothing.
+
+        Weights, optimizer state and RNG are untouched: the version this step announces
+        is the previous weights, and the next batch follows it. Without this a refused
+        batch would leave a hole in the steps that every later batch waits behind
+        (``BatchGap``), and the orchestrator, which waits for the trainer's versions,
+        would wait for ever. A batch that can be trained is never stepped over.
+        """
+        self.check_next(batch)
+        if batch_problem(batch) is None:
+            raise ValueError(f"batch step {batch.step} is trainable: it must not be refused")
+        self.step = batch.step
+        return {
+            "refused_batch": 1.0,
+            "samples": float(len(batch.samples)),
+            "tokens": float(sum(len(s) for s in batch.samples)),
+            "world_size": float(self.world_size),
+        }
 
     def train_packed(
         self,
@@ -254,15 +311,21 @@ class TrainerCore:
             grad_norm = (
                 _norm(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if params else 0.0
             )
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+            # Both numbers are over the whole batch (summed over ranks; the norm of
+            # sharded gradients is global), so every rank takes the same decision.
+            finite = math.isfinite(stats.loss) and math.isfinite(grad_norm)
+            if finite:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
+            # A non-finite step is dropped whole: no optimizer step, its gradients gone.
             self.optimizer.zero_grad(set_to_none=True)
         self.step = batch.step
         elapsed = time.perf_counter() - start
         tokens = sum(len(s) for s in samples)
         return {
             **stats.finalize(),
+            **({} if finite else {"nonfinite_step": 1.0}),
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens": float(tokens),

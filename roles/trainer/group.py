@@ -4,7 +4,8 @@ Rank 0 is the trainer role's own process: it alone talks to NATS (one durable co
 position, one ``weights.published`` and one ``metrics.reported.trainer`` per step, after
 the step is complete on every rank). It starts ranks ``1..N-1`` as child processes
 (``python -m roles.trainer.rank``) and drives them over their stdin with length-framed
-msgpack commands: ``Train(batch)``, ``Gather`` (the full weights, for publishing),
+msgpack commands: ``Train(batch)`` (also a batch rank 0 refused, after refusing it:
+the other ranks step over it the same way), ``Gather`` (the full weights, for publishing),
 ``Save(folder)``/``Load(folder)`` (a sharded checkpoint), ``Reconfigure(config)`` (a
 replay's fork). Each command is sent just before rank 0 runs the same call, so every
 rank enters the same collectives in the same order (``roles.trainer.sharded``).
@@ -219,11 +220,20 @@ class GroupLeader(ShardedCore):
 
     def train_step(self, batch: BatchAssembled) -> dict[str, float]:
         # A gap or a malformed batch is the batch's fault, not the group's: it raises here,
-        # before any rank sees it, and is retried, then dead-lettered, as on one rank.
+        # before any rank sees it, as on one rank (a gap is retried, then dead-lettered; a
+        # refused batch raises Rejected, and the role steps over it with refuse_step).
         self.check_next(batch)
+        self.check_trainable(batch)
         start = time.perf_counter()
         mbs, denominators = self.micro_batches(batch)
         return self._together(Train(batch), self.train_packed, batch, mbs, denominators, start)
+
+    def refuse_step(self, batch: BatchAssembled) -> dict[str, float]:
+        # Checked and stepped over here first; then the other ranks step over it too
+        # (ShardedCore.train_step), so every rank's fold is at the same step.
+        metrics = super().refuse_step(batch)
+        self.ranks.tell(Train(batch))
+        return metrics
 
     def weights_bytes(self) -> bytes:
         return self._together(Gather(), super().weights_bytes)

@@ -23,6 +23,19 @@ it, so a restart never trains a batch twice or skips one:
    then dead-lettered, never silently skipped (catch-up stops at a gap and leaves it
    to this consumer).
 
+A batch the trainer refuses (a sample with ``Sample.problem``: a NaN advantage, a
+misaligned array, ...; see ``core.batch_problem``) counts as a step that trained nothing:
+nothing is trained on any rank, its version is announced with the weights unchanged
+and metrics ``refused_batch=1``, and then the batch is dead-lettered at once
+(``Rejected``: its after-publish hook raises it, so the announcement is stored first).
+The next batch follows it as usual, so one bad batch never stalls the run, and a
+restart (catch-up) or a replay steps over the same batch the same way (catch-up logs
+``trainer.batch_refused`` but records no dead letter: that is the consumer's, and a
+trainer that died between the announcement and the dead letter leaves only the
+metrics' ``refused_batch=1``). A step whose loss or gradient norm is not finite is
+not applied (``nonfinite_step=1``, logged as ``trainer.nonfinite_step``): its version is
+the previous weights, announced as usual.
+
 Each step runs in a worker thread so heartbeats and ``in_progress`` keep flowing. The
 handler returns the step's announcement (``Effects``: the weights are stored, the
 events are for the runtime to publish); its after-publish hook marks the step announced
@@ -54,7 +67,8 @@ from pathlib import Path
 import nats.errors
 
 from bus.consumer import Delivery, Effects, Subscription, commit
-from bus.errors import BusError, HandlerBroken
+from bus.errors import BusError, HandlerBroken, Rejected
+from bus.follower import Follow
 from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
 from bus.runtime import Bus
@@ -71,6 +85,7 @@ from schemas import (
     MetricsReported,
     ObjectRef,
     WeightsPublished,
+    batch_id,
     derive_id,
 )
 
@@ -90,6 +105,7 @@ class _Pending:
     recorded: WeightsPublished | None  # its announcement already on the stream (catch-up)
     events: list[Event] | None = None  # its announcement, once its weights are stored
     digest: str = ""
+    refused: str | None = None  # why the batch was refused (a step that trained nothing)
 
 
 class TrainerRole(Role):
@@ -125,7 +141,7 @@ class TrainerRole(Role):
             raise RuntimeError("the trainer is not set up yet")
         return self._core
 
-    def subscriptions(self) -> list[Subscription]:
+    def subscriptions(self) -> list[Subscription | Follow]:
         return [self.sub]
 
     def background(self) -> list[Awaitable[None]]:
@@ -182,8 +198,10 @@ class TrainerRole(Role):
                 async for seq, batch in batches:
                     if self.stop_event.is_set():
                         return
-                    if batch.step <= self.core.step:
-                        continue
+                    if batch.step <= self.core.step or batch.event_id != batch_id(
+                        self.run, batch.step
+                    ):
+                        continue  # trained, or not the orchestrator's (dead-lettered live)
                     try:
                         self.core.check_next(batch)
                     except BatchGap:
@@ -236,6 +254,8 @@ class TrainerRole(Role):
             raise HandlerBroken(str(e)) from e
 
     async def _on_batch(self, batch: BatchAssembled, delivery: Delivery) -> Effects | None:
+        if batch.event_id != batch_id(self.run, batch.step):
+            raise Rejected(f"batch.assembled step {batch.step} is not the orchestrator's")
         wait_s = time.monotonic() - self.idle_since
         if batch.step > self.core.step:
             for p in self.pending:  # announced again first (their weights, before the next step)
@@ -245,7 +265,15 @@ class TrainerRole(Role):
         elif not self.pending:
             self.log.info("trainer.batch_already_trained", step=batch.step, current=self.core.step)
             return None  # idempotent by step: its effects are already on the stream
-        return await self._announcement()
+        return await self._announcement(refused=self._refusal_of(batch))
+
+    def _refusal_of(self, batch: BatchAssembled) -> str | None:
+        """Why this very batch was refused, if it was (a pending step of another batch
+        that was refused is announced, not dead-lettered again with this one)."""
+        for p in self.pending:
+            if p.batch.event_id == batch.event_id and p.refused is not None:
+                return p.refused
+        return None
 
     async def _train(
         self,
@@ -254,17 +282,37 @@ class TrainerRole(Role):
         wait_s: float,
         recorded: WeightsPublished | None = None,
     ) -> None:
-        metrics = await asyncio.to_thread(self.core.train_step, batch)
-        self.pending.append(_Pending(batch, seq, {**metrics, "wait_s": wait_s}, recorded))
+        refused = None
+        try:
+            metrics = await asyncio.to_thread(self.core.train_step, batch)
+        except Rejected as e:  # refused before anything was trained: a step all the same
+            refused = str(e)
+            metrics = await asyncio.to_thread(self.core.refuse_step, batch)
+            self.log.error("trainer.batch_refused", step=batch.step, seq=seq, reason=refused)
+        if metrics.get("nonfinite_step"):
+            self.log.warning(
+                "trainer.nonfinite_step", step=batch.step, loss=metrics.get("loss"),
+                grad_norm=metrics.get("grad_norm"), detail="not applied: weights unchanged",
+            )  # fmt: skip
+        metrics = {**metrics, "wait_s": wait_s}
+        self.pending.append(_Pending(batch, seq, metrics, recorded, refused=refused))
 
-    async def _announcement(self) -> Effects:
+    async def _announcement(self, refused: str | None = None) -> Effects:
         """The announcement of every pending step: weights stored, events to publish, and
-        the hook that marks them announced once the events are stored."""
+        the hook that marks them announced once the events are stored. With ``refused``
+        (the batch in hand was refused) the hook then raises ``Rejected``, so the consumer
+        dead-letters that batch once its step is announced."""
         for p in self.pending:
             await self._prepare(p)
         done = list(self.pending)
         events = [e for p in done for e in p.events or ()]
-        return Effects(events, after_publish=lambda: self._announced_once(done))
+
+        async def after_publish() -> None:
+            await self._announced_once(done)
+            if refused is not None:
+                raise Rejected(refused)
+
+        return Effects(events, after_publish=after_publish)
 
     async def _prepare(self, p: _Pending) -> None:
         """Store the weights of a step just trained and build its events (once: a retry
@@ -316,9 +364,9 @@ class TrainerRole(Role):
         for p in done:
             self.last_batch_seq = p.seq
             self.log.info(
-                "trainer.step", step=p.batch.step, loss=p.metrics["loss"],
-                grad_norm=p.metrics["grad_norm"], step_s=round(p.metrics["step_s"], 3),
-                digest=p.digest[:19],
+                "trainer.step", step=p.batch.step, loss=p.metrics.get("loss"),
+                grad_norm=p.metrics.get("grad_norm"), step_s=round(p.metrics.get("step_s", 0.0), 3),
+                digest=p.digest[:19], refused=p.refused is not None,
             )  # fmt: skip
         interval = self.cfg.trainer.checkpoint_interval
         if interval and any(p.batch.step % interval == 0 for p in done):

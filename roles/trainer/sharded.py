@@ -11,7 +11,14 @@ FSDP2's reduce-scatter sums (divide factor 1) instead of averaging. FSDP runs a
 collective in every forward and backward, so each rank runs as many passes: a rank
 short of a micro-batch (or holding one that trains no token) runs a zero-weighted pass,
 which adds exact zeros. Loss stats are summed over ranks before they are reported;
-the gradient norm of the DTensor parameters is already global.
+the gradient norm of the DTensor parameters is already global. So the decision to drop
+a non-finite step (``TrainerCore``) is taken on the same numbers on every rank, and
+every rank skips the same optimizer step.
+
+A refused batch (``core.batch_problem``) is refused by rank 0 before any rank trains
+it; rank 0 then sends it on so that the other ranks step over it too (their
+``train_step`` meets the same problem and calls ``refuse_step``: no collective runs), and
+every rank's fold stays at the same step.
 
 Gloo on CPU sums in a fixed order for a fixed world size, so a 2-rank run is bit for bit
 reproducible by a 2-rank replay (but differs from a 1-rank run in the last bits: the
@@ -46,8 +53,9 @@ from torch.distributed.fsdp import fully_shard
 
 from configs import RunConfig
 from roles.lib.model.weights import digest, tensors_to_bytes, tied_keys
-from roles.trainer.core import TrainerCore
+from roles.trainer.core import TrainerCore, batch_problem
 from roles.trainer.loss import LossStats
+from schemas import BatchAssembled
 
 _STAT_FIELDS = tuple(LossStats.__dataclass_fields__)
 
@@ -102,6 +110,13 @@ class ShardedCore(TrainerCore):
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
         return model
+
+    def train_step(self, batch: BatchAssembled) -> dict[str, float]:
+        """On ranks 1..N-1: a batch rank 0 refused is stepped over here too (rank 0 never
+        sends one it did not refuse first: see ``GroupLeader.refuse_step``)."""
+        if self.rank and batch_problem(batch) is not None:
+            return self.refuse_step(batch)
+        return super().train_step(batch)
 
     def share(self, n_micro_batches: int, step: int) -> list[int | None]:
         ws, r = self.world_size, self.rank

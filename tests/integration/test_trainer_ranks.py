@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from bus.errors import Rejected
 from configs import RunConfig, load_config
 from roles.lib.model.loading import load_model
 from roles.lib.model.tiny import build_tiny_model
@@ -107,10 +108,10 @@ def test_a_dead_rank_breaks_the_group_at_once(two_ranks: TrainerCore) -> None:
 
 def test_a_malformed_batch_fails_alone_and_the_group_trains_on(two_ranks: TrainerCore) -> None:
     """A batch every rank would reject is rejected on rank 0 before any rank sees it: an
-    ordinary error (retried, then dead-lettered, as on one rank), not a broken group."""
+    refusal (Rejected: dead-lettered at once, as on one rank), not a broken group."""
     good = BATCHES[0]
     bad_sample = msgspec.structs.replace(good.samples[0], logprobs=pack_f32([0.0]))
     bad = msgspec.structs.replace(good, samples=[bad_sample, *good.samples[1:]])
-    with pytest.raises(ValueError, match="logprobs has 1 entries for"):
+    with pytest.raises(Rejected, match="sample 0 .*logprobs has 1 values for"):
         two_ranks.train_step(bad)
     assert two_ranks.train_step(good)["loss_tokens"] > 0 and two_ranks.step == 1

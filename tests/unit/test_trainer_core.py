@@ -14,7 +14,7 @@ from configs import RunConfig, load_config
 from roles.lib.model.tiny import build_tiny_model
 from roles.lib.model.tokenizer import build_tokenizer
 from roles.trainer.core import StepOutOfOrder, TrainerCore, latest_checkpoint, lr_at
-from schemas import BatchAssembled, Sample, derive_id, stable_seed
+from schemas import BatchAssembled, Sample, batch_id, stable_seed
 from schemas.arrays import pack_f32, pack_i32, pack_mask
 
 TOKENIZER = build_tokenizer()
@@ -54,7 +54,7 @@ def synthetic_batch(run: str, step: int, n_samples: int = 8, phase: str = "rl") 
         for i in range(n_samples)
     ]
     return BatchAssembled(
-        run=run, event_id=derive_id("synthetic-batch", run, step), step=step, samples=samples,
+        run=run, event_id=batch_id(run, step), step=step, samples=samples,
         policy_version=step - 1, num_tokens=sum(len(s) for s in samples), phase=phase,
     )  # fmt: skip
 
