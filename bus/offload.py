@@ -81,11 +81,17 @@ class BodyStore:
         return data
 
     async def _info(self, name: str) -> ObjectInfo:
-        obs = await self.store()
+        """The info of a stored object; a ``BodyError`` for anything that makes it
+        unreadable, a bucket that does not exist or cannot (a reference read from the
+        log names it: a read never creates a bucket) included."""
         try:
-            return await obs.get_info(name)
-        except nats.js.errors.ObjectNotFoundError as e:
+            if self._obs is None:
+                self._obs = await self.js.object_store(self.bucket)
+            return await self._obs.get_info(name)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError) as e:
             raise BodyError(f"object {self.bucket}/{name} is missing") from e
+        except (nats.js.errors.InvalidBucketNameError, nats.js.errors.InvalidObjectNameError) as e:
+            raise BodyError(f"object {self.bucket}/{name} cannot exist: {e!r}") from e
 
     async def read(self, name: str) -> bytes:
         """Every chunk of ``name`` in order, its chunk digest checked (no reference needed).

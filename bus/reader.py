@@ -280,6 +280,28 @@ async def last_seq(bus: Bus, topic: Topic, key: str | None = None) -> int:
     return int(msg.seq or 0)
 
 
+async def first_event(
+    bus: Bus, topic: Topic, types: tuple[type, ...], accept: Callable[[Any], bool]
+) -> Any:
+    """The oldest event on ``topic`` that decodes as one of ``types`` and that ``accept``
+    takes, or None: undecodable or refused messages before it are stepped over (a
+    reader of the run's start must not die on, or believe, what someone put after it)."""
+    seq = 1
+    subject = filter_subject(bus.run, topic, None)
+    while True:
+        try:
+            msg = await bus.js.get_msg(bus.stream, seq=seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        seq = (msg.seq or seq) + 1
+        try:
+            event = await stored_event(bus, msg)  # type: ignore[arg-type]
+        except (DecodeError, BodyError):
+            continue
+        if isinstance(event, types) and accept(event):
+            return event
+
+
 async def last_event(
     bus: Bus, topic: Topic, types: tuple[type, ...], key: str | None = None
 ) -> Any:

@@ -2,7 +2,9 @@
 
 JetStream on, loopback only (``-a 127.0.0.1``: the server binds 0.0.0.0 by default), a
 given data dir, a given or random port. Readiness is read from the server's log, and
-only the process this object started is ever stopped.
+only the process this object started is ever stopped. A server that died is restarted
+on the same port, store and name (``restart``); ``rlbus up`` does that, and reuses them
+for ``--resume`` (``EmbeddedServer.for_run``).
 
     rlbus nats --data-dir runs/nats     # the same thing in the foreground
 
@@ -12,6 +14,7 @@ embedded server already running on the run's store, or a temporary one started o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -35,6 +38,7 @@ _READY = "Server is ready"
 SERVER_FILE = "server.json"  # under the store, while the server runs: {"url", "pid"}
 STORE_SUBDIR = "jetstream"  # the JetStream data under the store
 NATS_URL_ENV = "RLBUS_NATS_URL"  # a NATS URL to use instead of the run's embedded server
+ADDRESS_FILE = "server-address.json"  # under the store, kept: {"port", "name"} last served
 
 
 def find_binary() -> str:
@@ -53,14 +57,36 @@ def find_binary() -> str:
 
 
 class EmbeddedServer:
-    """One nats-server process owned by this object."""
+    """One nats-server process owned by this object.
 
-    def __init__(self, data_dir: str | Path, port: int = -1, host: str = "127.0.0.1"):
-        self.data_dir = Path(data_dir)
-        self.port = port  # -1: let the server pick a free port
+    Once started it restarts as it was started (``restart``, after it died): the same
+    port, absolute store path and server name, so clients that hold its URL (every role
+    of a run) reconnect to it and find the same streams."""
+
+    def __init__(
+        self, data_dir: str | Path, port: int = -1, host: str = "127.0.0.1", name: str = ""
+    ):
+        self.data_dir = Path(data_dir).absolute()  # a restart from another cwd: same store
+        self.port = port  # -1: let the server pick a free port (kept once it has)
         self.host = host
+        self.name = name or f"rlbus-{os.getpid()}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self._log_from = 0  # where this start's lines begin in the log
+
+    @classmethod
+    def for_run(cls, data_dir: str | Path) -> EmbeddedServer:
+        """The launcher's server of a run's store: on the port and with the name the store
+        was last served with (``rlbus up --resume``) when that port is free, else on a new
+        port. Every start records them (``ADDRESS_FILE``)."""
+        try:
+            last = json.loads((Path(data_dir) / ADDRESS_FILE).read_text())
+            port, name = int(last["port"]), str(last["name"])
+        except (OSError, ValueError, KeyError, TypeError):
+            port, name = -1, ""
+        if port > 0 and not port_free("127.0.0.1", port):
+            port = -1
+        return cls(data_dir, port=port, name=name)
 
     @property
     def log_path(self) -> Path:
@@ -71,14 +97,54 @@ class EmbeddedServer:
         """Written while running so other CLI commands can find this server."""
         return self.data_dir / SERVER_FILE
 
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The return code of the process that ended (negative: killed by that signal)."""
+        return None if self.proc is None else self.proc.poll()
+
     def start(self, timeout: float = 20.0) -> EmbeddedServer:
+        self.spawn(fresh_log=True)
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(
+                    f"nats-server not ready after {timeout}s; log: {self.log_path}"
+                )
+            time.sleep(0.02)
+        return self
+
+    async def restart(self, timeout: float = 20.0) -> None:
+        """Start it again as it was started (same port, store and name), after it died.
+
+        Call it from the thread that started it (the event loop's; see
+        ``bus.children``). The log is appended to, so it keeps why the last one died."""
+        self.stop()
+        self.spawn(fresh_log=False)
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(
+                    f"nats-server not back after {timeout}s; log: {self.log_path}"
+                )
+            await asyncio.sleep(0.02)
+
+    def spawn(self, fresh_log: bool) -> None:
+        """Start the process; ``ready`` says when it serves."""
         binary = find_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path.write_text("")
+        if fresh_log or not self.log_path.exists():
+            self.log_path.write_text("")
+        self._log_from = self.log_path.stat().st_size
         cmd = [
             binary, "-js", "-a", self.host, "-p", str(self.port),
             "-sd", str(self.data_dir / STORE_SUBDIR), "-l", str(self.log_path),
-            "--http_port", "0", "-n", f"rlbus-{os.getpid()}",
+            "--http_port", "0", "-n", self.name,
         ]  # fmt: skip
         # Own session: a terminal Ctrl-C must reach our owner, not the server, so roles can
         # still drain (ack, publish) through it; the owner stops it last. If the owner dies
@@ -87,26 +153,26 @@ class EmbeddedServer:
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             preexec_fn=die_with_parent(signal.SIGTERM),
         )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        port = None
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
-            if m := _LISTEN.search(text):
-                port = int(m.group(2))
-            if port and _READY in text:
-                self.url = f"nats://{self.host}:{port}"
-                self.info_path.write_text(json.dumps({"url": self.url, "pid": self.proc.pid}))
-                return self
-            if self.proc.poll() is not None:
-                err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(
-                    errors="replace"
-                )
-                raise ServerStartError(
-                    f"nats-server exited with {self.proc.returncode}: {err or text}"
-                )
-            time.sleep(0.02)
-        self.stop()
-        raise ServerStartError(f"nats-server not ready after {timeout}s; log: {self.log_path}")
+
+    def ready(self) -> bool:
+        """Whether the spawned server is ready (then ``url`` and ``port`` are set and its
+        files written); ``ServerStartError`` when it exited instead."""
+        assert self.proc is not None, "spawn() first"
+        with self.log_path.open("rb") as f:
+            f.seek(self._log_from)
+            text = f.read().decode(errors="replace")
+        m = _LISTEN.search(text)
+        if m and _READY in text:
+            self.port = int(m.group(2))
+            self.url = f"nats://{self.host}:{self.port}"
+            self.info_path.write_text(json.dumps({"url": self.url, "pid": self.proc.pid}))
+            address = {"port": self.port, "name": self.name}
+            (self.data_dir / ADDRESS_FILE).write_text(json.dumps(address))
+            return True
+        if self.proc.poll() is not None:
+            err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")
+            raise ServerStartError(f"nats-server exited with {self.proc.returncode}: {err or text}")
+        return False
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the process we started (SIGTERM, then SIGKILL). Safe to call twice."""
@@ -129,6 +195,17 @@ class EmbeddedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether ``port`` can be listened on now (what nats-server will try)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def running_server_url(data_dir: str | Path) -> str | None:

@@ -113,6 +113,11 @@ INFER = "infer"
 ROLES_BUCKET = "rl_roles"  # live role registry, keys "<run>.<role>.<instance>"
 
 
+def is_token(value: str) -> bool:
+    """Whether ``value`` may be a subject token (a run, a key, a model name)."""
+    return bool(_TOKEN.match(value))
+
+
 def check_token(value: str, what: str = "name") -> str:
     """Subject tokens must be plain: a dot or wildcard would change the subject's meaning."""
     if not _TOKEN.match(value):

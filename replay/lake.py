@@ -116,14 +116,32 @@ def to_frame(table: str, rows: list[dict[str, Any]]) -> pl.DataFrame:
     return pl.DataFrame(series)
 
 
+def has_nan(series: pl.Series) -> bool:
+    """Whether a float anywhere in ``series`` (lists and structs included) is NaN."""
+    dtype = series.dtype
+    if dtype.is_float():
+        return bool(series.is_nan().any())
+    if isinstance(dtype, pl.List):
+        return has_nan(series.list.explode())
+    if isinstance(dtype, pl.Struct):
+        return any(has_nan(field) for field in series.struct.unnest().get_columns())
+    return False
+
+
 def write_part(lake: Path, table: str, frame: pl.DataFrame) -> Path:
-    """Write one part atomically: a reader sees the whole file or none of it."""
+    """Write one part atomically: a reader sees the whole file or none of it.
+
+    A part that holds a NaN is written without column statistics: Parquet's min/max
+    leave NaN out, and a reader that prunes on them (DuckDB's filter pushdown) skipped
+    those rows, so ``WHERE isnan(value)`` missed what an aggregate found. A part without
+    NaN keeps its statistics (they are exact), so pruning on ``seq`` or ``step`` stays."""
     first, last = int(frame["seq"].min()), int(frame["seq"].max())  # type: ignore[arg-type]
     folder = lake / table
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"part-{first:012d}-{last:012d}.parquet"
     tmp = folder / f".{path.name}.tmp"
-    frame.write_parquet(tmp, compression="zstd")
+    statistics = not any(has_nan(column) for column in frame.get_columns())
+    frame.write_parquet(tmp, compression="zstd", statistics=statistics)
     os.replace(tmp, path)
     return path
 

@@ -5,7 +5,8 @@
     frame = query("select * from train_metrics_wide", "runs", "smoke1")   # a polars DataFrame
 
 Views read the Parquet parts in place (``read_parquet(..., union_by_name=true)``, so
-parts written before a new named reward appeared still union). A table with no parts
+parts written before a new named reward appeared still union; ``can_have_nan``, so a
+filter on a float column finds its NaNs: ``_parquet_options``). A table with no parts
 yet is an empty view with the declared columns, so every documented query runs on any
 run. Call ``replay.lake.sync`` first (``rlbus sql`` does) to see the newest events; a
 connection sees the parts that existed when it was made.
@@ -69,6 +70,23 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _parquet_options(con: duckdb.DuckDBPyConnection) -> str:
+    """Options of every ``read_parquet`` of the lake.
+
+    Parquet writers leave NaN out of a float column's min/max statistics, and DuckDB by
+    default reads them as "no NaN here", so a pushed-down filter skipped whole row
+    groups: ``WHERE isnan(value)`` found nothing where ``count(*) FILTER (WHERE
+    isnan(value))`` found the NaNs (``value > x`` missed them too: NaN sorts above every
+    number). The lake now writes no statistics into a part that holds a NaN
+    (``replay.lake.write_part``); ``can_have_nan`` covers parts written before that, on
+    a DuckDB that has the option."""
+    known = con.sql(
+        "SELECT bool_or(list_contains(parameters, 'can_have_nan')) FROM duckdb_functions() "
+        "WHERE function_name = 'read_parquet'"
+    ).fetchall()
+    return ", union_by_name=true" + (", can_have_nan=true" if known[0][0] else "")
+
+
 def table_glob(data_dir: str | Path, run: str | None, table: str) -> str:
     """The glob of a table's parts: one run's, or every run's under ``data_dir``."""
     return str(RunPaths(Path(data_dir), run or "*").lake / table / "*.parquet")
@@ -79,11 +97,12 @@ def connect(
 ) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the lake's views (see the module docstring)."""
     con = duckdb.connect(database)
+    options = _parquet_options(con)
     root = Path(data_dir)
     for t in TABLES:
         pattern = table_glob(root, run, t)
         if list(root.glob(str(Path(pattern).relative_to(root)))):
-            source = f"read_parquet({_literal(pattern)}, union_by_name=true)"
+            source = f"read_parquet({_literal(pattern)}{options})"
         else:  # no parts yet: an empty relation with the declared columns
             con.register(f"_{t}_empty", to_frame(t, []).to_arrow())
             source = f"_{t}_empty"
@@ -97,7 +116,7 @@ def connect(
     shadow = str(RunPaths(root, run or "*").shadow_samples / "*.parquet")
     if list(root.glob(str(Path(shadow).relative_to(root)))):
         con.execute(
-            f"CREATE VIEW shadow_samples AS SELECT * FROM read_parquet({_literal(shadow)}, union_by_name=true)"
+            f"CREATE VIEW shadow_samples AS SELECT * FROM read_parquet({_literal(shadow)}{options})"
         )
     else:
         con.execute("CREATE VIEW shadow_samples AS SELECT * FROM _samples WHERE false")

@@ -29,7 +29,7 @@ from schemas.rollout import (
     TraceCompleted,
     TraceError,
 )
-from schemas.run import ObjectRef, RunStarted, RunStopped
+from schemas.run import ObjectRef, RunStarted, RunStopped, run_started_id, run_stopped_id
 from schemas.training import (
     AlgorithmAttached,
     AlgorithmDetached,
@@ -67,6 +67,8 @@ def schema_of(cls: type[msgspec.Struct]) -> tuple[str, int]:
 
 __all__ = [
     "batch_id",
+    "run_started_id",
+    "run_stopped_id",
     "EVENT_TYPES",
     "AlgorithmAttached",
     "AlgorithmDetached",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schemas.base import Event, Record
+from schemas.base import Event, Record, derive_id
 
 
 class ObjectRef(Record, frozen=True):
@@ -25,6 +25,18 @@ class RunStarted(Event, frozen=True, tag="run_started/1"):
     model_path: str
     initial_weights: ObjectRef | None = None  # weights of policy version 0
     resumed: bool = False
+
+
+def run_started_id(run: str) -> str:
+    """The id of the orchestrator's ``run.started``: readers of the run's start take the
+    first ``run.started`` with it (``roles.runtime.context.read_run_started``)."""
+    return derive_id(run, "started")
+
+
+def run_stopped_id(run: str) -> str:
+    """The id of the orchestrator's ``run.stopped`` (a run stops once): the orchestrator
+    and the launcher take no other."""
+    return derive_id(run, "stopped")
 
 
 class RunStopped(Event, frozen=True, tag="run_stopped/1"):

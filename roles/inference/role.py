@@ -278,7 +278,7 @@ class InferenceRole(Role):
         weights_dir = self.run_dir / "inference" / self.instance
         self.backend = await make_backend(self.cfg, path, weights_dir)
         if self.served.follows_weights:
-            latest = await read_latest_weights(self.bus)
+            latest = await self._newest_after(-1)  # an unreadable newest: the initial ones
             if latest is not None:
                 await self._apply_weights(latest)
         model = self.served.subject_model

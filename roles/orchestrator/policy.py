@@ -32,6 +32,7 @@ from schemas import (
     TaskRequested,
     batch_id,
     derive_id,
+    run_stopped_id,
     stable_seed,
 )
 
@@ -276,7 +277,7 @@ class Decider:
         self.emit(
             RunStopped(
                 run=self.run,
-                event_id=derive_id(self.run, "stopped"),
+                event_id=run_stopped_id(self.run),
                 reason=reason,
                 step=s.trainer_version,
                 detail=detail or "",

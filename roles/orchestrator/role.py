@@ -48,6 +48,8 @@ from schemas import (
     SamplesScored,
     derive_id,
     new_id,
+    run_started_id,
+    run_stopped_id,
 )
 
 READS = (
@@ -114,7 +116,7 @@ class Orchestrator(Role):
         await self.bus.publish(
             RunStarted(
                 run=self.run,
-                event_id=derive_id(self.run, "started"),
+                event_id=run_started_id(self.run),
                 config=self.cfg.model_dump(mode="json"),
                 seed=self.cfg.seed,
                 model_path=str(weights_dir),
@@ -225,7 +227,7 @@ class Orchestrator(Role):
             await self.bus.publish(
                 RunStopped(
                     run=self.run,
-                    event_id=derive_id(self.run, "stopped"),
+                    event_id=run_stopped_id(self.run),
                     reason="stalled",
                     step=self.state.trainer_version,
                     detail=detail,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from bus.subjects import is_token
 from roles.orchestrator.merge import merge_scored
 from schemas import (
     AlgorithmAttached,
@@ -34,6 +35,8 @@ from schemas import (
     SamplesScored,
     TaskRequested,
     WeightsPublished,
+    run_started_id,
+    run_stopped_id,
 )
 
 
@@ -98,8 +101,14 @@ class OrchestratorState:
         if self.has_seen(event):
             return None  # our own decision coming back, or a duplicate: apply skips it
         match event:
-            case RunStarted() if self.started is not None:
-                return f"a second run.started (the run started with {self.started.event_id})"
+            case RunStarted() if self.started is not None or event.event_id != run_started_id(
+                event.run
+            ):
+                return "a run.started that is not the orchestrator's (or a second one)"
+            case AlgorithmAttached() if not event.name or not is_token(event.algorithm):
+                return f"algorithm.attached with no algorithm name or a bad id {event.algorithm!r}"
+            case RunStopped() if event.event_id != run_stopped_id(event.run):
+                return "a run.stopped that is not the orchestrator's"
             case TaskRequested(phase="rl" | "sft" | "eval"):
                 return f"a {event.phase} task.requested this run's orchestrator did not dispatch"
             case BatchAssembled():

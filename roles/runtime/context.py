@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.reader import last_event
+from bus.reader import first_event
 from bus.runtime import Bus, BusSettings
 from bus.subjects import Topic
 from configs import RunConfig, load_config, resolve
 from configs.paths import RunPaths, settle_data_dir
 from roles.lib.model import materialize_model
-from schemas import RunStarted
+from schemas import RunStarted, run_started_id
 
 
 def bus_settings(cfg: RunConfig) -> BusSettings:
@@ -48,8 +48,13 @@ def instance_name(role: str, suffix: str | None = None) -> str:
 
 
 async def read_run_started(bus: Bus) -> RunStarted | None:
-    """The run's ``run.started`` event, or None if the run has not started yet."""
-    started: RunStarted | None = await last_event(bus, Topic.RUN_STARTED, (RunStarted,))
+    """The run's ``run.started`` event (the orchestrator's: the first with its id), or
+    None if the run has not started yet. Garbage or a second ``run.started`` published
+    after it is neither fatal nor believed."""
+    own = run_started_id(bus.run)
+    started: RunStarted | None = await first_event(
+        bus, Topic.RUN_STARTED, (RunStarted,), lambda e: e.event_id == own
+    )
     return started
 
 

@@ -6,7 +6,8 @@
 It refuses a run id that is live or already has data unless told ``--resume`` or
 ``--fresh`` (``roles/up/run_guard.py``). It starts an embedded nats-server under
 ``runs/<run>/nats`` (unless ``--nats-url``, or the run's embedded server is already
-running there),
+running there), on the port of the run's last launch when that is free, and restarts
+it there if it dies,
 builds the tiny model if that is the configured policy, writes the resolved config to
 ``runs/<run>/config.toml``, and starts each role with the same ``rlbus role ...``
 command a user would type, logging to ``runs/<run>/logs/<role>.log``. A role that dies
@@ -18,6 +19,7 @@ then ``summary.json`` and ``curves.png`` are written next to the logs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import sys
 import time
@@ -107,7 +109,7 @@ def _launch_locked(
     cfg: RunConfig, paths: RunPaths, nats_url: str | None, live_view: bool, mode: Mode
 ) -> int:
     from bus.log import configure
-    from bus.server import reachable_server
+    from bus.server import EmbeddedServer, running_server_url
 
     run = paths.run
     paths.logs.mkdir(parents=True, exist_ok=True)
@@ -115,9 +117,14 @@ def _launch_locked(
     # With the live view on a terminal, routine lines would scroll it away: warnings only.
     configure(run=run, role="launcher", json=not live, level="WARNING" if live else "INFO")
     # --nats-url or bus.url, else the run's own embedded server (started unless running).
+    # Only a server this launcher started is watched and restarted when it dies.
     given = nats_url or cfg.bus.url
-    with reachable_server(paths.nats, given, start="always", url_env=False) as url:
-        assert url is not None
+    with contextlib.ExitStack() as stack:
+        server: EmbeddedServer | None = None
+        url = given or running_server_url(paths.nats)
+        if url is None:
+            server = stack.enter_context(EmbeddedServer.for_run(paths.nats))
+            url = server.url
         if given:  # the run's stream lives on that server, not under the run directory
             asyncio.run(_check_given_server(url, run, mode))
         paths.config.write_text(dump_toml(cfg))
@@ -125,7 +132,7 @@ def _launch_locked(
         roles = role_specs(cfg, paths, url)
         devices = role_devices(cfg, roles)
         print("devices: " + ", ".join(f"{name} {dev}" for name, dev in devices.items()), flush=True)
-        return asyncio.run(supervise(cfg, paths, url, roles, live_view))
+        return asyncio.run(supervise(cfg, paths, url, roles, live_view, server))
 
 
 async def _check_given_server(url: str, run: str, mode: Mode) -> None:

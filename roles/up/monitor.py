@@ -8,6 +8,14 @@ and evals. Its metric tables are ``roles.lib.curves.MetricCurves``, the same fol
 Counts: ``rollouts`` are train rollouts, one per ``trace.completed`` message (the rate
 and throughput count these alone); ``eval_rollouts`` are the rollouts of eval tasks, k
 per ``eval.completed`` message (``orchestrator.eval.k``), counted apart.
+
+The fold takes only what can be true of the run, since anyone who can publish to the
+run's subjects could otherwise set its reported steps or final digest (a forged
+``weights.published`` at version 10**9 once did): a batch step (the orchestrator's
+report of a batch) in 1..max_steps; a weights version in 1..the newest batch step (a
+version ahead of it waits for its batch, since the two travel on different connections);
+an eval result for a version up to the newest accepted weights. Anything else is
+skipped with one log line and counted in the summary's ``rejected``.
 """
 
 from __future__ import annotations
@@ -16,8 +24,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from bus.log import get_logger
 from roles.lib.curves import MetricCurves
-from schemas import Event, MetricsReported, RunStarted, RunStopped, WeightsPublished
+from schemas import (
+    Event,
+    MetricsReported,
+    RunStarted,
+    RunStopped,
+    WeightsPublished,
+    run_started_id,
+    run_stopped_id,
+)
 
 
 @dataclass(kw_only=True)
@@ -40,8 +57,18 @@ class RunMonitor(MetricCurves):
     stopped: RunStopped | None = None
     started: RunStarted | None = None
     final_digest: str | None = None
+    rejected: int = 0  # events that cannot be true of the run (``why_rejected``), skipped
+    undecodable: int = 0  # messages that are no readable event, skipped
+    waiting: list[WeightsPublished] = field(default_factory=list)  # ahead of their batch
 
     def apply(self, event: Event) -> None:
+        """Fold ``event`` if it can be true of the run (see the module docstring)."""
+        if isinstance(event, WeightsPublished) and self.assembled < event.version <= self.max_steps:
+            self.waiting.append(event)  # its batch report is on its way
+            return
+        if why := self.why_rejected(event):
+            self.reject(event, why)
+            return
         super().apply(event)  # the metric tables
         match event:
             case RunStarted():
@@ -55,6 +82,45 @@ class RunMonitor(MetricCurves):
             case MetricsReported(role="orchestrator") if event.step >= self.assembled:
                 self.assembled = event.step
                 self.phase = "sft" if event.values.get("sft") else "rl"
+                for weights in [w for w in self.waiting if w.version <= self.assembled]:
+                    self.waiting.remove(weights)
+                    self.apply(weights)
+
+    def why_rejected(self, event: Event) -> str | None:
+        """Why ``event`` cannot be true of this run, given what was folded so far."""
+        match event:
+            case RunStarted() if event.event_id != run_started_id(self.run):
+                return "a run.started that is not the orchestrator's"
+            case RunStopped() if event.event_id != run_stopped_id(self.run):
+                return "a run.stopped that is not the orchestrator's"
+            case WeightsPublished(version=v) if not 1 <= v <= min(self.assembled, self.max_steps):
+                return f"weights version {v}, newest batch step {self.assembled}"
+            case MetricsReported(role="orchestrator", step=s) if not 1 <= s <= self.max_steps:
+                return f"batch step {s}, max_steps {self.max_steps}"
+            case MetricsReported(role="eval", step=v) if not 0 <= v <= self.policy_version:
+                return f"eval of version {v}, newest weights version {self.policy_version}"
+        return None
+
+    def reject(self, event: Event, why: str) -> None:
+        self.rejected += 1
+        get_logger(run=self.run, role="launcher").warning(
+            "monitor.rejected", type=type(event).__name__, event_id=event.event_id,
+            producer=event.producer, why=why,
+        )  # fmt: skip
+
+    def unreadable(self, seq: int, subject: str, error: Exception) -> None:
+        """A message that is no readable event: skipped (its durable owner dead-letters
+        it; the launcher only watches)."""
+        self.undecodable += 1
+        get_logger(run=self.run, role="launcher").warning(
+            "monitor.undecodable", seq=seq, subject=subject, error=repr(error)
+        )
+
+    def finish(self) -> None:
+        """The run is over: weights still waiting for their batch never had one."""
+        waiting, self.waiting = self.waiting, []
+        for weights in waiting:
+            self.reject(weights, f"weights version {weights.version}, no batch step reported")
 
     def trace_completed(self, n: int = 1) -> None:
         """Count ``n`` train rollouts (``trace.completed`` messages)."""
@@ -126,6 +192,8 @@ class RunMonitor(MetricCurves):
             "trainer_tokens_per_s": _rounded(self.mean_tokens_per_s(), 1),
             "warmup_steps": warm,
             "final_weights_digest": self.final_digest,
+            "rejected": self.rejected + len(self.waiting),
+            "undecodable": self.undecodable,
             "eval": {str(v): m for v, m in sorted(self.eval.items())},
             "train_reward": dict(self.series(self.train, "reward_mean")),
             "loss": dict(self.series(self.trainer, "loss")),

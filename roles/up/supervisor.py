@@ -3,7 +3,9 @@
 Started by ``rlbus up`` (``roles/up/launcher.py``). It reads metrics, weights and stop
 events (and only the headers of completed traces and evals, to count rollouts) with
 ordered consumers (``RunFollower``), restarts a role process that dies and shows the last
-error of its log (``RoleKeeper``), and on ``run.stopped``, Ctrl-C, SIGTERM or SIGHUP (the
+error of its log (``RoleKeeper``), restarts the embedded nats-server it started when that
+dies, on the same port and store (``ServerKeeper``), says when a running role stops
+beating (``SilenceWatch``), and on ``run.stopped``, Ctrl-C, SIGTERM or SIGHUP (the
 terminal closed) stops every role with SIGTERM, in order, so each drains its in-flight
 work (``stop_in_order``), the view showing which role is draining.
 """
@@ -14,14 +16,19 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import time
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from bus.errors import ServerStartError
 from bus.log import get_logger
-from bus.reader import LogReader, last_seq
+from bus.reader import LogReader, last_seq, stored_event
+from bus.registry import list_roles
 from bus.runtime import Bus
+from bus.server import EmbeddedServer
 from bus.subjects import Topic, topic_of_subject
 from configs import RunConfig
 from configs.paths import RunPaths
@@ -35,6 +42,9 @@ if TYPE_CHECKING:
 
 TYPES = (MetricsReported, RunStarted, RunStopped, WeightsPublished)
 MAX_RESTARTS = 5
+# The embedded server may die this many times within the window and be restarted; once
+# more and the run stops: something kills it, and restarting it again would only hide that.
+MAX_SERVER_RESTARTS, SERVER_RESTART_WINDOW_S = 3, 60.0
 # Each stops the run like Ctrl-C: the roles drain and stop (SIGHUP: the terminal closed).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -88,8 +98,17 @@ class RunFollower:
                 await asyncio.sleep(0.05)
 
     async def _fold(self) -> None:
-        async for event in self.events.events(TYPES):
-            self.monitor.apply(event)
+        async with contextlib.aclosing(self.events.messages()) as messages:
+            async for msg in messages:
+                try:
+                    event = await stored_event(self.bus, msg)
+                except Exception as e:  # noqa: BLE001 - no message may stop the launcher
+                    # Not only DecodeError/BodyError: a forged body reference can fail in
+                    # nats-py (an invalid bucket name). Its owner dead-letters it.
+                    self.monitor.unreadable(msg.metadata.sequence.stream, msg.subject, e)
+                    continue
+                if isinstance(event, TYPES):
+                    self.monitor.apply(event)
 
     async def _count(self) -> None:
         async for msg in self.counts.messages():
@@ -138,6 +157,138 @@ class RoleKeeper:
             self.view.note(f"{r.name} died: {why}; restarted (#{r.restarts})")
             self.start(r)
         return None
+
+
+@dataclass
+class ServerKeeper:
+    """Restarts the embedded nats-server the launcher started when it dies, on the same
+    port, store and name (``EmbeddedServer.restart``): the roles' clients reconnect to
+    the URL they hold, and find the stream, consumers and KV where they were. Bounded:
+    ``MAX_SERVER_RESTARTS`` within ``SERVER_RESTART_WINDOW_S``, then the run stops."""
+
+    server: EmbeddedServer | None  # None: a server the launcher did not start
+    view: LiveView
+    log: Any
+    deaths: list[float] = field(default_factory=list)  # monotonic times, in the window
+
+    async def check(self) -> str | None:
+        """Restart the server if it died; the failure once it died too often."""
+        server = self.server
+        if server is None or server.alive:
+            return None
+        code = exit_text(server.exit_code)
+        now = time.monotonic()
+        self.deaths = [t for t in self.deaths if now - t < SERVER_RESTART_WINDOW_S] + [now]
+        if len(self.deaths) > MAX_SERVER_RESTARTS:
+            return (
+                f"nats-server died {len(self.deaths)} times in {SERVER_RESTART_WINDOW_S:.0f}s "
+                f"(last: {code}); not restarting it again; log {server.log_path}"
+            )
+        self.log.warning("nats_server.died", exit=code, url=server.url)
+        self.view.note(f"nats-server died ({code}); restarting on {server.url}")
+        started = time.monotonic()
+        try:
+            await server.restart()
+        except ServerStartError as e:
+            return f"nats-server died ({code}) and could not restart on {server.url}: {e}"
+        took = time.monotonic() - started
+        pid = server.proc.pid if server.proc else None
+        self.log.warning("nats_server.restarted", url=server.url, pid=pid, took_s=round(took, 2))
+        self.view.note(f"nats-server is back on {server.url} (pid {pid}, {took:.1f}s)")
+        return None
+
+
+def silence_limit_s(heartbeat_interval_s: float) -> float:
+    """How long a running role may go without a heartbeat before the launcher says so:
+    a few intervals (one late beat is no news), and never under 10 s."""
+    return max(10.0, 5 * heartbeat_interval_s)
+
+
+def silences(
+    last_seen: Mapping[str, float], now: float, limit_s: float, silent: Set[str]
+) -> tuple[dict[str, float], set[str]]:
+    """The news in heartbeat times (pure): the instances silent for ``limit_s`` or more
+    that were not ``silent`` yet (with how long), and the ``silent`` ones that beat again.
+
+    ``last_seen`` maps each running instance to its last heartbeat (seconds, same clock
+    as ``now``); an instance missing from it is neither news nor back."""
+    newly = {
+        name: now - seen
+        for name, seen in last_seen.items()
+        if now - seen >= limit_s and name not in silent
+    }
+    back = {name for name in silent if name in last_seen and now - last_seen[name] < limit_s}
+    return newly, back
+
+
+@dataclass
+class SilenceWatch:
+    """Says once when a running role instance stops beating (SIGSTOP, a hang, a host
+    asleep) and once when it beats again: nothing else would tell, since its process
+    is alive and the run merely waits on it."""
+
+    bus: Bus
+    view: LiveView
+    log: Any
+    roles: list[RoleProcess]
+    limit_s: float
+    silent: dict[str, float] = field(default_factory=dict)  # instance -> its last beat (s)
+
+    async def check(self) -> None:
+        try:
+            beats = await list_roles(self.bus.js, self.bus.run)
+        except Exception:  # noqa: BLE001 - the server may be down; the next check sees
+            return
+        last_seen: dict[str, float] = {}
+        pids: dict[str, int] = {}
+        for hb in beats:
+            if hb.status == "stopped" or not process_alive(hb.host, hb.pid):
+                self.silent.pop(hb.instance, None)  # ended: the role keeper speaks for it
+                continue
+            last_seen[hb.instance], pids[hb.instance] = hb.last_seen_ns / 1e9, hb.pid
+        newly, back = silences(last_seen, time.time(), self.limit_s, set(self.silent))
+        for instance, silent_s in newly.items():
+            self.silent[instance] = last_seen[instance]
+            name = self.role_of(pids[instance])
+            self.log.warning("role.silent", instance=instance, role=name, silent_s=round(silent_s))
+            self.view.silence(name or instance, last_seen[instance])
+            self.view.note(
+                f"{label(name, instance)}: no heartbeat for {silent_s:.0f}s (stopped or stuck?)"
+            )
+        for instance in back:
+            silent_s = last_seen[instance] - self.silent.pop(instance)
+            name = self.role_of(pids[instance])
+            self.log.warning(
+                "role.beats_again", instance=instance, role=name, silent_s=round(silent_s)
+            )
+            self.view.silence(name or instance, None)
+            self.view.note(f"{label(name, instance)}: beats again after {silent_s:.0f}s of silence")
+
+    def role_of(self, pid: int) -> str | None:
+        """The name of the launcher's role process with ``pid`` (None: not one of ours)."""
+        return next((r.name for r in self.roles if r.proc is not None and r.proc.pid == pid), None)
+
+    async def run(self, every_s: float) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(every_s)
+
+
+def label(name: str | None, instance: str) -> str:
+    return f"{name} ({instance})" if name else instance
+
+
+def process_alive(host: str, pid: int) -> bool:
+    """Whether a role instance's process still exists; on another host: assume it does."""
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # Producers stop before the roles they depend on: the orchestrator stops dispatching, env
@@ -204,11 +355,17 @@ def stopped_text(r: RoleProcess, since: float) -> str:
 
 
 async def keep_running(
-    keeper: RoleKeeper, follower: RunFollower, view: LiveView, stop: asyncio.Event
+    keeper: RoleKeeper,
+    follower: RunFollower,
+    view: LiveView,
+    stop: asyncio.Event,
+    server: ServerKeeper | None = None,
 ) -> str | None:
-    """Until the run stops or ``stop`` is set: restart roles that die, refresh the view.
-    Returns the failure when a role kept dying."""
+    """Until the run stops or ``stop`` is set: restart the server and roles that die,
+    refresh the view. Returns the failure when the server or a role kept dying."""
     while not stop.is_set() and follower.monitor.stopped is None:
+        if server is not None and (failed := await server.check()):
+            return failed
         if failed := keeper.check():
             return failed
         follower.check()
@@ -241,8 +398,15 @@ def detach_from_terminal(log: Path) -> None:
 
 
 async def supervise(
-    cfg: RunConfig, paths: RunPaths, url: str, roles: list[RoleProcess], live_view: bool
+    cfg: RunConfig,
+    paths: RunPaths,
+    url: str,
+    roles: list[RoleProcess],
+    live_view: bool,
+    server: EmbeddedServer | None = None,
 ) -> int:
+    """Run the roles until the run stops (``server``: the embedded server this launcher
+    started, watched and restarted; None for a server it did not start)."""
     from roles.up.view import LiveView
 
     run = paths.run
@@ -272,20 +436,27 @@ async def supervise(
         keeper.start(r)
     follower = RunFollower(bus, monitor)
     follower.start()
+    server_keeper = ServerKeeper(server, view, log)
+    interval = cfg.bus.heartbeat_interval_s
+    watch = SilenceWatch(bus, view, log, roles, silence_limit_s(interval))
+    watching = asyncio.create_task(watch.run(interval))
     failed: str | None = None
     try:
         with view:
             try:
-                failed = await keep_running(keeper, follower, view, interrupted)
+                failed = await keep_running(keeper, follower, view, interrupted, server_keeper)
             finally:
+                watching.cancel()  # stopping roles go quiet on purpose
                 view.stopping(stop_reason(monitor, failed, signals))
                 await stop_in_order(roles, watcher=view)
                 await follower.finish()
     finally:
+        await asyncio.gather(watching, return_exceptions=True)
         await follower.finish()  # after an error above
         await bus.close()
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+    monitor.finish()
     summary = monitor.summary()
     summary["restarts"] = {r.name: r.restarts for r in roles if r.restarts}
     if failed:

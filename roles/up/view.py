@@ -1,8 +1,9 @@
 """The live terminal view of ``rlbus up`` (rich), or one plain line per step without a TTY.
 
 Both show the run's phase (starting, warm start (sft), rl, stopped), each role's state
-(running, down, draining, stopped), notes (a role restarted, with the last error of its
-log) and, at the end, a short report of the run (``final_report``).
+(running, silent: no heartbeat for a while, down, draining, stopped), notes (a role
+restarted, with the last error of its log; a role silent or beating again; the
+nats-server restarted) and, at the end, a short report of the run (``final_report``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class LiveView:
         self.printed_eval: set[int] = set()
         self.printed_phase: str | None = None
         self.states: dict[str, str] = {}  # the supervisor's word on a role: draining, stopped
+        self.silent: dict[str, float] = {}  # role -> its last heartbeat (time.time()), while silent
         self.stop_reason: str | None = None  # set once the roles are being stopped
 
     def __enter__(self) -> LiveView:
@@ -77,6 +79,14 @@ class LiveView:
         if not self.enabled:
             print(f"[rlbus]   {name}: {state}", flush=True)
         self.refresh()
+
+    def silence(self, name: str, last_beat: float | None) -> None:
+        """A role stopped beating at ``last_beat`` (``time.time()``), or beats again (None):
+        its state reads ``silent <n>s`` meanwhile."""
+        if last_beat is None:
+            self.silent.pop(name, None)
+        else:
+            self.silent[name] = last_beat
 
     def refresh(self) -> None:
         if self.live is not None:
@@ -154,6 +164,8 @@ class LiveView:
 
     def styled_state(self, role: Any) -> str:
         state = self.states.get(role.name) or ("running" if role.alive else "down")
+        if state == "running" and role.name in self.silent:
+            state = f"silent {time.time() - self.silent[role.name]:.0f}s"
         style = STATE_STYLES.get(state.split(" ")[0], "")
         return f"[{style}]{state}[/]" if style else state
 
@@ -206,6 +218,7 @@ class LiveView:
 
 STATE_STYLES = {
     "running": "green",
+    "silent": "yellow",
     "down": "red",
     "draining": "yellow",
     "stopped": "dim",

@@ -68,11 +68,14 @@ async def reached_version(
     return None
 
 
-async def running_role(url: str, run: str, role: str) -> RoleHeartbeat:
-    """The one running process of ``role`` in the registry."""
+async def running_role(url: str, run: str, role: str, instance: str = "") -> RoleHeartbeat:
+    """The one running process of ``role`` (whose instance name contains ``instance``)."""
     bus = await Bus.connect(url, run=run, producer="e2e")
     try:
-        (found,) = [r for r in await list_roles(bus.js, run) if r.role == role and r.status == "running"]  # fmt: skip
+        (found,) = [
+            r for r in await list_roles(bus.js, run)
+            if r.role == role and r.status == "running" and instance in r.instance
+        ]  # fmt: skip
     finally:
         await bus.close()
     return found

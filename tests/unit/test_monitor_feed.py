@@ -8,7 +8,7 @@ from typing import Any
 
 from roles.monitor.feed import MetricFeed, SinkPosition, scalar_values
 from roles.monitor.sinks import flat_config, wandb_id
-from schemas import MetricsReported, RunStopped
+from schemas import MetricsReported, RunStopped, run_stopped_id
 
 
 class Recording:
@@ -39,7 +39,7 @@ def metrics(role: str, step: int, **values: float) -> MetricsReported:
 LOG = [
     metrics("algorithm-grpo", 0, groups_scored=0.0),
     metrics("trainer", 1, loss=0.5),
-    RunStopped(run="r", reason="max_steps", step=2),
+    RunStopped(run="r", event_id=run_stopped_id("r"), reason="max_steps", step=2),
     metrics("eval", 2, **{"reverse-text/avg@4": 0.25}),
 ]
 

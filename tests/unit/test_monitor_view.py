@@ -12,7 +12,14 @@ from roles.up.monitor import RunMonitor, sparkline
 from roles.up.plots import plot_curves
 from roles.up.processes import RoleProcess
 from roles.up.view import LiveView
-from schemas import MetricsReported, RunStarted, RunStopped, WeightsPublished
+from schemas import (
+    MetricsReported,
+    RunStarted,
+    RunStopped,
+    WeightsPublished,
+    run_started_id,
+    run_stopped_id,
+)
 from schemas.run import ObjectRef
 
 
@@ -20,7 +27,11 @@ def fed_monitor() -> RunMonitor:
     m = RunMonitor(run="r", max_steps=4)
     m.apply(
         RunStarted(
-            run="r", config={"orchestrator": {"warmup": {"steps": 2}}}, seed=0, model_path="m"
+            run="r",
+            event_id=run_started_id("r"),
+            config={"orchestrator": {"warmup": {"steps": 2}}},
+            seed=0,
+            model_path="m",
         )
     )
     for step in range(1, 5):
@@ -50,7 +61,7 @@ def fed_monitor() -> RunMonitor:
         )
     for version, score in ((0, 0.1), (2, 0.2), (4, 0.5)):
         m.apply(MetricsReported(run="r", role="eval", step=version, values={"env/avg@1": score}))
-    m.apply(RunStopped(run="r", reason="max_steps", step=4))
+    m.apply(RunStopped(run="r", event_id=run_stopped_id("r"), reason="max_steps", step=4))
     return m
 
 
@@ -93,17 +104,19 @@ def test_the_phase_is_told_as_it_is() -> None:
     """Starting until run.started, the warm start while its batches are assembled, then RL."""
     m = RunMonitor(run="r", max_steps=4, warmup_steps=2)
     assert m.phase_label() == "starting"
-    m.apply(RunStarted(run="r", config={"orchestrator": {"warmup": {"steps": 2}}}, seed=0, model_path="m"))  # fmt: skip
+    m.apply(RunStarted(run="r", event_id=run_started_id("r"), config={"orchestrator": {"warmup": {"steps": 2}}}, seed=0, model_path="m"))  # fmt: skip
     assert m.phase_label() == "warm start (sft)"
     m.apply(MetricsReported(run="r", role="orchestrator", step=2, values={"sft": 1.0}))
     assert m.phase_label() == "warm start (sft)"
     m.apply(MetricsReported(run="r", role="orchestrator", step=3, values={"sft": 0.0}))
     m.apply(MetricsReported(run="r", role="orchestrator", step=2, values={"sft": 1.0}))  # late
     assert m.phase_label() == "rl"
-    m.apply(RunStopped(run="r", reason="max_steps", step=4))
+    m.apply(RunStopped(run="r", event_id=run_stopped_id("r"), reason="max_steps", step=4))
     assert m.phase_label() == "stopped (max_steps)"
     no_warm_start = RunMonitor(run="r", max_steps=4)
-    no_warm_start.apply(RunStarted(run="r", config={}, seed=0, model_path="m"))
+    no_warm_start.apply(
+        RunStarted(run="r", event_id=run_started_id("r"), config={}, seed=0, model_path="m")
+    )
     assert no_warm_start.phase_label() == "rl"
 
 
@@ -144,7 +157,7 @@ def test_plain_mode_prints_the_phase_when_it_changes(capsys) -> None:  # noqa: A
     view = LiveView(m, [], enabled=False)
     view.refresh()
     view.refresh()
-    m.apply(RunStarted(run="r", config={"orchestrator": {"warmup": {"steps": 1}}}, seed=0, model_path="m"))  # fmt: skip
+    m.apply(RunStarted(run="r", event_id=run_started_id("r"), config={"orchestrator": {"warmup": {"steps": 1}}}, seed=0, model_path="m"))  # fmt: skip
     view.refresh()
     out = capsys.readouterr().out
     assert out.count("[rlbus] phase: starting") == 1

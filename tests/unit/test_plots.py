@@ -19,7 +19,7 @@ from replay.plots import RunCurves, plot_run, run_figure
 from roles.lib import plotting
 from roles.lib.curves import MetricCurves
 from roles.up.plots import curves_figure, plot_curves
-from schemas import MetricsReported, RunStarted
+from schemas import MetricsReported, RunStarted, run_started_id
 
 WARM, STEPS = 3, 24
 C = TypeVar("C", bound=MetricCurves)
@@ -28,7 +28,15 @@ C = TypeVar("C", bound=MetricCurves)
 def feed(curves: C) -> C:
     """A run as the roles report it: a 3-step warm start, 21 RL steps, evals every 6."""
     warmup = {"orchestrator": {"warmup": {"steps": WARM}}}
-    curves.apply(RunStarted(run=curves.run, config=warmup, seed=0, model_path="m"))
+    curves.apply(
+        RunStarted(
+            run=curves.run,
+            event_id=run_started_id(curves.run),
+            config=warmup,
+            seed=0,
+            model_path="m",
+        )
+    )
     for step in range(1, STEPS + 1):
         sft = step <= WARM
         orchestrator = {"reward_mean": 1.0 if sft else 0.1 + step / 100, "sft": float(sft)}
