@@ -34,7 +34,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer
+bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -91,6 +91,11 @@ bench-trainer:
     {{python}} -m benchmarks.trainer_bench
 
 # Attached-worker catch-up speed and the cost of the ce/ref_kl loss channels.
+# The fault suite's table: bad input, paused roles, kill -9 of every role and the server.
+[group('bench')]
+bench-faults:
+    {{python}} -m benchmarks.fault_bench
+
 [group('bench')]
 bench-algorithms:
     {{python}} -m benchmarks.algorithm_bench

@@ -138,12 +138,18 @@ def open_run(
     import polars as pl
 
     from configs.paths import RunPaths
+    from replay.sql import UNFILTERED
     from replay.tables import TABLES
 
     paths = RunPaths(Path(data_dir), run)
     synced = None if sync is False else sync_lake(run, paths.data_dir, nats_url, force=bool(sync))
     lake = paths.lake
     frames = {t: scan_table(lake, t) for t in TABLES}
+    # As SQL's views: messages a reader dead-lettered are not part of the run.
+    dead = frames["dead_letters"].select("run", pl.col("stream_seq").alias("seq"))
+    for t in TABLES:
+        if t not in UNFILTERED:
+            frames[t] = frames[t].join(dead, on=["run", "seq"], how="anti")
     trained = (
         frames["batch_samples"]
         .group_by("run", "rollout_id")

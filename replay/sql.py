@@ -6,7 +6,9 @@
 
 Views read the Parquet parts in place (``read_parquet(..., union_by_name=true)``, so
 parts written before a new named reward appeared still union; ``can_have_nan``, so a
-filter on a float column finds its NaNs: ``_parquet_options``). A table with no parts
+filter on a float column finds its NaNs: ``_parquet_options``). Every table but
+``events`` (the raw log) and ``dead_letters`` leaves out the messages a reader
+dead-lettered (``UNFILTERED``): forged and impossible events are not part of the run. A table with no parts
 yet is an empty view with the declared columns, so every documented query runs on any
 run. Call ``replay.lake.sync`` first (``rlbus sql`` does) to see the newest events; a
 connection sees the parts that existed when it was made.
@@ -60,6 +62,13 @@ _VIEWS = {
         FROM _metrics WHERE role = 'orchestrator'""",
 }
 WIDE = ("train_metrics", "orchestrator_metrics")
+# A message some reader dead-lettered (undecodable, or refused by its validation: a
+# forged or impossible event) is not part of the run: the tables leave it out, all but
+# the raw log and the dead letters themselves.
+UNFILTERED = ("events", "dead_letters")
+_DEAD = (
+    "SELECT 1 FROM (SELECT run, stream_seq AS seq_of FROM _dead_letters) d WHERE d.run = x.run AND"
+)
 
 
 def _ident(name: str) -> str:
@@ -99,13 +108,16 @@ def connect(
     con = duckdb.connect(database)
     options = _parquet_options(con)
     root = Path(data_dir)
-    for t in TABLES:
+    # dead_letters first: every table but the raw log (events) leaves out what it names
+    for t in sorted(TABLES, key=lambda t: t != "dead_letters"):
         pattern = table_glob(root, run, t)
         if list(root.glob(str(Path(pattern).relative_to(root)))):
             source = f"read_parquet({_literal(pattern)}{options})"
         else:  # no parts yet: an empty relation with the declared columns
             con.register(f"_{t}_empty", to_frame(t, []).to_arrow())
             source = f"_{t}_empty"
+        if t not in UNFILTERED:
+            source = f"(SELECT * FROM {source} x WHERE NOT EXISTS ({_DEAD} d.seq_of = x.seq))"
         con.execute(f"CREATE VIEW {_ident('_' + t)} AS SELECT * FROM {source}")
         if t not in _VIEWS:
             con.execute(f"CREATE VIEW {_ident(t)} AS SELECT * FROM {_ident('_' + t)}")

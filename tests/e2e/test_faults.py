@@ -1,150 +1,48 @@
 """Faults against a real run (`rlbus up`, real processes, a real server): bad and
 impossible events into every topic the roles read, a squatted id, a user algorithm that
-fails on some groups, a SIGSTOPped trainer and algorithm worker. The run must reach
-max_steps, dead-letter every injected event, keep its summary untouched by them,
-release the groups that cannot finish with a reason, and say what it waits for."""
+fails on some groups, SIGSTOPped roles, and kill -9 of every role type and the server.
+The run must reach max_steps, dead-letter every injected event, keep its summary and
+its log's invariants untouched by them, release the groups that cannot finish with a
+reason, say what it waits for, and recover from each kill. `just bench-faults` runs the
+same scenarios and writes their table (benchmarks/results/faults.md)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
+import json
 from pathlib import Path
-from typing import Any
 
-import msgspec
-import nats
 import pytest
 
-from bus import codec
+from bus.reader import read_log
+from bus.runtime import Bus
 from bus.server import EmbeddedServer
-from bus.subjects import Topic, subject
+from bus.subjects import Topic
+from configs import load_config
+from roles.trainer.core import TrainerCore
 from schemas import (
-    AlgorithmAttached,
+    EVENT_TYPES,
     BatchAssembled,
     DeadLettered,
-    EvalCompleted,
     MetricsReported,
     RunStarted,
     RunStopped,
     SamplesScored,
-    TaskRef,
-    TaskRequested,
     WeightsPublished,
-    derive_id,
 )
-from schemas.arrays import pack_f32
+from tests.e2e.faults import FORGED, inject, invariants, pause, sigkill, time_to_next_step
 from tests.e2e.helpers import all_events, reached_version, rlbus_up, running_role, summary
-from tests.samples import sample
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-ENV = "reverse-text"
-FORGED = "forged-"  # every injected event's id starts with it
-
-
-def _with(event: Any, **changes: Any) -> bytes:
-    """``event`` encoded with raw field values no schema allows."""
-    return codec.encode_any({**msgspec.msgpack.decode(codec.encode(event)), **changes})
-
-
-def injections(run: str) -> list[tuple[str, bytes]]:
-    """(subject, payload) of every bad event: garbage on each topic a role reads, and a
-    schema-valid but impossible event of each class in the fault list."""
-
-    def s(topic: Topic, key: str | None = None) -> str:
-        return subject(run, topic, key)
-
-    task = TaskRequested(
-        run=run, event_id=FORGED + "task", env=ENV, task=TaskRef(index=0), group_id="forged-g",
-        group_size=4, phase="rl",
-    )  # fmt: skip
-    nan = msgspec.structs.replace(
-        sample("nan"), advantages=pack_f32([float("nan")] * 17), group_id="g-nan"
-    )
-    scores = SamplesScored(
-        run=run, event_id=FORGED + "nan", algorithm="grpo", env=ENV, group_id="g-nan",
-        request_id="r", task_index=0, step=0, samples=[nan], rewards=[0.5],
-    )  # fmt: skip
-    weights = WeightsPublished(
-        run=run, event_id=FORGED + "weights", version=10**9, step=10**9,
-        weights={"kind": "object", "location": "weights.v1000000000"},  # type: ignore[arg-type]
-    )  # fmt: skip
-    batch = BatchAssembled(
-        run=run, event_id=FORGED + "batch", step=10**6, samples=[], policy_version=0
-    )
-    report = MetricsReported(
-        run=run, event_id=FORGED + "eval", role="eval", step=10**6, values={"x/avg@1": 1.0}
-    )
-    evaluated = EvalCompleted(
-        run=run, event_id=FORGED + "eval-nan", request_id="r", env=ENV, step=0, task_index=0,
-        rewards=[1.0],
-    )  # fmt: skip
-    started = RunStarted(
-        run=run, event_id=FORGED + "started", config={}, seed=1, model_path="/nowhere"
-    )
-    attached = AlgorithmAttached(run=run, event_id=FORGED + "attach", algorithm="x", name="")
-    garbage = os.urandom(64)
-    return [
-        # undecodable, on every topic a role reads
-        *(
-            (s(t, k), garbage)
-            for t, k in [
-                (Topic.RUN_STARTED, None),
-                (Topic.TASK_REQUESTED, ENV),
-                (Topic.TRACE_COMPLETED, ENV),
-                (Topic.EVAL_COMPLETED, ENV),
-                (Topic.SAMPLES_SCORED, "grpo"),
-                (Topic.BATCH_ASSEMBLED, None),
-                (Topic.WEIGHTS_PUBLISHED, None),
-                (Topic.ALGORITHM_ATTACHED, "x"),
-                (Topic.METRICS_REPORTED, "eval"),
-            ]
-        ),  # fmt: skip
-        # values outside the schemas' bounds
-        (s(Topic.TASK_REQUESTED, "nope"), _with(task, group_size=-3)),
-        (s(Topic.TASK_REQUESTED, "nope"), _with(task, group_size=0)),
-        (s(Topic.TASK_REQUESTED, "nope"), _with(task, phase="bogus")),
-        (s(Topic.EVAL_COMPLETED, ENV), _with(evaluated, rewards=[float("nan")])),
-        # schema-valid, impossible for the fold that reads them
-        (s(Topic.TASK_REQUESTED, "nope"), codec.encode(task)),
-        (s(Topic.SAMPLES_SCORED, "grpo"), codec.encode(scores)),
-        (s(Topic.WEIGHTS_PUBLISHED), codec.encode(weights)),
-        (s(Topic.BATCH_ASSEMBLED), codec.encode(batch)),
-        (s(Topic.METRICS_REPORTED, "eval"), codec.encode(report)),
-        (s(Topic.RUN_STARTED), codec.encode(started)),
-        (s(Topic.ALGORITHM_ATTACHED, "x"), codec.encode(attached)),
-    ]
-
-
-async def inject(url: str, run: str, squat_step: int) -> list[int]:
-    """Publish every injection raw (nats-py, as any local client could); their sequences.
-    Also squats the id of a batch not assembled yet with a harmless metrics event."""
-    nc = await nats.connect(url)
-    try:
-        js = nc.jetstream()
-        seqs = []
-        for i, (subj, payload) in enumerate(injections(run)):
-            ack = await js.publish(subj, payload, headers={"Nats-Msg-Id": f"{FORGED}{i}"})
-            seqs.append(ack.seq)
-        squatter = MetricsReported(
-            run=run, event_id=FORGED + "squat", role="probe", step=0, values={}
-        )
-        await js.publish(
-            subject(run, Topic.METRICS_REPORTED, "probe"), codec.encode(squatter),
-            headers={"Nats-Msg-Id": derive_id(run, "batch", squat_step)},
-        )  # fmt: skip
-        return seqs
-    finally:
-        await nc.close()
-
-
-async def pause(pid: int, seconds: float) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        await asyncio.sleep(seconds)
-    finally:
-        os.kill(pid, signal.SIGCONT)
+# Killed in this order (role, a part of its instance name).
+KILLED = [
+    ("env", ""),
+    ("inference", ""),
+    ("algorithm", "grpo"),
+    ("orchestrator", ""),
+    ("trainer", ""),
+]
 
 
 async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> None:
@@ -191,3 +89,55 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     log = (tmp_path / run / "logs" / "orchestrator.log").read_text()
     stalls = [line for line in log.splitlines() if '"run.stalled"' in line]
     assert any("trainer" in line and "no heartbeat" in line for line in stalls), stalls[:3]
+
+
+async def test_every_role_type_and_the_server_killed_in_turn(tmp_path: Path) -> None:
+    """kill -9 of the env server, inference, the algorithm worker, the orchestrator, the
+    trainer and the nats-server, one after another, after bad events were injected (so
+    restarted roles meet them): each time the run trains its next step, and the log holds
+    every step's batch and weights once, no trace lost or twice, no sample trained twice,
+    and final weights equal to a fresh replay of the recorded batches."""
+    run, steps = "kills1", 40
+    proc = rlbus_up(tmp_path, run, f"max_steps={steps}", "trainer.checkpoint_interval=4")
+    url = await reached_version(proc, tmp_path, run, 2, timeout_s=400)
+    assert url is not None, "the run never reached version 2"
+    await inject(url, run, squat_step=steps - 5)
+    store = tmp_path / run / "nats"
+    bus = await Bus.connect(url, run=run, producer="e2e")
+    try:
+        for role, instance in KILLED:
+            pid = (await running_role(url, run, role, instance)).pid
+            await time_to_next_step(bus, sigkill(pid))
+        server = json.loads((store / "server.json").read_text())["pid"]
+        await time_to_next_step(bus, sigkill(server))
+    finally:
+        await bus.close()
+    out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert f"[rlbus] nats-server is back on {url}" in out
+    s = summary(tmp_path, run)
+    assert s["steps"] == steps
+    assert all(any(p.startswith(r) for p in s["restarts"]) for r, _ in KILLED), s["restarts"]
+
+    with EmbeddedServer(store) as server_:
+        reader = await Bus.connect(server_.url, run=run, producer="e2e")
+        try:
+            seq_events = [
+                x async for x in read_log(reader, [(t, None) for t in Topic], EVENT_TYPES, with_seq=True)
+            ]  # fmt: skip
+        finally:
+            await reader.close()
+    found = invariants(seq_events, steps)
+    assert found["requests_checked"] > 0
+    assert {k: v for k, v in found.items() if k not in ("steps", "requests_checked")} == {
+        "batches_missing_or_twice": 0, "weights_missing_or_twice": 0, "traces_lost": 0,
+        "traces_twice": 0, "samples_trained_twice": 0,
+    }  # fmt: skip
+    events = [e for _, e in seq_events if not e.event_id.startswith(FORGED)]
+    cfg = load_config(str(tmp_path / run / "config.toml"))
+    started = next(e for e in events if isinstance(e, RunStarted))
+    core = TrainerCore(cfg, started.model_path)  # the same fold, uninterrupted
+    for b in sorted((e for e in events if isinstance(e, BatchAssembled)), key=lambda b: b.step):
+        core.train_step(b)
+    final = [e for e in events if isinstance(e, WeightsPublished)][-1]
+    assert core.weights_digest() == final.weights.digest

@@ -1,0 +1,206 @@
+"""Fault injection against a live run, shared by the fault suite (tests/e2e/test_faults.py)
+and its benchmark (benchmarks/fault_bench.py): what is injected, how a role is paused
+or killed, and the log's invariants afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import msgspec
+import nats
+
+from bus import codec
+from bus.subjects import Topic, subject
+from schemas import (
+    AlgorithmAttached,
+    BatchAssembled,
+    EvalCompleted,
+    MetricsReported,
+    RunStarted,
+    SamplesScored,
+    TaskRef,
+    TaskRequested,
+    WeightsPublished,
+    derive_id,
+)
+from schemas.arrays import pack_f32
+from tests.samples import sample
+
+ENV = "reverse-text"
+FORGED = "forged-"  # every injected event's id starts with it
+
+
+def _with(event: Any, **changes: Any) -> bytes:
+    """``event`` encoded with raw field values no schema allows."""
+    return codec.encode_any({**msgspec.msgpack.decode(codec.encode(event)), **changes})
+
+
+def injections(run: str) -> list[tuple[str, bytes]]:
+    """(subject, payload) of every bad event: garbage on each topic a role reads, and a
+    schema-valid but impossible event of each class in the fault list."""
+
+    def s(topic: Topic, key: str | None = None) -> str:
+        return subject(run, topic, key)
+
+    task = TaskRequested(
+        run=run, event_id=FORGED + "task", env=ENV, task=TaskRef(index=0), group_id="forged-g",
+        group_size=4, phase="rl",
+    )  # fmt: skip
+    nan = msgspec.structs.replace(
+        sample("nan"), advantages=pack_f32([float("nan")] * 17), group_id="g-nan"
+    )
+    scores = SamplesScored(
+        run=run, event_id=FORGED + "nan", algorithm="grpo", env=ENV, group_id="g-nan",
+        request_id="r", task_index=0, step=0, samples=[nan], rewards=[0.5],
+    )  # fmt: skip
+    weights = WeightsPublished(
+        run=run, event_id=FORGED + "weights", version=10**9, step=10**9,
+        weights={"kind": "object", "location": "weights.v1000000000"},  # type: ignore[arg-type]
+    )  # fmt: skip
+    batch = BatchAssembled(
+        run=run, event_id=FORGED + "batch", step=10**6, samples=[], policy_version=0
+    )
+    report = MetricsReported(
+        run=run, event_id=FORGED + "eval", role="eval", step=10**6, values={"x/avg@1": 1.0}
+    )
+    evaluated = EvalCompleted(
+        run=run, event_id=FORGED + "eval-nan", request_id="r", env=ENV, step=0, task_index=0,
+        rewards=[1.0],
+    )  # fmt: skip
+    started = RunStarted(
+        run=run, event_id=FORGED + "started", config={}, seed=1, model_path="/nowhere"
+    )
+    attached = AlgorithmAttached(run=run, event_id=FORGED + "attach", algorithm="x", name="")
+    garbage = os.urandom(64)
+    return [
+        # undecodable, on every topic a role reads
+        *(
+            (s(t, k), garbage)
+            for t, k in [
+                (Topic.RUN_STARTED, None),
+                (Topic.TASK_REQUESTED, ENV),
+                (Topic.TRACE_COMPLETED, ENV),
+                (Topic.EVAL_COMPLETED, ENV),
+                (Topic.SAMPLES_SCORED, "grpo"),
+                (Topic.BATCH_ASSEMBLED, None),
+                (Topic.WEIGHTS_PUBLISHED, None),
+                (Topic.ALGORITHM_ATTACHED, "x"),
+                (Topic.METRICS_REPORTED, "eval"),
+            ]
+        ),  # fmt: skip
+        # values outside the schemas' bounds
+        (s(Topic.TASK_REQUESTED, "nope"), _with(task, group_size=-3)),
+        (s(Topic.TASK_REQUESTED, "nope"), _with(task, group_size=0)),
+        (s(Topic.TASK_REQUESTED, "nope"), _with(task, phase="bogus")),
+        (s(Topic.EVAL_COMPLETED, ENV), _with(evaluated, rewards=[float("nan")])),
+        # schema-valid, impossible for the fold that reads them
+        (s(Topic.TASK_REQUESTED, "nope"), codec.encode(task)),
+        (s(Topic.SAMPLES_SCORED, "grpo"), codec.encode(scores)),
+        (s(Topic.WEIGHTS_PUBLISHED), codec.encode(weights)),
+        (s(Topic.BATCH_ASSEMBLED), codec.encode(batch)),
+        (s(Topic.METRICS_REPORTED, "eval"), codec.encode(report)),
+        (s(Topic.RUN_STARTED), codec.encode(started)),
+        (s(Topic.ALGORITHM_ATTACHED, "x"), codec.encode(attached)),
+    ]
+
+
+async def inject(url: str, run: str, squat_step: int) -> list[int]:
+    """Publish every injection raw (nats-py, as any local client could); their sequences.
+    Also squats the id of a batch not assembled yet with a harmless metrics event."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        seqs = []
+        for i, (subj, payload) in enumerate(injections(run)):
+            ack = await js.publish(subj, payload, headers={"Nats-Msg-Id": f"{FORGED}{i}"})
+            seqs.append(ack.seq)
+        squatter = MetricsReported(
+            run=run, event_id=FORGED + "squat", role="probe", step=0, values={}
+        )
+        await js.publish(
+            subject(run, Topic.METRICS_REPORTED, "probe"), codec.encode(squatter),
+            headers={"Nats-Msg-Id": derive_id(run, "batch", squat_step)},
+        )  # fmt: skip
+        return seqs
+    finally:
+        await nc.close()
+
+
+async def pause(pid: int, seconds: float) -> None:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def newest_version(bus: Any) -> int:
+    """The newest weights version on the log (0 before the first; -1 while unreadable:
+    the server is away, or the newest message there is an injected one)."""
+    try:
+        msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.WEIGHTS_PUBLISHED))
+        event = codec.decode(msg.data, [WeightsPublished])
+        return -1 if event.event_id.startswith(FORGED) else int(event.version)
+    except Exception:  # noqa: BLE001 - a probe: unreadable now, asked again
+        return -1
+
+
+async def time_to_next_step(bus: Any, kill: Any, steps: int = 1, timeout_s: float = 120.0) -> float:
+    """Run ``kill()`` and time until the run has published ``steps`` weights versions
+    past the newest before it (1: the next step after the fault; a step whose batch was
+    nearly ready may come at once, so 3 shows the recovery too); raises if they do not
+    come in time."""
+    before = await newest_version(bus)
+    while before < 0:
+        await asyncio.sleep(0.1)
+        before = await newest_version(bus)
+    await kill()
+    start = asyncio.get_running_loop().time()
+    while (elapsed := asyncio.get_running_loop().time() - start) < timeout_s:
+        if await newest_version(bus) >= before + steps:
+            return elapsed
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"no v{before + steps} after v{before} within {timeout_s:g} s")
+
+
+def sigkill(pid: int) -> Any:
+    async def kill() -> None:
+        os.kill(pid, signal.SIGKILL)
+
+    return kill
+
+
+def invariants(seq_events: list[tuple[int, Any]], steps: int) -> dict[str, int]:
+    """What a run's log must show after faults: every step's batch and weights once (the
+    orchestrator's and the trainer's; injected ones apart), every train request of the
+    run's first steps with all its traces, no trace twice, no sample in two batches."""
+    real = [(q, e) for q, e in seq_events if not e.event_id.startswith(FORGED)]
+    batches = [e for _, e in real if isinstance(e, BatchAssembled)]
+    weights = [e.version for _, e in real if isinstance(e, WeightsPublished)]
+    traces: dict[str, set[int]] = {}
+    trace_ids = []
+    for _, e in real:
+        if type(e).__name__ == "TraceCompleted":
+            traces.setdefault(e.request_id, set()).add(e.trace.sample_index)
+            trace_ids.append(e.event_id)
+    # Requests dispatched before the last few batches had time to finish before the stop.
+    cutoff = next((q for q, e in real if isinstance(e, BatchAssembled) and e.step == steps - 3), 0)
+    requests = [
+        e for q, e in real
+        if isinstance(e, TaskRequested) and e.phase in ("rl", "sft") and q < cutoff
+    ]  # fmt: skip
+    used = [(s.rollout_id, s.branch) for b in batches for s in b.samples]
+    return {
+        "steps": max(weights, default=0),
+        "batches_missing_or_twice": int(
+            sorted(b.step for b in batches) != list(range(1, steps + 1))
+        ),
+        "weights_missing_or_twice": int(sorted(weights) != list(range(1, steps + 1))),
+        "requests_checked": len(requests),
+        "traces_lost": sum(e.group_size - len(traces.get(e.event_id, ())) for e in requests),
+        "traces_twice": len(trace_ids) - len(set(trace_ids)),
+        "samples_trained_twice": len(used) - len(set(used)),
+    }
