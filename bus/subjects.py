@@ -79,7 +79,7 @@ TOPICS: dict[Topic, TopicSpec] = {
             Topic.SAMPLES_SCORED,
             SamplesScored,
             "algorithm",
-            "algorithm worker",
+            "algorithm worker (orchestrator: a group past its deadline)",
             "orchestrator, lake",
         ),
         TopicSpec(Topic.BATCH_ASSEMBLED, BatchAssembled, None, "orchestrator", "trainer"),

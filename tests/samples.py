@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from schemas import (
     AlgorithmAttached,
     AlgorithmDetached,
@@ -101,3 +103,12 @@ def every_event(run: str = "golden") -> list[Event]:
         ),
         AlgorithmDetached(event_id="e-detached", algorithm="maxrl2", reason="user", **base),
     ]  # fmt: skip
+
+
+def a_run_log(run: str) -> list[Event]:
+    """``every_event`` as one run's log: its dead letter names a message past the log
+    (one naming a stored message takes that message out of the lake's tables)."""
+    return [
+        msgspec.structs.replace(e, stream_seq=10_000) if isinstance(e, DeadLettered) else e
+        for e in every_event(run)
+    ]

@@ -233,6 +233,9 @@ class SilenceWatch:
     roles: list[RoleProcess]
     limit_s: float
     silent: dict[str, float] = field(default_factory=dict)  # instance -> its last beat (s)
+    # Stopped by this event, not by cancelling: nats-py can swallow a cancellation that
+    # lands inside a request (the registry read), and the loop would run on.
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def check(self) -> None:
         try:
@@ -269,9 +272,10 @@ class SilenceWatch:
         return next((r.name for r in self.roles if r.proc is not None and r.proc.pid == pid), None)
 
     async def run(self, every_s: float) -> None:
-        while True:
+        while not self.stop.is_set():
             await self.check()
-            await asyncio.sleep(every_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), every_s)
 
 
 def label(name: str | None, instance: str) -> str:
@@ -446,12 +450,14 @@ async def supervise(
             try:
                 failed = await keep_running(keeper, follower, view, interrupted, server_keeper)
             finally:
-                watching.cancel()  # stopping roles go quiet on purpose
+                watch.stop.set()  # stopping roles go quiet on purpose
                 view.stopping(stop_reason(monitor, failed, signals))
                 await stop_in_order(roles, watcher=view)
                 await follower.finish()
     finally:
-        await asyncio.gather(watching, return_exceptions=True)
+        watch.stop.set()
+        if (await asyncio.wait([watching], timeout=10.0))[1]:
+            watching.cancel()  # a registry read that hangs past its own timeouts
         await follower.finish()  # after an error above
         await bus.close()
         for sig in STOP_SIGNALS:

@@ -117,6 +117,8 @@ async def test_every_role_type_and_the_server_killed_in_turn(tmp_path: Path) -> 
     assert f"[rlbus] nats-server is back on {url}" in out
     s = summary(tmp_path, run)
     assert s["steps"] == steps
+    # each killed role restarted once; the server's death restarted none (they reconnect)
+    assert sorted(s["restarts"].values()) == [1] * len(KILLED), s["restarts"]
     assert all(any(p.startswith(r) for p in s["restarts"]) for r, _ in KILLED), s["restarts"]
 
     with EmbeddedServer(store) as server_:

@@ -21,7 +21,7 @@ from replay.lake import compact, lake_dir, load_state, parts, repair, sync_run
 from replay.sql import connect
 from schemas import DeadLettered, Event, RunStopped, TraceCompleted
 from schemas.legacy import TraceCompletedV0
-from tests.samples import every_event, trace
+from tests.samples import a_run_log, every_event, trace
 
 pytestmark = pytest.mark.nats
 
@@ -30,15 +30,6 @@ FIRST = {
     "sample_tokens": 1, "batches": 1, "batch_samples": 2, "metrics": 2, "eval": 0, "weights": 1,
     "dead_letters": 1, "algorithms": 2,
 }  # fmt: skip
-
-
-def logged(run: str) -> list[Event]:
-    """Every event type once; its dead letter names a message past the log (a dead letter
-    naming a stored one takes that message out of the tables: see the test below)."""
-    return [
-        msgspec.structs.replace(e, stream_seq=10_000) if isinstance(e, DeadLettered) else e
-        for e in every_event(run)
-    ]
 
 
 def traces(run: str, n: int, start: int = 0) -> list[TraceCompleted]:
@@ -72,7 +63,7 @@ async def test_sync_is_incremental_and_idempotent(bus: Bus, tmp_path: Path) -> N
     """Sync writes every table; a second sync adds nothing; new events resume at the next seq.
     Its progress counts the sequences to read, up to all of them; none when up to date."""
     lake = lake_dir(tmp_path, bus.run)
-    await bus.publish_many(logged(bus.run))
+    await bus.publish_many(a_run_log(bus.run))
     seen: list[tuple[int, int | None]] = []
     first = await sync_run(bus, lake, on_progress=lambda done, total: seen.append((done, total)))
     assert (first.start_seq, first.last_seq, first.events) == (1, 12, 12)
@@ -104,7 +95,7 @@ async def test_sync_is_incremental_and_idempotent(bus: Bus, tmp_path: Path) -> N
 
 async def test_views_join_batches_to_rollouts(bus: Bus, tmp_path: Path) -> None:
     """SQL views: rewards as a MAP, batch_step from the batch that trained the rollout."""
-    await bus.publish_many(logged(bus.run))
+    await bus.publish_many(a_run_log(bus.run))
     await sync_run(bus, lake_dir(tmp_path, bus.run))
     con = connect(tmp_path, bus.run)
     rows = con.sql(
@@ -156,7 +147,7 @@ async def test_legacy_upcast_and_unknown_version_skipped(bus: Bus, tmp_path: Pat
 async def test_crash_leftovers_are_repaired(bus: Bus, tmp_path: Path) -> None:
     """A lost state file, a stray temp file or an interrupted compaction never duplicate rows."""
     lake = lake_dir(tmp_path, bus.run)
-    await bus.publish_many(logged(bus.run))
+    await bus.publish_many(a_run_log(bus.run))
     await sync_run(bus, lake)
     await bus.publish_many(traces(bus.run, 2))
     await sync_run(bus, lake)
@@ -185,7 +176,7 @@ async def test_reader_from_time_filtered_and_following(bus: Bus) -> None:
     await asyncio.sleep(0.05)
     mark = dt.datetime.now(dt.UTC)
     await asyncio.sleep(0.05)
-    await bus.publish_many([*logged(bus.run)[:2], *traces(bus.run, 1, start=2)])
+    await bus.publish_many([*a_run_log(bus.run)[:2], *traces(bus.run, 1, start=2)])
 
     since = [e.seq async for e in LogReader(bus, since=mark).entries()]
     assert since == [3, 4, 5]
@@ -213,7 +204,7 @@ async def test_open_run_syncs_through_a_server(
     bus: Bus, nats_server: EmbeddedServer, tmp_path: Path
 ) -> None:
     """open_run(sync=True) syncs first (here from async code, on its own thread)."""
-    await bus.publish_many(logged(bus.run))
+    await bus.publish_many(a_run_log(bus.run))
     tables = replay.open_run(bus.run, tmp_path, sync=True, nats_url=nats_server.url)
     assert tables.synced is not None and tables.synced.events == 12
     assert tables.rollouts.collect().height == 2
@@ -243,7 +234,7 @@ async def test_live_lake_role_follows_the_run(
         while load_state(lake)["tables"]["events"] < seq:
             await asyncio.sleep(0.05)
 
-    await bus.publish_many(logged(bus.run))
+    await bus.publish_many(a_run_log(bus.run))
     await asyncio.wait_for(synced_to(12), 10)
     await bus.publish_many(traces(bus.run, 2))
     await asyncio.wait_for(synced_to(14), 10)

@@ -20,7 +20,7 @@ from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from replay.lake import lake_dir, parts
 from schemas import Event, TraceCompleted
-from tests.samples import every_event, trace
+from tests.samples import a_run_log, every_event, trace
 
 pytestmark = pytest.mark.nats
 
@@ -115,7 +115,7 @@ def test_sql_resyncs_a_finished_runs_lake_when_the_log_moved_on(
 ) -> None:
     """Run stopped and lake synced; events appended after the stop must show up in `rlbus sql`,
     and a query with nothing new adds no part."""
-    publish_on_store(tmp_path, run_id, every_event(run_id))  # ends with run.stopped
+    publish_on_store(tmp_path, run_id, a_run_log(run_id))  # ends with run.stopped
     assert count(tmp_path, run_id, "rollouts") == 2
     publish_on_store(tmp_path, run_id, after_stop(run_id, 3))  # the log goes on after the stop
     assert count(tmp_path, run_id, "rollouts") == 5
