@@ -59,7 +59,6 @@ from schemas import (
     RunStarted,
     RunStopped,
     WeightsPublished,
-    batch_id,
     derive_id,
 )
 
@@ -110,9 +109,16 @@ class TrainerLog:
         return self._cache[key]
 
 
+def _trained(
+    found: list[tuple[int, BatchAssembled]], weights: WeightsPublished | None
+) -> tuple[int, BatchAssembled]:
+    named = weights.batch_id if weights is not None else None
+    return next((x for x in found if x[1].event_id == named), found[0])
+
+
 async def read_trainer_log(bus: Bus, on_progress: Progress | None = None) -> TrainerLog:
     starts: list[tuple[int, RunStarted]] = []
-    batches: dict[int, tuple[int, BatchAssembled]] = {}
+    candidates: dict[int, list[tuple[int, BatchAssembled]]] = {}
     metrics: dict[int, MetricsReported] = {}
     orch: dict[int, MetricsReported] = {}
     weights: dict[int, WeightsPublished] = {}
@@ -125,8 +131,8 @@ async def read_trainer_log(bus: Bus, on_progress: Progress | None = None) -> Tra
         match event:
             case RunStarted():
                 starts.append((seq, event))
-            case BatchAssembled() if event.event_id == batch_id(bus.run, event.step):
-                batches.setdefault(event.step, (seq, event))  # the orchestrator's only
+            case BatchAssembled():
+                candidates.setdefault(event.step, []).append((seq, event))
             case WeightsPublished():
                 weights.setdefault(event.step, event)
             case MetricsReported(role="trainer"):
@@ -135,6 +141,10 @@ async def read_trainer_log(bus: Bus, on_progress: Progress | None = None) -> Tra
                 orch.setdefault(event.step, event)
     if not starts:
         raise ReplayError(f"run {bus.run!r} has no run.started event: nothing to replay from")
+    # A step's batch is the one its weights name (what the trainer trained; a forged batch
+    # of the same step, dead-lettered live, is not), else the first recorded one.
+    batches = {s: _trained(found, weights.get(s)) for s, found in candidates.items()}
+    weights = {s: w for s, w in weights.items() if s in batches}  # no batch: not a step
     recorded = {
         s: StepRecord(
             s,

@@ -35,7 +35,6 @@ from schemas import (
     SamplesScored,
     TaskRequested,
     WeightsPublished,
-    run_started_id,
     run_stopped_id,
 )
 
@@ -101,10 +100,8 @@ class OrchestratorState:
         if self.has_seen(event):
             return None  # our own decision coming back, or a duplicate: apply skips it
         match event:
-            case RunStarted() if self.started is not None or event.event_id != run_started_id(
-                event.run
-            ):
-                return "a run.started that is not the orchestrator's (or a second one)"
+            case RunStarted() if self.started is not None:
+                return f"a second run.started (the run started with {self.started.event_id})"
             case AlgorithmAttached() if not event.name or not is_token(event.algorithm):
                 return f"algorithm.attached with no algorithm name or a bad id {event.algorithm!r}"
             case RunStopped() if event.event_id != run_stopped_id(event.run):

@@ -20,7 +20,7 @@ from bus.subjects import Topic
 from configs import RunConfig, load_config, resolve
 from configs.paths import RunPaths, settle_data_dir
 from roles.lib.model import materialize_model
-from schemas import RunStarted, run_started_id
+from schemas import RunStarted
 
 
 def bus_settings(cfg: RunConfig) -> BusSettings:
@@ -48,12 +48,11 @@ def instance_name(role: str, suffix: str | None = None) -> str:
 
 
 async def read_run_started(bus: Bus) -> RunStarted | None:
-    """The run's ``run.started`` event (the orchestrator's: the first with its id), or
-    None if the run has not started yet. Garbage or a second ``run.started`` published
-    after it is neither fatal nor believed."""
-    own = run_started_id(bus.run)
+    """The run's ``run.started`` event (the first one: the orchestrator's, or what a
+    fork or an import wrote first), or None if the run has not started yet. Garbage or a
+    second ``run.started`` published after it is neither fatal nor believed."""
     started: RunStarted | None = await first_event(
-        bus, Topic.RUN_STARTED, (RunStarted,), lambda e: e.event_id == own
+        bus, Topic.RUN_STARTED, (RunStarted,), lambda e: True
     )
     return started
 

@@ -199,7 +199,7 @@ class TrainerRole(Role):
                     if self.stop_event.is_set():
                         return
                     if batch.step <= self.core.step or batch.event_id != batch_id(
-                        self.run, batch.step
+                        batch.run, batch.step
                     ):
                         continue  # trained, or not the orchestrator's (dead-lettered live)
                     try:
@@ -254,7 +254,7 @@ class TrainerRole(Role):
             raise HandlerBroken(str(e)) from e
 
     async def _on_batch(self, batch: BatchAssembled, delivery: Delivery) -> Effects | None:
-        if batch.event_id != batch_id(self.run, batch.step):
+        if batch.event_id != batch_id(batch.run, batch.step):
             raise Rejected(f"batch.assembled step {batch.step} is not the orchestrator's")
         wait_s = time.monotonic() - self.idle_since
         if batch.step > self.core.step:

@@ -32,7 +32,6 @@ from schemas import (
     RunStarted,
     RunStopped,
     WeightsPublished,
-    run_started_id,
     run_stopped_id,
 )
 
@@ -89,9 +88,9 @@ class RunMonitor(MetricCurves):
     def why_rejected(self, event: Event) -> str | None:
         """Why ``event`` cannot be true of this run, given what was folded so far."""
         match event:
-            case RunStarted() if event.event_id != run_started_id(self.run):
-                return "a run.started that is not the orchestrator's"
-            case RunStopped() if event.event_id != run_stopped_id(self.run):
+            case RunStarted() if self.started is not None:
+                return "a second run.started"
+            case RunStopped() if event.event_id != run_stopped_id(event.run):
                 return "a run.stopped that is not the orchestrator's"
             case WeightsPublished(version=v) if not 1 <= v <= min(self.assembled, self.max_steps):
                 return f"weights version {v}, newest batch step {self.assembled}"
