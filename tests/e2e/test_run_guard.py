@@ -90,19 +90,26 @@ async def test_a_live_or_finished_run_id_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "typo").exists()
 
 
-# SIGTERM takes SIGHUP's path (and SIGINT's, tests/e2e/test_up.py), less the terminal.
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL])
+# SIGTERM and SIGHUP take SIGINT's path (SIGHUP also detaches from a terminal: none here).
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 async def test_a_launcher_leaves_no_process_behind(tmp_path: Path, sig: signal.Signals) -> None:
     run = f"killed-{sig.name.lower()}"
     launcher = rlbus_up(tmp_path, run, f"max_steps={STEPS}")
     await wait_for_roles(tmp_path, run, launcher)
     assert len(processes_under(tmp_path)) >= 6
     launcher.send_signal(sig)
-    await asyncio.to_thread(launcher.communicate, timeout=120)
+    out, _ = await asyncio.to_thread(launcher.communicate, timeout=120)
     deadline = time.monotonic() + 30
     while processes_under(tmp_path) and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
     assert processes_under(tmp_path) == []
+    if sig == signal.SIGINT:  # Ctrl-C: roles stopped in order, each drained; a summary
+        assert launcher.returncode == 130, out[-3000:]
+        logs = sorted((tmp_path / run / "logs").glob("*.log"))
+        assert len(logs) >= 6
+        for log in logs:
+            assert '"role.stopped"' in log.read_text(), f"{log.name} did not drain"
+        assert (tmp_path / run / "summary.json").exists()
     if sig == signal.SIGKILL:  # no drain, no summary: the run is interrupted, and resumes
         refused = up(tmp_path, run, "--resume")  # `up` passes -c smoke
         one_line_refusal(refused, "drop -c and overrides")
