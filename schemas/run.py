@@ -28,8 +28,9 @@ class RunStarted(Event, frozen=True, tag="run_started/1"):
 
 
 def run_started_id(run: str) -> str:
-    """The id of the orchestrator's ``run.started``: readers of the run's start take the
-    first ``run.started`` with it (``roles.runtime.context.read_run_started``)."""
+    """The id of the orchestrator's ``run.started`` (the first ``run.started`` of a run is
+    its start, whatever its id: a fork or an import writes its own;
+    ``roles.runtime.context.read_run_started``)."""
     return derive_id(run, "started")
 
 
