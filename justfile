@@ -15,7 +15,7 @@ up *ARGS: install
 [group('run')]
 install:
     @{{python}} -c "import torch" 2>/dev/null || {{python}} -m pip install -q torch==2.13.0
-    @{{python}} -c "import roles, nats, msgspec, pytest, tensorboard, wandb" 2>/dev/null || {{python}} -m pip install -q -e ".[dev]"
+    @{{python}} -c "import roles, nats, msgspec, pytest, tensorboard, wandb, cryptography" 2>/dev/null || {{python}} -m pip install -q -e ".[dev]"
 
 # Run the embedded nats-server (JetStream, loopback) in the foreground.
 [group('run')]
@@ -34,7 +34,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults
+bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -95,6 +95,11 @@ bench-trainer:
 [group('bench')]
 bench-faults:
     {{python}} -m benchmarks.fault_bench
+
+# A default-preset run on a 3-node cluster, the stream's leader killed mid-run.
+[group('bench')]
+bench-node-loss:
+    {{python}} -m benchmarks.node_loss_bench
 
 [group('bench')]
 bench-algorithms:

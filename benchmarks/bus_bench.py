@@ -10,6 +10,11 @@ of the wire), ``raw_msgspec`` is what a hand-written nats-py app does with the s
 events (msgspec encode before publishing, decode after fetching). The runtime's own
 overhead is the ratio to ``raw_msgspec``; the ratio to ``raw`` includes serialisation.
 
+The same rlbus publish and consume also run, in the same alternating rounds, on a
+three-node loopback JetStream cluster with the stream replicated three times (``R3``,
+what ``rlbus up --cluster 3`` uses): every message is stored on three nodes before it
+is acknowledged. All three nodes share this machine's cores with the benchmark.
+
     python -m benchmarks.bus_bench [--n 4000]
 """
 
@@ -26,8 +31,9 @@ import nats
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from benchmarks.common import save
+from bus.cluster import EmbeddedCluster
 from bus.consumer import Consumer, Delivery, Subscription
-from bus.runtime import Bus
+from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, subject
 from schemas import TraceCompleted
@@ -84,8 +90,11 @@ async def bench_raw(
     }
 
 
-async def bench_rlbus(url: str, run: str, events: list[TraceCompleted]) -> dict[str, float]:
-    bus = await Bus.connect(url, run=run, producer="bench")
+async def bench_rlbus(
+    url: str, run: str, events: list[TraceCompleted], replicas: int = 1
+) -> dict[str, float]:
+    settings = BusSettings(replicas=replicas)
+    bus = await Bus.connect(url, run=run, producer="bench", settings=settings)
     await bus.ensure_stream()
     t0 = time.perf_counter()
     await bus.publish_many(events)
@@ -116,16 +125,22 @@ async def bench_rlbus(url: str, run: str, events: list[TraceCompleted]) -> dict[
 
 
 async def main(n: int, rounds: int) -> dict[str, object]:
-    with tempfile.TemporaryDirectory() as d, EmbeddedServer(d) as server:
+    with (
+        tempfile.TemporaryDirectory() as d,
+        EmbeddedServer(f"{d}/single") as server,
+        EmbeddedCluster(f"{d}/cluster", 3) as cluster,
+    ):
         events = [trace_event("bench", i) for i in range(n)]
         payloads = [msgspec.msgpack.encode(e) for e in events]
         size = sum(map(len, payloads)) / n
-        raw_runs, ser_runs, bus_runs = [], [], []
-        for r in range(rounds):  # alternate to spread machine noise over all three
+        raw_runs, ser_runs, bus_runs, r3_runs = [], [], [], []
+        for r in range(rounds):  # alternate to spread machine noise over all four
             raw_runs.append(await bench_raw(server.url, f"raw{r}", payloads))
             ser_runs.append(await bench_raw(server.url, f"ser{r}", events, serialise=True))
             evs = [msgspec.structs.replace(e, run=f"bus{r}") for e in events]
             bus_runs.append(await bench_rlbus(server.url, f"bus{r}", evs))
+            evs = [msgspec.structs.replace(e, run=f"r3{r}") for e in events]
+            r3_runs.append(await bench_rlbus(cluster.url, f"r3{r}", evs, replicas=3))
         assert subject("bus0", Topic.TRACE_COMPLETED, "reverse-text")
     best = lambda runs, k: max(x[k] for x in runs)  # noqa: E731 - best of rounds
     out: dict[str, object] = {"messages": n, "rounds": rounds, "payload_bytes": round(size)}
@@ -135,6 +150,8 @@ async def main(n: int, rounds: int) -> dict[str, object]:
         out[f"rlbus_{k}"] = round(best(bus_runs, k))
         out[f"ratio_vs_raw_msgspec_{k}"] = round(best(bus_runs, k) / best(ser_runs, k), 3)
         out[f"ratio_vs_raw_bytes_{k}"] = round(best(bus_runs, k) / best(raw_runs, k), 3)
+        out[f"cluster_r3_rlbus_{k}"] = round(best(r3_runs, k))
+        out[f"ratio_cluster_r3_vs_single_{k}"] = round(best(r3_runs, k) / best(bus_runs, k), 3)
     return out
 
 

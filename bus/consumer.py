@@ -171,10 +171,11 @@ class Consumer:
             await self.bus.js.add_consumer(self.bus.stream, self.config())
             self.log.info("consumer.positioned", start_seq=self.sub.restart_at)
             return
+        js, stream = self.bus.js, self.bus.stream
         try:
-            await self.bus.js.consumer_info(self.bus.stream, self.sub.durable)
+            await self.bus.api(lambda: js.consumer_info(stream, self.sub.durable), "consumer info")
         except nats.js.errors.NotFoundError:
-            await self.bus.js.add_consumer(self.bus.stream, self.config())
+            await self.bus.api(lambda: js.add_consumer(stream, self.config()), "create consumer")
 
     async def pending(self) -> int:
         info = await self.bus.js.consumer_info(self.bus.stream, self.sub.durable)

@@ -46,9 +46,16 @@ def sha256_digest(data: bytes | memoryview) -> str:
 class BodyStore:
     """Put and get verified blobs in one object-store bucket."""
 
-    def __init__(self, js: JetStreamContext, bucket: str, read_stall_s: float = READ_STALL_S):
+    def __init__(
+        self,
+        js: JetStreamContext,
+        bucket: str,
+        read_stall_s: float = READ_STALL_S,
+        replicas: int = 1,  # copies kept when this store creates the bucket
+    ):
         self.js = js
         self.bucket = bucket
+        self.replicas = replicas
         self.stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)  # the bucket's JetStream stream
         self.read_stall_s = read_stall_s
         self._obs: ObjectStore | None = None
@@ -59,7 +66,7 @@ class BodyStore:
                 self._obs = await self.js.object_store(self.bucket)
             except nats.js.errors.BucketNotFoundError:
                 self._obs = await self.js.create_object_store(
-                    self.bucket, ObjectStoreConfig(storage=StorageType.FILE)
+                    self.bucket, ObjectStoreConfig(storage=StorageType.FILE, replicas=self.replicas)
                 )
         return self._obs
 

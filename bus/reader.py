@@ -156,8 +156,11 @@ class LogReader:
         config = ordered_config(
             self.bus.run, self.topics, self.from_seq, self.since, self.start, self.headers_only
         )
-        sub = await self.bus.js.subscribe(
-            "", ordered_consumer=True, config=config, stream=self.bus.stream
+        sub = await self.bus.api(
+            lambda: self.bus.js.subscribe(
+                "", ordered_consumer=True, config=config, stream=self.bus.stream
+            ),
+            "read the log",
         )
         # nats-py recreates an ordered consumer after a gap from this same config object,
         # by start sequence: a start time left in it makes the server refuse the new one.

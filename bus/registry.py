@@ -1,8 +1,12 @@
-"""The live role registry: a KV bucket of heartbeats, one key per role instance.
+"""The live role registry: a KV bucket of heartbeats per run, one key per role instance.
 
-Keys are ``<run>.<role>.<instance>``; values are ``RoleHeartbeat``s. Entries expire
-(bucket TTL), and a role whose last heartbeat is older than three intervals is shown
-as stale by ``rlbus status``.
+The bucket is ``RLROLES_<run>`` (``bus.subjects.roles_bucket_name``): one per run, so
+a run's identities can be confined to their own (``bus.auth``). It is created by the
+run's launcher; a role only looks it up (creating it when it is missing works where the
+server lets the client, as without authentication). Keys are
+``<run>.<role>.<instance>``; values are ``RoleHeartbeat``s. Entries expire (bucket
+TTL), and a role whose last heartbeat is older than three intervals is shown as stale
+by ``rlbus status``.
 """
 
 from __future__ import annotations
@@ -20,33 +24,38 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
-from bus.subjects import ROLES_BUCKET, role_key
+from bus.subjects import role_key, roles_bucket_name
 from schemas import RoleHeartbeat
 
 _decoder = msgspec.msgpack.Decoder(RoleHeartbeat)
 TTL_S = 120.0
 
 
-async def roles_bucket(js: JetStreamContext) -> KeyValue:
+async def roles_bucket(js: JetStreamContext, run: str, replicas: int = 1) -> KeyValue:
+    """The run's registry bucket, created if missing (with ``replicas`` copies)."""
+    bucket = roles_bucket_name(run)
     try:
-        return await js.key_value(ROLES_BUCKET)
+        return await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
         try:
             return await js.create_key_value(
-                KeyValueConfig(bucket=ROLES_BUCKET, ttl=TTL_S, storage=StorageType.FILE)
+                KeyValueConfig(
+                    bucket=bucket, ttl=TTL_S, storage=StorageType.FILE, replicas=replicas
+                )
             )
         except nats.js.errors.BadRequestError:
-            return await js.key_value(ROLES_BUCKET)
+            return await js.key_value(bucket)
 
 
 async def list_roles(js: JetStreamContext, run: str) -> list[RoleHeartbeat]:
     """Every role instance of ``run`` in the registry (alive, stale or stopped)."""
-    kv = await roles_bucket(js)
+    kv = await roles_bucket(js, run)
+    bucket = roles_bucket_name(run)
     # The keys come from the server's per-subject index, exactly filtered. Not kv.keys()
     # (matches substrings client-side) nor kv.watch(): nats-py's watcher can signal "no
     # initial values" while the first value is still in flight, returning an empty list.
-    info = await js.stream_info(f"KV_{ROLES_BUCKET}", subjects_filter=f"$KV.{ROLES_BUCKET}.{run}.>")
-    prefix = len(f"$KV.{ROLES_BUCKET}.")
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}.{run}.>")
+    prefix = len(f"$KV.{bucket}.")
     out = []
     for subject in info.state.subjects or {}:
         with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
@@ -90,7 +99,7 @@ class Heartbeat:
             pid=os.getpid(), started_ns=self.started_ns, last_seen_ns=time.time_ns(),
             consumer=self.consumer, status=status, **extra,  # type: ignore[arg-type]
         )  # fmt: skip
-        kv = await roles_bucket(self.js)
+        kv = await roles_bucket(self.js, self.run)
         await kv.put(self.key, msgspec.msgpack.encode(hb))
 
     async def _loop(self) -> None:

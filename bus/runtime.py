@@ -19,11 +19,13 @@ stored, and a squatted event is stored under a salted header id instead of vanis
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import ssl
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -34,6 +36,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy, PubAck, RawStreamMsg, StorageType, StreamConfig
 
 from bus import codec
+from bus.auth import creds_from_env
 from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore, sha256_digest
@@ -41,13 +44,29 @@ from bus.subjects import objects_bucket, run_of_stream, stream_name, stream_subj
 from schemas import BodyRef, Event, derive_id
 
 Prepared = tuple[str, bytes, dict[str, str]]  # (subject, payload, headers) as published
+TLS_CA_ENV = "RLBUS_NATS_CA"  # the CA file that signs the servers' certificates (bus.tls_ca)
+
+
+def connect_options() -> dict[str, Any]:
+    """nats.connect options from the environment: the identity of ``$RLBUS_NATS_CREDS``
+    (``bus.auth``; ``rlbus up`` gives each role its own) and TLS verified against
+    ``$RLBUS_NATS_CA``. Empty: an anonymous plain connection."""
+    out: dict[str, Any] = {}
+    if (creds := creds_from_env()) is not None:
+        out |= {"user": creds.user, "password": creds.password}
+        out["inbox_prefix"] = creds.inbox_prefix
+    if ca := os.environ.get(TLS_CA_ENV):
+        out["tls"] = ssl.create_default_context(cafile=ca)
+    return out
 
 
 @dataclass(frozen=True)
 class BusSettings:
     offload_threshold_bytes: int = 512 * 1024
-    publish_timeout_s: float = 10.0
+    publish_timeout_s: float = 5.0  # per attempt: a stream leader lost mid-publish costs this
     publish_attempts: int = 5
+    # ...and keep retrying this long: a cluster elects a new stream leader in seconds.
+    publish_patience_s: float = 30.0
     publish_window: int = 256  # max un-acked async publishes
     publish_window_bytes: int = (
         32 * 1024 * 1024
@@ -57,6 +76,7 @@ class BusSettings:
     ack_wait_s: float = 5.0
     nak_delay_s: float = 1.0
     server_lost_s: float = 60.0  # unreachable this long: ``watch_server`` gives up
+    replicas: int = 1  # copies of the run's stream and object store (3 on a cluster)
     squat_steps: int = 3  # salted ids tried for a squatted event before PublishError
 
 
@@ -69,6 +89,16 @@ _RETRYABLE = (
     nats.errors.ConnectionReconnectingError,
     nats.js.errors.APIError,
 )
+
+
+# A JetStream request that may succeed once the cluster has (re-)elected a leader.
+_LEADERLESS = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+)
+T = TypeVar("T")
 
 
 @dataclass
@@ -88,7 +118,7 @@ class Bus:
         self.producer = producer
         self.settings = settings
         self.stream = stream_name(run)
-        self.objects = BodyStore(self.js, objects_bucket(run))
+        self.objects = BodyStore(self.js, objects_bucket(run), replicas=settings.replicas)
         self.log = get_logger(run=run, role=producer)
         self.url = ""
         self.lost: ServerLost | None = None  # set by watch_server when it gives up
@@ -104,7 +134,11 @@ class Bus:
         connect_timeout_s: float = 20.0,
         **kw: Any,
     ) -> Bus:
-        """Connect to ``url`` (raises ``ServerUnreachable`` after ``connect_timeout_s``)."""
+        """Connect to ``url`` (raises ``ServerUnreachable`` after ``connect_timeout_s``).
+
+        ``url`` may list several servers, comma-separated (a cluster's nodes): nats-py
+        connects to one and fails over to the others. Credentials and the CA that signs
+        the servers' certificates come from the environment (``connect_options``)."""
         log = get_logger(run=run, role=producer)
         link = _Link()
 
@@ -123,8 +157,9 @@ class Bus:
             log.info("nats.reconnected")
 
         link.lost_since = time.monotonic()  # until connected: nats-py retries a refused URL
+        servers = [u.strip() for u in url.split(",") if u.strip()]
         connecting = nats.connect(
-            url,
+            servers,
             name=f"rlbus-{run}-{producer}",
             max_reconnect_attempts=-1,  # bounded in time by watch_server, not in attempts
             reconnect_time_wait=0.5,
@@ -132,7 +167,7 @@ class Bus:
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
-            **kw,
+            **(connect_options() | kw),
         )
         try:
             nc = await asyncio.wait_for(connecting, connect_timeout_s)
@@ -184,17 +219,35 @@ class Bus:
                 return
             await asyncio.sleep(0.1)
 
+    async def api(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        """``call()`` (a JetStream API request), asked again while it times out or finds
+        no leader: a cluster elects a stream's leader in seconds after losing a node or
+        starting. Bounded by ``settings.publish_patience_s``; then the error is raised."""
+        deadline = time.monotonic() + self.settings.publish_patience_s
+        while True:
+            try:
+                return await call()
+            except _LEADERLESS as e:
+                if time.monotonic() > deadline:
+                    raise
+                self.log.info("jetstream.retry", what=what, error=repr(e))
+                await asyncio.sleep(0.5)
+
     async def has_stream(self) -> bool:
         """Whether the server holds the run's stream (the run exists there)."""
         try:
-            await self.js.stream_info(self.stream)
+            await self.api(lambda: self.js.stream_info(self.stream), "stream info")
         except nats.js.errors.NotFoundError:
             return False
         return True
 
     async def runs(self) -> list[str]:
-        """The runs whose streams this server holds, sorted."""
-        names = [info.config.name or "" for info in await self.js.streams_info()]
+        """The runs whose streams this server holds, sorted; empty when this client's
+        identity may not list them (a run's identities see their own run only)."""
+        try:
+            names = [info.config.name or "" for info in await self.js.streams_info()]
+        except (nats.errors.TimeoutError, nats.js.errors.APIError):
+            return []
         return sorted(r for n in names if (r := run_of_stream(n)) is not None)
 
     async def ensure_stream(self) -> None:
@@ -207,12 +260,23 @@ class Bus:
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,
             duplicate_window=self.settings.duplicate_window_s,
+            num_replicas=self.settings.replicas,
         )
         try:
             await self.js.add_stream(cfg)
         except nats.js.errors.BadRequestError:
             await self.js.stream_info(self.stream)  # created concurrently by another role
         self.log.info("stream.ready", stream=self.stream)
+
+    async def ensure_run(self) -> None:
+        """Create what a run keeps on the server, each with ``settings.replicas`` copies:
+        its stream, its object store and its role registry. The launcher does this before
+        any role starts (roles' identities may only look them up: ``bus.auth``)."""
+        from bus.registry import roles_bucket
+
+        await self.ensure_stream()
+        await self.objects.store()
+        await roles_bucket(self.js, self.run, replicas=self.settings.replicas)
 
     # -- publishing -------------------------------------------------------------------
 
@@ -310,7 +374,13 @@ class Bus:
         acks: list[PubAck | None] = [None] * len(prepared)
         todo = list(range(len(prepared)))
         last_error: BaseException | None = None
-        for attempt in range(self.settings.publish_attempts):
+        started = time.monotonic()
+        attempt = -1
+        while True:  # at least publish_attempts tries, and for at least publish_patience_s
+            attempt += 1
+            tried_enough = attempt >= self.settings.publish_attempts
+            if tried_enough and time.monotonic() - started >= self.settings.publish_patience_s:
+                break
             if attempt:
                 await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
             failed: list[int] = []
@@ -349,7 +419,8 @@ class Bus:
             )
             todo = failed
         raise PublishError(
-            f"{len(todo)} message(s) not acknowledged after {self.settings.publish_attempts} attempts: {last_error!r}"
+            f"{len(todo)} message(s) not acknowledged after {attempt} attempts in "
+            f"{time.monotonic() - started:.0f} s: {last_error!r}"
         )
 
     # -- reading one message back -----------------------------------------------------

@@ -27,17 +27,23 @@ import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from bus.children import die_with_parent
 from bus.errors import ServerBinaryNotFound, ServerStartError
+from bus.natsconf import Routes, Tls, server_conf, write_conf
+
+if TYPE_CHECKING:
+    from bus.auth import RunAuth
 
 _LISTEN = re.compile(r"Listening for client connections on ([\d.]+):(\d+)")
 _READY = "Server is ready"
 SERVER_FILE = "server.json"  # under the store, while the server runs: {"url", "pid"}
 STORE_SUBDIR = "jetstream"  # the JetStream data under the store
 NATS_URL_ENV = "RLBUS_NATS_URL"  # a NATS URL to use instead of the run's embedded server
+CONF_FILE = "nats.conf"  # under the store: the server's configuration (JSON)
+AUTH_SUBDIR = "auth"  # beside a run's store: its credentials (configs.paths.RunPaths.auth)
 ADDRESS_FILE = "server-address.json"  # under the store, kept: {"port", "name"} last served
 
 
@@ -64,21 +70,41 @@ class EmbeddedServer:
     of a run) reconnect to it and find the same streams."""
 
     def __init__(
-        self, data_dir: str | Path, port: int = -1, host: str = "127.0.0.1", name: str = ""
+        self,
+        data_dir: str | Path,
+        port: int = -1,
+        host: str = "127.0.0.1",
+        name: str = "",
+        *,
+        users: list[dict[str, Any]] | None = None,
+        routes: Routes | None = None,
+        tls: Tls | None = None,
+        monitor_port: int | None = None,
     ):
         self.data_dir = Path(data_dir).absolute()  # a restart from another cwd: same store
         self.port = port  # -1: let the server pick a free port (kept once it has)
         self.host = host
         self.name = name or f"rlbus-{os.getpid()}"
+        self.users = users  # None: anonymous clients welcome (tests, a given store)
+        self.routes = routes  # a node of a cluster (``bus.cluster``)
+        self.tls = tls
+        self.monitor_port = monitor_port  # None: no monitoring endpoint
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self._log_from = 0  # where this start's lines begin in the log
 
     @classmethod
-    def for_run(cls, data_dir: str | Path) -> EmbeddedServer:
+    def for_run(
+        cls,
+        data_dir: str | Path,
+        users: list[dict[str, Any]] | None = None,
+        tls: Tls | None = None,
+        monitor_port: int | None = None,
+    ) -> EmbeddedServer:
         """The launcher's server of a run's store: on the port and with the name the store
         was last served with (``rlbus up --resume``) when that port is free, else on a new
-        port. Every start records them (``ADDRESS_FILE``)."""
+        port. Every start records them (``ADDRESS_FILE``). ``users``: the run's
+        identities (``bus.auth``)."""
         try:
             last = json.loads((Path(data_dir) / ADDRESS_FILE).read_text())
             port, name = int(last["port"]), str(last["name"])
@@ -86,11 +112,16 @@ class EmbeddedServer:
             port, name = -1, ""
         if port > 0 and not port_free("127.0.0.1", port):
             port = -1
-        return cls(data_dir, port=port, name=name)
+        return cls(data_dir, port=port, name=name, users=users, tls=tls, monitor_port=monitor_port)
 
     @property
     def log_path(self) -> Path:
         return self.data_dir / "nats-server.log"
+
+    @property
+    def conf_path(self) -> Path:
+        """The configuration it runs with (rewritten at each start; mode 0600)."""
+        return self.data_dir / CONF_FILE
 
     @property
     def info_path(self) -> Path:
@@ -141,11 +172,13 @@ class EmbeddedServer:
         if fresh_log or not self.log_path.exists():
             self.log_path.write_text("")
         self._log_from = self.log_path.stat().st_size
-        cmd = [
-            binary, "-js", "-a", self.host, "-p", str(self.port),
-            "-sd", str(self.data_dir / STORE_SUBDIR), "-l", str(self.log_path),
-            "--http_port", "0", "-n", self.name,
-        ]  # fmt: skip
+        conf = server_conf(
+            name=self.name, host=self.host, port=self.port,
+            store_dir=self.data_dir / STORE_SUBDIR, users=self.users, routes=self.routes,
+            tls=self.tls, monitor_port=self.monitor_port,
+        )  # fmt: skip
+        write_conf(self.conf_path, conf)
+        cmd = [binary, "-c", str(self.conf_path), "-l", str(self.log_path)]
         # Own session: a terminal Ctrl-C must reach our owner, not the server, so roles can
         # still drain (ack, publish) through it; the owner stops it last. If the owner dies
         # without stopping it (SIGKILL, a closed terminal), the server gets SIGTERM.
@@ -164,7 +197,8 @@ class EmbeddedServer:
         m = _LISTEN.search(text)
         if m and _READY in text:
             self.port = int(m.group(2))
-            self.url = f"nats://{self.host}:{self.port}"
+            scheme = "tls" if self.tls is not None else "nats"
+            self.url = f"{scheme}://{self.host}:{self.port}"
             self.info_path.write_text(json.dumps({"url": self.url, "pid": self.proc.pid}))
             address = {"port": self.port, "name": self.name}
             (self.data_dir / ADDRESS_FILE).write_text(json.dumps(address))
@@ -216,7 +250,7 @@ def running_server_url(data_dir: str | Path) -> str | None:
     try:
         data = json.loads(info.read_text())
         os.kill(int(data["pid"]), 0)
-        address = urlsplit(str(data["url"]))
+        address = urlsplit(str(data["url"]).split(",")[0])  # a cluster: its first node
         with socket.create_connection((address.hostname, address.port), timeout=2.0):
             pass
     except (OSError, ValueError, KeyError):
@@ -225,8 +259,10 @@ def running_server_url(data_dir: str | Path) -> str | None:
 
 
 def has_store(data_dir: str | Path) -> bool:
-    """Whether an embedded server has stored JetStream data under ``data_dir``."""
-    return (Path(data_dir) / STORE_SUBDIR).exists()
+    """Whether an embedded server (or cluster) has stored JetStream data under ``data_dir``."""
+    from bus.cluster import is_cluster_store
+
+    return (Path(data_dir) / STORE_SUBDIR).exists() or is_cluster_store(data_dir)
 
 
 @contextlib.contextmanager
@@ -236,24 +272,63 @@ def reachable_server(
     *,
     start: Literal["never", "existing", "always"] = "existing",
     url_env: bool = True,
+    identity: str = "reader",
 ) -> Iterator[str | None]:
     """The NATS URL that serves the run whose embedded-server store is ``store``.
 
     In order: ``url`` (a ``--nats-url``); ``$RLBUS_NATS_URL`` (unless ``url_env`` is
-    false); the embedded server already running on ``store``; else a temporary embedded
-    server started on ``store`` and stopped when the block ends, if ``start`` is
+    false); the embedded server (or cluster) already running on ``store``; else a
+    temporary one started on ``store`` and stopped when the block ends, if ``start`` is
     ``"always"`` (a new run), or ``"existing"`` and the store holds data. None when none
     of these applies (``store`` None: only the first two are tried).
+
+    A run's store next to its credentials (``<run>/auth``, ``bus.auth``) is served with
+    them, and clients in the block connect as the run's ``identity`` (a role kind;
+    ``reader`` for the read commands) unless ``$RLBUS_NATS_CREDS`` already names one.
     """
-    if url := url or (os.environ.get(NATS_URL_ENV) if url_env else None):
-        yield url
-        return
-    if store is not None:
+    auth = None if store is None else _store_auth(store)
+    with _connecting_as(auth, identity):
+        if url := url or (os.environ.get(NATS_URL_ENV) if url_env else None):
+            yield url
+            return
+        if store is None:
+            yield None
+            return
         if running := running_server_url(store):
             yield running
             return
         if start == "always" or (start == "existing" and has_store(store)):
-            with EmbeddedServer(store) as server:
-                yield server.url
+            from bus.cluster import EmbeddedCluster, is_cluster_store
+
+            users = auth.users() if auth is not None else None
+            if is_cluster_store(store):
+                with EmbeddedCluster(store, users=users) as cluster:
+                    yield cluster.url
+            else:
+                with EmbeddedServer(store, users=users) as server:
+                    yield server.url
             return
-    yield None
+        yield None
+
+
+def _store_auth(store: str | Path) -> RunAuth | None:
+    """The credentials of the run whose server store is ``store``, if it has them."""
+    from bus.auth import RunAuth
+
+    directory = Path(store).absolute().parent / AUTH_SUBDIR
+    return RunAuth.ensure(directory, directory.parent.name) if directory.is_dir() else None
+
+
+@contextlib.contextmanager
+def _connecting_as(auth: RunAuth | None, identity: str) -> Iterator[None]:
+    """Within the block, ``Bus.connect`` presents ``identity`` of ``auth``."""
+    from bus.auth import CREDS_ENV
+
+    if auth is None or os.environ.get(CREDS_ENV):
+        yield
+        return
+    os.environ[CREDS_ENV] = str(auth.creds_file(identity))
+    try:
+        yield
+    finally:
+        os.environ.pop(CREDS_ENV, None)

@@ -55,45 +55,105 @@ class TopicSpec:
     topic: Topic
     schema: type[Event]
     key_field: str | None  # event attribute that becomes the subject's last token
-    producer: str
+    producer: str  # who publishes it, in words (the topology table)
     consumers: str
+    # The role kinds (``bus.auth.KINDS``) whose identities may publish it: what the
+    # server's permissions are built from. The launcher, admin of its run, may publish
+    # every topic and is not listed.
+    producers: tuple[str, ...] = ()
 
 
 TOPICS: dict[Topic, TopicSpec] = {
     s.topic: s
     for s in (
-        TopicSpec(Topic.RUN_STARTED, RunStarted, None, "orchestrator", "all roles, replay"),
-        TopicSpec(Topic.RUN_STOPPED, RunStopped, None, "orchestrator", "all roles, replay"),
+        TopicSpec(
+            Topic.RUN_STARTED,
+            RunStarted,
+            None,
+            "orchestrator",
+            "all roles, replay",
+            ("orchestrator",),
+        ),
+        TopicSpec(
+            Topic.RUN_STOPPED,
+            RunStopped,
+            None,
+            "orchestrator",
+            "all roles, replay",
+            ("orchestrator",),
+        ),
         TopicSpec(
             Topic.TASK_REQUESTED,
             TaskRequested,
             "env",
             "orchestrator",
             "env servers (shared durable per env)",
+            ("orchestrator",),
         ),
         TopicSpec(
-            Topic.TRACE_COMPLETED, TraceCompleted, "env", "env server", "algorithm workers, lake"
+            Topic.TRACE_COMPLETED,
+            TraceCompleted,
+            "env",
+            "env server",
+            "algorithm workers, lake",
+            ("env",),
         ),
-        TopicSpec(Topic.EVAL_COMPLETED, EvalCompleted, "env", "env server", "orchestrator, lake"),
+        TopicSpec(
+            Topic.EVAL_COMPLETED,
+            EvalCompleted,
+            "env",
+            "env server",
+            "orchestrator, lake",
+            ("env",),
+        ),
         TopicSpec(
             Topic.SAMPLES_SCORED,
             SamplesScored,
             "algorithm",
             "algorithm worker (orchestrator: a group past its deadline)",
             "orchestrator, lake",
+            ("algorithm", "attach", "orchestrator"),
         ),
-        TopicSpec(Topic.BATCH_ASSEMBLED, BatchAssembled, None, "orchestrator", "trainer"),
         TopicSpec(
-            Topic.WEIGHTS_PUBLISHED, WeightsPublished, None, "trainer", "inference, orchestrator"
+            Topic.BATCH_ASSEMBLED,
+            BatchAssembled,
+            None,
+            "orchestrator",
+            "trainer",
+            ("orchestrator",),
         ),
-        TopicSpec(Topic.METRICS_REPORTED, MetricsReported, "role", "every role", "lake, status"),
-        TopicSpec(Topic.DEAD_LETTERED, DeadLettered, "role", "bus runtime", "operators, lake"),
+        TopicSpec(
+            Topic.WEIGHTS_PUBLISHED,
+            WeightsPublished,
+            None,
+            "trainer",
+            "inference, orchestrator",
+            ("trainer",),
+        ),
+        TopicSpec(
+            Topic.METRICS_REPORTED,
+            MetricsReported,
+            "role",
+            "every role",
+            "lake, status",
+            ("orchestrator", "trainer", "inference", "env", "algorithm", "attach"),
+        ),
+        TopicSpec(
+            Topic.DEAD_LETTERED,
+            DeadLettered,
+            "role",
+            "bus runtime",
+            "operators, lake",
+            # every role kind with a durable consumer or a follower
+            ("orchestrator", "trainer", "inference", "env", "algorithm", "attach", "monitor"),
+        ),
         TopicSpec(
             Topic.ALGORITHM_ATTACHED,
             AlgorithmAttached,
             "algorithm",
             "rlbus algorithm attach",
             "orchestrator, the worker, status",
+            ("attach",),
         ),
         TopicSpec(
             Topic.ALGORITHM_DETACHED,
@@ -101,16 +161,18 @@ TOPICS: dict[Topic, TopicSpec] = {
             "algorithm",
             "rlbus algorithm detach",
             "orchestrator, the worker, status",
+            ("attach",),
         ),
     )
 }
 
 TOPIC_OF: dict[type[Event], Topic] = {spec.schema: t for t, spec in TOPICS.items()}
 
-# Core NATS (not stored): inference request/reply per model, in a queue group.
+# Core NATS (not stored): inference request/reply per model, in a queue group. Role
+# kinds (``bus.auth.KINDS``) that send requests, and those that answer them.
 INFER = "infer"
-# Object store and KV bucket names. JetStream names allow [A-Za-z0-9_-].
-ROLES_BUCKET = "rl_roles"  # live role registry, keys "<run>.<role>.<instance>"
+INFER_REQUESTERS: tuple[str, ...] = ("env", "algorithm", "attach")
+INFER_SERVERS: tuple[str, ...] = ("inference", "teacher")
 
 
 def is_token(value: str) -> bool:
@@ -146,6 +208,12 @@ def run_of_stream(name: str) -> str | None:
 def objects_bucket(run: str) -> str:
     """The run's object store: offloaded bodies and weights."""
     return f"RLOBJ_{check_token(run, 'run id')}"
+
+
+def roles_bucket_name(run: str) -> str:
+    """The run's live role registry (KV): keys ``<run>.<role>.<instance>``. One bucket
+    per run, so a run's identities can be confined to their own (``bus.auth``)."""
+    return f"RLROLES_{check_token(run, 'run id')}"
 
 
 def stream_subjects(run: str) -> list[str]:

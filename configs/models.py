@@ -44,6 +44,35 @@ class BusConfig(_Section):
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     # A role whose server stays unreachable this long exits with a one-line error.
     server_lost_s: float = Field(default=60.0, gt=0)
+    # Nodes of the embedded JetStream cluster `rlbus up` starts on loopback (1: one server).
+    cluster: int = Field(default=1, ge=1, le=9)
+    # Copies of the run's stream, object store and role registry. None: 1 on one server,
+    # the node count on a cluster (`rlbus up --cluster 3`: 3, any one node may die).
+    replicas: int | None = Field(default=None, ge=1, le=5)
+    # TLS for the embedded server(s) and every client: the server's certificate and key,
+    # and the CA clients (and cluster peers) check it against. All three or none.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    # The embedded server's HTTP monitoring port (on 127.0.0.1). None: off.
+    monitor_port: int | None = Field(default=None, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> BusConfig:
+        given = [k for k in ("tls_cert", "tls_key", "tls_ca") if getattr(self, k)]
+        if given and len(given) != 3:
+            missing = sorted({"tls_cert", "tls_key", "tls_ca"} - set(given))
+            raise ValueError(f"bus.tls_* needs all three; missing: {', '.join(missing)}")
+        if self.url is None and (self.replicas or 1) > self.cluster:
+            raise ValueError(
+                f"bus.replicas = {self.replicas} needs as many nodes: bus.cluster = {self.cluster} "
+                f"(rlbus up --cluster {self.replicas})"
+            )
+        return self
+
+    def resolved_replicas(self) -> int:
+        """``replicas``, or its default: 1 on one server, up to 3 on a cluster."""
+        return self.replicas or min(3, self.cluster)
 
 
 class TinyModelConfig(_Section):

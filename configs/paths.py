@@ -12,7 +12,9 @@ resolves it to the same place.
 
 A run's directory, ``<data_dir>/<run>/``::
 
-    nats/              the embedded nats-server's store (``jetstream/``, its log, server.json)
+    nats/              the embedded nats-server's store (``jetstream/``, its log, server.json,
+                       nats.conf); a cluster's: one ``n<i>/`` per node and cluster.json
+    auth/              the run's credentials: one file per role kind (mode 0600)
     config.toml        the resolved config (rollout.config.toml: ``rlbus rollout``'s, when
                        the run already has another one)
     logs/<name>.log    one log per role process
@@ -107,6 +109,12 @@ class RunPaths:
     def nats(self) -> Path:
         """The store of the run's embedded nats-server (``bus.server.EmbeddedServer``)."""
         return self.dir / "nats"
+
+    @property
+    def auth(self) -> Path:
+        """The run's identities: its server's users and one credentials file per role
+        kind (``bus.auth.RunAuth``; mode 0700, files 0600)."""
+        return self.dir / "auth"
 
     @property
     def server_file(self) -> Path:

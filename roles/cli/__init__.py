@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from roles.cli import algorithm, core, model, role
+from roles.cli import algorithm, core, model, nats, role
 from roles.cli.eval import evaluate
 from roles.cli.lake import lake_app, sql
 from roles.cli.monitor import monitor
@@ -48,6 +48,7 @@ def _setup() -> None:
 app.add_typer(role.app, name="role")
 app.add_typer(model.app, name="model")
 app.add_typer(algorithm.app, name="algorithm")
+app.add_typer(nats.app, name="nats")
 
 
 def main() -> None:

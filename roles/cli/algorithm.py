@@ -71,7 +71,7 @@ def attach(
     wid = algorithm_id or token_for(name.rsplit(":", 1)[-1])
     check_token(wid, "algorithm id")
     options = _options(option or [])
-    with server_for(run, nats_url, existing=True) as url:
+    with server_for(run, nats_url, existing=True, identity="attach") as url:
         ctx = run_async(role_context(run, url, "algorithm", None, wid))
         configure(run=run, role="algorithm", instance=ctx.instance)
         attached = run_async(
@@ -187,7 +187,7 @@ def detach(
         finally:
             await bus.close()
 
-    with server_for(run, nats_url, existing=True) as url:
+    with server_for(run, nats_url, existing=True, identity="attach") as url:
         run_async(main(url))
 
 

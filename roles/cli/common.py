@@ -77,16 +77,19 @@ def server_for(
     data_dir: str | Path | None = None,
     *,
     existing: bool = False,
+    identity: str = "reader",
 ) -> Iterator[str]:
     """The URL to use: --nats-url, $RLBUS_NATS_URL, the run's running embedded server, or
     a temporary embedded server started on the run's data (stopped afterwards).
 
     ``existing``: the command reads ``run``, so the run's stream must be on that server
-    (``require_run``); a role attaching to a run that has not started yet passes False."""
+    (``require_run``); a role attaching to a run that has not started yet passes False.
+    ``identity``: the run's role kind the command connects as (``bus.auth``) when the
+    run has credentials; the read commands are ``reader``."""
     from bus.server import reachable_server
 
     store = None if run is None else run_paths(run, data_dir).nats
-    with reachable_server(store, nats_url) as url:
+    with reachable_server(store, nats_url, identity=identity) as url:
         if url is None:
             if run is None:
                 raise typer.BadParameter("give --run or --nats-url")

@@ -1,8 +1,7 @@
-"""Core commands: up, nats, status, events, topology."""
+"""Core commands: up, status, events, topology."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -12,7 +11,6 @@ from roles.cli.common import run_async, server_for
 
 def register(app: typer.Typer) -> None:
     app.command("up")(up)
-    app.command("nats")(nats)
     app.command("status")(status)
     app.command("events")(events)
     app.command("topology")(topology)
@@ -37,6 +35,13 @@ def up(
     fresh: bool = typer.Option(
         False, "--fresh", help="Delete the existing run --run and start it over."
     ),
+    cluster: int | None = typer.Option(
+        None,
+        "--cluster",
+        min=1,
+        max=9,
+        help="Run on an embedded N-node JetStream cluster (bus.cluster).",
+    ),
 ) -> None:
     """Start a run: embedded NATS, every role as a process, a live view; Ctrl-C drains.
 
@@ -47,6 +52,12 @@ def up(
 
     if resume or fresh:
         config = _resumed_config(config, overrides or [], run, resume, fresh)
+    if cluster is not None:
+        if resume:
+            from roles.cli.common import fail
+
+            fail("rlbus up: --resume keeps the run's own cluster: drop --cluster")
+        overrides = [*(overrides or []), f"bus.cluster={cluster}"]
 
     try:
         cfg = settle_data_dir(load_config(config, overrides or []), overrides or [])
@@ -94,44 +105,6 @@ def _resumed_config(
         refuse("--resume continues a run with its own config: drop -c and overrides")
     own = RunPaths(resolve_data_dir(data_dir), run).config
     return str(own) if own.exists() else config  # missing: the launcher says why
-
-
-def nats(
-    data_dir: Path | None = typer.Option(
-        None, "--data-dir", help="JetStream store directory (default: <data dir>/nats)."
-    ),
-    port: int = typer.Option(4222, "--port", "-p", help="Client port (-1: any free port)."),
-) -> None:
-    """Run the embedded nats-server (JetStream, loopback) in the foreground until Ctrl-C."""
-    import signal
-    import time
-
-    from bus.errors import BusError
-    from bus.server import EmbeddedServer
-    from configs.paths import resolve_data_dir
-
-    data_dir = data_dir or resolve_data_dir() / "nats"
-    try:
-        server = EmbeddedServer(data_dir, port=port).start()
-    except BusError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"nats-server ready at {server.url} (store: {data_dir}, log: {server.log_path})")
-    stop = False
-
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        while not stop and server.proc is not None and server.proc.poll() is None:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-    typer.echo("nats-server stopped")
 
 
 def status(
@@ -227,13 +200,20 @@ def events(
 
 
 def topology() -> None:
-    """The topic table: subject, schema, producer, consumers."""
+    """The topic table (subject, schema, producer, consumers) and what each role kind's
+    identity may publish and consume (``bus.auth``)."""
     from rich.console import Console
     from rich.table import Table
 
+    from bus.auth import permission_rows
     from bus.subjects import topology as rows
 
     table = Table("subject", "schema", "producer", "consumers", title="rlbus topology")
     for row in rows():
         table.add_row(*row)
-    Console(width=160).print(table)
+    console = Console(width=160)
+    console.print(table)
+    perms = Table("identity", "may publish", "may consume", title="identities (per run)")
+    for row in permission_rows():
+        perms.add_row(*row)
+    console.print(perms)

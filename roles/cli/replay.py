@@ -55,7 +55,9 @@ def fork_server(run: str, nats_url: str | None) -> Iterator[str]:
     """Where a fork is written: the given server, else the new run's own embedded one."""
     from bus.server import reachable_server
 
-    with reachable_server(run_paths(run).nats, nats_url, start="always") as url:
+    with reachable_server(
+        run_paths(run).nats, nats_url, start="always", identity="launcher"
+    ) as url:
         assert url is not None
         yield url
 
@@ -302,7 +304,7 @@ def import_run(
             await bus.close()
 
     try:
-        with reachable_server(paths.nats, nats_url, start="always") as url:
+        with reachable_server(paths.nats, nats_url, start="always", identity="launcher") as url:
             assert url is not None
             with progress(f"import {run}", unit="events and objects") as update:
                 summary = run_async(main(url, update))

@@ -127,7 +127,7 @@ def collect(
         typer.echo(text, err=True)
 
     # --nats-url, $RLBUS_NATS_URL, the run's running server, or one started on its store.
-    with reachable_server(paths.nats, nats_url, start="always") as url:
+    with reachable_server(paths.nats, nats_url, start="always", identity="launcher") as url:
         assert url is not None
         try:
             with progress(label, sum(p.total for p in plans), "rollouts") as update:

@@ -32,6 +32,7 @@ def bus_settings(cfg: RunConfig) -> BusSettings:
         ack_wait_s=b.ack_wait_s,
         nak_delay_s=b.nak_delay_s,
         server_lost_s=b.server_lost_s,
+        replicas=b.resolved_replicas(),
     )
 
 

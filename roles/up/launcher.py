@@ -20,14 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+from bus.cluster import EmbeddedCluster, is_cluster_store
+from bus.natsconf import Tls
+from bus.server import EmbeddedServer
 from configs import RunConfig, dump_toml
 from configs.paths import RunPaths
 from roles.runtime.context import policy_model_dir
-from roles.up.processes import RoleProcess, role_process
+from roles.up.processes import RoleProcess, role_env, role_process
 from roles.up.run_guard import (
     LOCK_FILE,
     Mode,
@@ -109,22 +115,25 @@ def _launch_locked(
     cfg: RunConfig, paths: RunPaths, nats_url: str | None, live_view: bool, mode: Mode
 ) -> int:
     from bus.log import configure
-    from bus.server import EmbeddedServer, running_server_url
+    from bus.server import running_server_url
 
     run = paths.run
     paths.logs.mkdir(parents=True, exist_ok=True)
     live = live_view and sys.stdout.isatty()
     # With the live view on a terminal, routine lines would scroll it away: warnings only.
     configure(run=run, role="launcher", json=not live, level="WARNING" if live else "INFO")
-    # --nats-url or bus.url, else the run's own embedded server (started unless running).
-    # Only a server this launcher started is watched and restarted when it dies.
+    # --nats-url or bus.url, else the run's own embedded server(s) (started unless
+    # running), with authentication on. Only servers this launcher started are watched
+    # and restarted when they die.
     given = nats_url or cfg.bus.url
     with contextlib.ExitStack() as stack:
-        server: EmbeddedServer | None = None
+        servers: list[EmbeddedServer] = []
         url = given or running_server_url(paths.nats)
         if url is None:
-            server = stack.enter_context(EmbeddedServer.for_run(paths.nats))
-            url = server.url
+            started = stack.enter_context(embedded_servers(cfg, paths))
+            servers = started.nodes if isinstance(started, EmbeddedCluster) else [started]
+            url = started.url
+        stack.enter_context(launcher_identity(cfg, paths))
         if given:  # the run's stream lives on that server, not under the run directory
             asyncio.run(_check_given_server(url, run, mode))
         paths.config.write_text(dump_toml(cfg))
@@ -132,7 +141,43 @@ def _launch_locked(
         roles = role_specs(cfg, paths, url)
         devices = role_devices(cfg, roles)
         print("devices: " + ", ".join(f"{name} {dev}" for name, dev in devices.items()), flush=True)
-        return asyncio.run(supervise(cfg, paths, url, roles, live_view, server))
+        if len(servers) > 1:
+            print(f"nats cluster: {len(servers)} nodes, {cfg.bus.resolved_replicas()} replicas", flush=True)  # fmt: skip
+        return asyncio.run(supervise(cfg, paths, url, roles, live_view, servers))
+
+
+def embedded_servers(cfg: RunConfig, paths: RunPaths) -> EmbeddedServer | EmbeddedCluster:
+    """The run's own server, or cluster (``bus.cluster`` nodes; a resumed run: the nodes
+    its store has), with the run's identities as its only users (``bus.auth``)."""
+    from bus.auth import RunAuth
+
+    users = RunAuth.ensure(paths.auth, paths.run).users()
+    b = cfg.bus
+    tls = Tls(b.tls_cert, b.tls_key, b.tls_ca) if b.tls_cert and b.tls_key else None
+    if b.cluster > 1 or is_cluster_store(paths.nats):
+        return EmbeddedCluster(paths.nats, b.cluster, users=users, tls=tls)
+    return EmbeddedServer.for_run(paths.nats, users=users, tls=tls, monitor_port=b.monitor_port)
+
+
+@contextlib.contextmanager
+def launcher_identity(cfg: RunConfig, paths: RunPaths) -> Iterator[None]:
+    """The launcher's own connections use the run's ``launcher`` identity (when it has
+    credentials) and its CA; roles inherit the CA (``role_env`` gives each its identity)."""
+    from bus.runtime import TLS_CA_ENV
+
+    env = role_env(paths, "launcher")
+    if cfg.bus.tls_ca:
+        env[TLS_CA_ENV] = str(Path(cfg.bus.tls_ca).absolute())
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 async def _check_given_server(url: str, run: str, mode: Mode) -> None:

@@ -8,6 +8,7 @@ the launcher only, which then stops the roles in order), logging to
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ class RoleProcess:
     restarts: int = 0
     log_file: IO[bytes] | None = None
     exit_codes: list[int] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
 
     def start(self) -> None:
         """Start (or restart) the process, appending to its log."""
@@ -39,7 +41,7 @@ class RoleProcess:
         # run is resumable from its log (``rlbus up --run R --resume``), orphans are not.
         self.proc = subprocess.Popen(
             self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGKILL),
+            preexec_fn=die_with_parent(signal.SIGKILL), env=os.environ | self.env,
         )  # fmt: skip
 
     @property
@@ -80,8 +82,24 @@ def role_argv(
 def role_process(
     name: str, args: list[str], paths: RunPaths, url: str, config_path: Path | None = None
 ) -> RoleProcess:
-    """One role process of the run at ``paths``, logging to ``logs/<name>.log``."""
-    return RoleProcess(name, role_argv(args, paths, url, config_path), paths.log(name))
+    """One role process of the run at ``paths``, logging to ``logs/<name>.log``, with its
+    role kind's credentials (``args[0]``, e.g. ``env``) when the run has them (its
+    server requires them: ``bus.auth``), given through the environment, never argv."""
+    return RoleProcess(
+        name,
+        role_argv(args, paths, url, config_path),
+        paths.log(name),
+        env=role_env(paths, args[0]),
+    )
+
+
+def role_env(paths: RunPaths, kind: str) -> dict[str, str]:
+    """The environment that gives a process of role ``kind`` its identity on the run's
+    server: ``$RLBUS_NATS_CREDS`` (empty when the run has no credentials)."""
+    from bus.auth import CREDS_ENV, kind_of_role
+
+    creds = paths.auth / f"{kind_of_role(kind)}.creds"
+    return {CREDS_ENV: str(creds.absolute())} if creds.exists() else {}
 
 
 def write_summary(paths: RunPaths, summary: dict[str, object]) -> Path:

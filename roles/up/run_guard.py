@@ -146,12 +146,14 @@ async def stream_exists(url: str, run: str) -> bool:
 
 
 async def delete_stream(url: str, run: str) -> None:
-    """Delete the run's stream and object store on the server at ``url`` (``--fresh``)."""
+    """Delete the run's stream, object store and role registry on the server at ``url``
+    (``--fresh``)."""
     import contextlib
 
     import nats.js.errors
 
     from bus.runtime import Bus
+    from bus.subjects import roles_bucket_name
 
     bus = await Bus.connect(url, run=run, producer="launcher")
     try:
@@ -159,5 +161,7 @@ async def delete_stream(url: str, run: str) -> None:
             await bus.js.delete_stream(bus.stream)
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await bus.js.delete_object_store(bus.objects.bucket)
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await bus.js.delete_key_value(roles_bucket_name(run))
     finally:
         await bus.close()

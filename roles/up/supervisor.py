@@ -32,6 +32,7 @@ from bus.server import EmbeddedServer
 from bus.subjects import Topic, topic_of_subject
 from configs import RunConfig
 from configs.paths import RunPaths
+from roles.runtime.context import bus_settings
 from roles.up.monitor import RunMonitor
 from roles.up.processes import RoleProcess, write_summary
 from roles.up.role_errors import exit_text, last_error
@@ -161,40 +162,51 @@ class RoleKeeper:
 
 @dataclass
 class ServerKeeper:
-    """Restarts the embedded nats-server the launcher started when it dies, on the same
-    port, store and name (``EmbeddedServer.restart``): the roles' clients reconnect to
-    the URL they hold, and find the stream, consumers and KV where they were. Bounded:
+    """Restarts an embedded nats-server the launcher started (one, or each node of a
+    cluster) when it dies, on the same port, store and name (``EmbeddedServer.restart``):
+    the roles' clients reconnect to the URLs they hold, and find the stream, consumers and
+    KV where they were (a cluster's node catches up from its peers). Bounded:
     ``MAX_SERVER_RESTARTS`` within ``SERVER_RESTART_WINDOW_S``, then the run stops."""
 
-    server: EmbeddedServer | None  # None: a server the launcher did not start
+    servers: list[EmbeddedServer]  # empty: a server the launcher did not start
     view: LiveView
     log: Any
     deaths: list[float] = field(default_factory=list)  # monotonic times, in the window
 
     async def check(self) -> str | None:
-        """Restart the server if it died; the failure once it died too often."""
-        server = self.server
-        if server is None or server.alive:
-            return None
+        """Restart any server that died; the failure once they died too often."""
+        for server in self.servers:
+            if not server.alive and (failed := await self._restart(server)):
+                return failed
+        return None
+
+    async def _restart(self, server: EmbeddedServer) -> str | None:
         code = exit_text(server.exit_code)
+        what = "nats-server" if len(self.servers) == 1 else f"nats-server {server.name}"
         now = time.monotonic()
         self.deaths = [t for t in self.deaths if now - t < SERVER_RESTART_WINDOW_S] + [now]
         if len(self.deaths) > MAX_SERVER_RESTARTS:
             return (
-                f"nats-server died {len(self.deaths)} times in {SERVER_RESTART_WINDOW_S:.0f}s "
+                f"{what} died {len(self.deaths)} times in {SERVER_RESTART_WINDOW_S:.0f}s "
                 f"(last: {code}); not restarting it again; log {server.log_path}"
             )
-        self.log.warning("nats_server.died", exit=code, url=server.url)
-        self.view.note(f"nats-server died ({code}); restarting on {server.url}")
+        self.log.warning("nats_server.died", exit=code, url=server.url, node=server.name)
+        self.view.note(f"{what} died ({code}); restarting on {server.url}")
         started = time.monotonic()
         try:
             await server.restart()
         except ServerStartError as e:
-            return f"nats-server died ({code}) and could not restart on {server.url}: {e}"
+            return f"{what} died ({code}) and could not restart on {server.url}: {e}"
         took = time.monotonic() - started
         pid = server.proc.pid if server.proc else None
-        self.log.warning("nats_server.restarted", url=server.url, pid=pid, took_s=round(took, 2))
-        self.view.note(f"nats-server is back on {server.url} (pid {pid}, {took:.1f}s)")
+        self.log.warning(
+            "nats_server.restarted",
+            url=server.url,
+            node=server.name,
+            pid=pid,
+            took_s=round(took, 2),
+        )
+        self.view.note(f"{what} is back on {server.url} (pid {pid}, {took:.1f}s)")
         return None
 
 
@@ -407,10 +419,10 @@ async def supervise(
     url: str,
     roles: list[RoleProcess],
     live_view: bool,
-    server: EmbeddedServer | None = None,
+    servers: list[EmbeddedServer] | None = None,
 ) -> int:
-    """Run the roles until the run stops (``server``: the embedded server this launcher
-    started, watched and restarted; None for a server it did not start)."""
+    """Run the roles until the run stops (``servers``: the embedded server, or cluster
+    nodes, this launcher started, watched and restarted; none for a given server)."""
     from roles.up.view import LiveView
 
     run = paths.run
@@ -433,14 +445,14 @@ async def supervise(
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
-    bus = await Bus.connect(url, run=run, producer="launcher")
-    await bus.ensure_stream()
+    bus = await Bus.connect(url, run=run, producer="launcher", settings=bus_settings(cfg))
+    await bus.ensure_run()
     keeper = RoleKeeper(roles, view, log)
     for r in roles:
         keeper.start(r)
     follower = RunFollower(bus, monitor)
     follower.start()
-    server_keeper = ServerKeeper(server, view, log)
+    server_keeper = ServerKeeper(servers or [], view, log)
     interval = cfg.bus.heartbeat_interval_s
     watch = SilenceWatch(bus, view, log, roles, silence_limit_s(interval))
     watching = asyncio.create_task(watch.run(interval))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,16 @@ from bus.server import EmbeddedServer
 from tests.e2e.helpers import all_events, rlbus_up
 
 ANALYTICS_RUN = "ana1"
+
+
+@pytest.fixture(autouse=True)
+def _forget_identity() -> Iterator[None]:
+    """A test that connected as a run's identity (``helpers.as_launcher``) leaves none
+    behind for the next test's runs."""
+    from bus.auth import CREDS_ENV
+
+    yield
+    os.environ.pop(CREDS_ENV, None)
 
 
 @pytest.fixture(scope="session")

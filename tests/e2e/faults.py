@@ -13,6 +13,7 @@ import msgspec
 import nats
 
 from bus import codec
+from bus.runtime import connect_options
 from bus.subjects import Topic, subject
 from schemas import (
     AlgorithmAttached,
@@ -108,9 +109,10 @@ def injections(run: str) -> list[tuple[str, bytes]]:
 
 
 async def inject(url: str, run: str, squat_step: int) -> list[int]:
-    """Publish every injection raw (nats-py, as any local client could); their sequences.
+    """Publish every injection raw (nats-py, as any client with the run's credentials
+    could); their sequences.
     Also squats the id of a batch not assembled yet with a harmless metrics event."""
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **connect_options())  # the run's identity (helpers.as_launcher)
     try:
         js = nc.jetstream()
         seqs = []
@@ -204,3 +206,40 @@ def invariants(seq_events: list[tuple[int, Any]], steps: int) -> dict[str, int]:
         "traces_twice": len(trace_ids) - len(set(trace_ids)),
         "samples_trained_twice": len(used) - len(set(used)),
     }
+
+
+async def read_seq_events(url: str, run: str) -> list[tuple[int, Any]]:
+    """Every event of the run's log with its stream sequence."""
+    from bus.reader import read_log
+    from bus.runtime import Bus
+    from schemas import EVENT_TYPES
+
+    bus = await Bus.connect(url, run=run, producer="e2e")
+    try:
+        return [
+            x async for x in read_log(bus, [(t, None) for t in Topic], EVENT_TYPES, with_seq=True)
+        ]
+    finally:
+        await bus.close()
+
+
+def assert_log_intact(seq_events: list[tuple[int, Any]], steps: int, run_dir: Any) -> None:
+    """The log after faults: ``invariants`` all zero, and the final weights equal to a
+    fresh, uninterrupted trainer replay of the recorded batches."""
+    from configs import load_config
+    from roles.trainer.core import TrainerCore
+
+    found = invariants(seq_events, steps)
+    assert found["requests_checked"] > 0
+    assert {k: v for k, v in found.items() if k not in ("steps", "requests_checked")} == {
+        "batches_missing_or_twice": 0, "weights_missing_or_twice": 0, "traces_lost": 0,
+        "traces_twice": 0, "samples_trained_twice": 0,
+    }  # fmt: skip
+    events = [e for _, e in seq_events if not e.event_id.startswith(FORGED)]
+    cfg = load_config(str(run_dir / "config.toml"))
+    started = next(e for e in events if isinstance(e, RunStarted))
+    core = TrainerCore(cfg, started.model_path)  # the same fold, uninterrupted
+    for b in sorted((e for e in events if isinstance(e, BatchAssembled)), key=lambda b: b.step):
+        core.train_step(b)
+    final = [e for e in events if isinstance(e, WeightsPublished)][-1]
+    assert core.weights_digest() == final.weights.digest

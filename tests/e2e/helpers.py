@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 import nats.js.errors
 
+from bus.auth import CREDS_ENV
 from bus.reader import read_log
 from bus.registry import RoleHeartbeat, list_roles
 from bus.runtime import Bus
@@ -48,24 +50,40 @@ async def all_events(url: str, run: str) -> list[Any]:
 
 
 async def reached_version(
-    proc: subprocess.Popen[str], data_dir: Path, run: str, version: int, timeout_s: float
+    proc: subprocess.Popen[str],
+    data_dir: Path,
+    run: str,
+    version: int,
+    timeout_s: float,
+    url: str | None = None,
 ) -> str | None:
     """Poll a running ``rlbus up`` until its run has announced weights ``version``: the
-    url of the run's server then; None if the run ended or time ran out first."""
+    url of the run's server then (``url``: a server the run was given, else its own);
+    None if the run ended or time ran out first."""
     store = data_dir / run / "nats"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         await asyncio.sleep(0.5)
-        url = running_server_url(store)
-        if url is None:
+        found = url or running_server_url(store)
+        if found is None:
             continue
+        as_launcher(data_dir, run)
         try:
-            events = await all_events(url, run)
+            events = await all_events(found, run)
         except nats.js.errors.NotFoundError:
             continue  # the run's stream does not exist yet
         if any(isinstance(e, WeightsPublished) and e.version >= version for e in events):
-            return url
+            return found
     return None
+
+
+def as_launcher(data_dir: Path, run: str) -> None:
+    """This test process connects as the run's ``launcher`` identity from now on (the
+    servers ``rlbus up`` starts take no anonymous client); the e2e conftest forgets it
+    after each test."""
+    creds = data_dir / run / "auth" / "launcher.creds"
+    if creds.exists():
+        os.environ[CREDS_ENV] = str(creds)
 
 
 async def running_role(url: str, run: str, role: str, instance: str = "") -> RoleHeartbeat:

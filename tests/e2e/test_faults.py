@@ -14,23 +14,25 @@ from pathlib import Path
 
 import pytest
 
-from bus.reader import read_log
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
-from bus.subjects import Topic
-from configs import load_config
-from roles.trainer.core import TrainerCore
 from schemas import (
-    EVENT_TYPES,
     BatchAssembled,
     DeadLettered,
     MetricsReported,
-    RunStarted,
     RunStopped,
     SamplesScored,
     WeightsPublished,
 )
-from tests.e2e.faults import FORGED, inject, invariants, pause, sigkill, time_to_next_step
+from tests.e2e.faults import (
+    FORGED,
+    assert_log_intact,
+    inject,
+    pause,
+    read_seq_events,
+    sigkill,
+    time_to_next_step,
+)
 from tests.e2e.helpers import all_events, reached_version, rlbus_up, running_role, summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -122,24 +124,5 @@ async def test_every_role_type_and_the_server_killed_in_turn(tmp_path: Path) -> 
     assert all(any(p.startswith(r) for p in s["restarts"]) for r, _ in KILLED), s["restarts"]
 
     with EmbeddedServer(store) as server_:
-        reader = await Bus.connect(server_.url, run=run, producer="e2e")
-        try:
-            seq_events = [
-                x async for x in read_log(reader, [(t, None) for t in Topic], EVENT_TYPES, with_seq=True)
-            ]  # fmt: skip
-        finally:
-            await reader.close()
-    found = invariants(seq_events, steps)
-    assert found["requests_checked"] > 0
-    assert {k: v for k, v in found.items() if k not in ("steps", "requests_checked")} == {
-        "batches_missing_or_twice": 0, "weights_missing_or_twice": 0, "traces_lost": 0,
-        "traces_twice": 0, "samples_trained_twice": 0,
-    }  # fmt: skip
-    events = [e for _, e in seq_events if not e.event_id.startswith(FORGED)]
-    cfg = load_config(str(tmp_path / run / "config.toml"))
-    started = next(e for e in events if isinstance(e, RunStarted))
-    core = TrainerCore(cfg, started.model_path)  # the same fold, uninterrupted
-    for b in sorted((e for e in events if isinstance(e, BatchAssembled)), key=lambda b: b.step):
-        core.train_step(b)
-    final = [e for e in events if isinstance(e, WeightsPublished)][-1]
-    assert core.weights_digest() == final.weights.digest
+        seq_events = await read_seq_events(server_.url, run)
+    assert_log_intact(seq_events, steps, tmp_path / run)

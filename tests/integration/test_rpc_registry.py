@@ -90,5 +90,5 @@ async def test_registry_lists_only_this_runs_live_keys(bus: Bus) -> None:
     gone = Heartbeat(bus.js, bus.run, "inference", "i0")
     for hb in (mine, other, gone):
         await hb.beat()
-    await (await roles_bucket(bus.js)).delete(gone.key)
+    await (await roles_bucket(bus.js, bus.run)).delete(gone.key)
     assert [(r.run, r.instance) for r in await list_roles(bus.js, bus.run)] == [(bus.run, "t0")]

@@ -40,7 +40,7 @@ def killed(server: EmbeddedServer) -> None:
 
 def keeper_of(server: EmbeddedServer) -> ServerKeeper:
     view = LiveView(RunMonitor(run=RUN, max_steps=1), [], enabled=False)
-    return ServerKeeper(server, view, get_logger(run=RUN, role="launcher"))
+    return ServerKeeper([server], view, get_logger(run=RUN, role="launcher"))
 
 
 async def test_a_killed_server_restarts_on_its_url_with_its_stream(

@@ -1,0 +1,302 @@
+"""Who may do what on a run's bus: one identity per role kind, each with its own
+permissions, and the credentials files clients connect with.
+
+Every run has one identity (a user and a random password) per role kind (``KINDS``):
+every process of a kind presents the same one. An identity lives in one run and can
+reach nothing of another: what it may publish and subscribe to names its run's subjects
+and its run's three JetStream resources only (stream ``RL_<run>``, object store
+``RLOBJ_<run>``, registry ``RLROLES_<run>``; ``bus.subjects``).
+
+- **publish**: the topics its kind produces (``TopicSpec.producers``, the one place that
+  says who produces what), inference requests (``INFER_REQUESTERS``), objects (kinds
+  that store bodies or weights), its roles' heartbeat keys, and the JetStream API
+  subjects its reads, consumers and acks need, each naming one of its run's streams.
+- **subscribe**: its own inbox prefix (``_INBOX_<run>_<kind>``, given to nats-py as
+  ``inbox_prefix``: replies, consumer deliveries and acks all arrive there), so it
+  cannot read other clients' replies; inference servers (``INFER_SERVERS``) also
+  ``rl.<run>.infer.*``, and may answer what they receive (``allow_responses``).
+- ``reader`` (the read commands: status, events, lake, trace, replay) publishes nothing
+  but read requests; ``launcher`` (``rlbus up``, rollout, import) is the admin of its run
+  only: it creates, updates and deletes the run's streams, before any role starts.
+
+    auth = RunAuth.ensure(paths.auth, run)      # made once, the same passwords afterwards
+    auth.users()                                 # nats-server's authorization users
+    auth.creds_file("env")                       # what an env process connects with
+
+    python -m bus.auth                           # prints the permission table
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bus.subjects import (
+    INFER,
+    INFER_REQUESTERS,
+    INFER_SERVERS,
+    STREAM_PREFIX,
+    TOPICS,
+    check_token,
+)
+
+CREDS_ENV = "RLBUS_NATS_CREDS"  # a credentials file to connect with (``--creds``)
+
+KINDS: tuple[str, ...] = (
+    "launcher", "orchestrator", "trainer", "inference", "teacher", "env", "algorithm",
+    "attach", "monitor", "reader",
+)  # fmt: skip
+
+# ``rlbus role <name>`` (and the registry's role names) -> the kind it runs as.
+ROLE_KINDS: dict[str, str] = {
+    "orchestrator": "orchestrator", "trainer": "trainer", "inference": "inference",
+    "teacher": "teacher", "env": "env", "algorithm": "algorithm", "monitor": "monitor",
+    "lake": "monitor",  # both only read the log and heartbeat
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What a kind does besides publishing its topics (``TopicSpec.producers``)."""
+
+    durables: bool = False  # owns durable pull consumers: creates, fetches, acks, deletes
+    objects: bool = False  # stores objects (offloaded bodies, weights)
+    roles: tuple[str, ...] = ()  # registry role names whose heartbeats it writes
+
+
+_SPECS: dict[str, _Kind] = {
+    "orchestrator": _Kind(objects=True, roles=("orchestrator",)),
+    "trainer": _Kind(durables=True, objects=True, roles=("trainer",)),
+    "inference": _Kind(roles=("inference",)),
+    "teacher": _Kind(roles=("teacher",)),
+    "env": _Kind(durables=True, objects=True, roles=("env",)),
+    "algorithm": _Kind(durables=True, objects=True, roles=("algorithm",)),
+    "attach": _Kind(durables=True, objects=True, roles=("algorithm",)),
+    "monitor": _Kind(roles=("monitor", "lake")),
+    "reader": _Kind(),
+}
+
+
+def check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"unknown role kind {kind!r} (one of {', '.join(KINDS)})")
+    return kind
+
+
+def kind_of_role(role: str) -> str:
+    """The kind a role (``rlbus role <role>``) runs as; a kind is its own kind."""
+    if role in KINDS:
+        return role
+    if role not in ROLE_KINDS:
+        raise ValueError(f"no identity for role {role!r} (roles: {', '.join(ROLE_KINDS)})")
+    return ROLE_KINDS[role]
+
+
+def user_name(run: str, kind: str) -> str:
+    return f"{check_token(run, 'run id')}.{check_kind(kind)}"
+
+
+def inbox_prefix(run: str, kind: str) -> str:
+    """Where an identity's replies arrive: nats-py makes inboxes ``<prefix>.<nuid>``."""
+    return f"_INBOX_{check_token(run, 'run id')}_{check_kind(kind)}"
+
+
+def _names(run: str) -> tuple[str, str, str, str, str]:
+    """(stream, object bucket, its stream, registry bucket, its stream), unchecked."""
+    obj, roles = f"RLOBJ_{run}", f"RLROLES_{run}"
+    return f"{STREAM_PREFIX}{run}", obj, f"OBJ_{obj}", roles, f"KV_{roles}"
+
+
+def _read_api(streams: tuple[str, ...], consumers: tuple[str, ...]) -> list[str]:
+    """Reads of ``streams`` (info, message gets, direct gets) and ordered consumers on
+    ``consumers`` (created unnamed, flow controlled; their info)."""
+    out = []
+    for s in streams:
+        out += [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}"]
+        out += [f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
+    for s in consumers:
+        out += [f"$JS.API.CONSUMER.CREATE.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>"]
+        out += [f"$JS.API.CONSUMER.INFO.{s}.*", f"$JS.FC.{s}.>"]
+    # nats-py looks a subscription's stream up by subject when not told (BodyStore.read,
+    # ObjectStore.list): it answers with stream names only, never their contents.
+    return [*out, "$JS.API.STREAM.NAMES"]
+
+
+def _admin_api(streams: tuple[str, ...]) -> list[str]:
+    """Everything on ``streams``: create, update, delete, purge, messages, consumers."""
+    out = []
+    for s in streams:
+        out += [f"$JS.API.STREAM.*.{s}", f"$JS.API.STREAM.MSG.*.{s}"]
+        out += [f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
+        out += [f"$JS.API.CONSUMER.*.{s}", f"$JS.API.CONSUMER.*.{s}.>"]
+        out += [f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.>", f"$JS.API.CONSUMER.MSG.NEXT.{s}.>"]
+        out += [f"$JS.ACK.{s}.>", f"$JS.FC.{s}.>"]
+    return [*out, "$JS.API.STREAM.NAMES"]
+
+
+def _topics(run: str, kind: str) -> list[str]:
+    return [
+        f"rl.{run}.{t.value}" + (".*" if spec.key_field else "")
+        for t, spec in TOPICS.items()
+        if kind in spec.producers
+    ]
+
+
+def _permissions(run: str, kind: str) -> dict[str, Any]:
+    stream, obj, obj_stream, roles, kv_stream = _names(run)
+    inbox = f"_INBOX_{run}_{kind}.>"
+    if kind == "launcher":
+        pub = [f"rl.{run}.>", f"$O.{obj}.>", f"$KV.{roles}.>"]
+        pub += _admin_api((stream, obj_stream, kv_stream))
+        return {"publish": {"allow": pub}, "subscribe": {"allow": [inbox, f"rl.{run}.>"]}}
+    spec = _SPECS[kind]
+    pub = _topics(run, kind)
+    if kind in INFER_REQUESTERS:
+        pub.append(f"rl.{run}.{INFER}.*")
+    if spec.objects:  # chunks and meta; replacing or deleting one purges its old chunks
+        pub += [f"$O.{obj}.>", f"$JS.API.STREAM.PURGE.{obj_stream}"]
+    pub += [f"$KV.{roles}.{run}.{role}.*" for role in spec.roles]
+    pub += _read_api((stream, obj_stream, kv_stream), (stream, obj_stream))
+    if spec.durables:
+        pub += [
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
+            f"$JS.API.CONSUMER.DELETE.{stream}.*",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+            f"$JS.ACK.{stream}.>",
+        ]
+    sub = [inbox]
+    perms: dict[str, Any] = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+    if kind in INFER_SERVERS:
+        sub.append(f"rl.{run}.{INFER}.*")
+        perms["allow_responses"] = True
+    return perms
+
+
+def permissions(run: str, kind: str) -> dict[str, Any]:
+    """The nats-server ``permissions`` object of ``kind``'s identity in ``run``."""
+    return _permissions(check_token(run, "run id"), check_kind(kind))
+
+
+def permission_rows(run: str = "<run>") -> list[tuple[str, str, str]]:
+    """(kind, may publish, may consume) of every kind, in words, for a table."""
+    rows = []
+    for kind in KINDS:
+        if kind == "launcher":
+            rows.append((kind, f"rl.{run}.>, objects, registry", "everything of its run (admin)"))
+            continue
+        spec = _SPECS[kind]
+        pub = [t.removeprefix(f"rl.{run}.") for t in _topics(run, kind)]
+        if kind in INFER_REQUESTERS:
+            pub.append(f"{INFER}.* (requests)")
+        pub += ["objects"] if spec.objects else []
+        pub += [f"heartbeats ({', '.join(spec.roles)})"] if spec.roles else []
+        consume = ["reads the log, objects, registry"]
+        consume += ["durable consumers"] if spec.durables else []
+        consume += [f"answers {INFER}.*"] if kind in INFER_SERVERS else []
+        rows.append((kind, ", ".join(pub) or "nothing", "; ".join(consume)))
+    return rows
+
+
+# -- credentials ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientCreds:
+    """What a client presents to the server: a user, its password, and the inbox prefix
+    its replies arrive under (the only inboxes its identity may subscribe to)."""
+
+    user: str
+    password: str = field(repr=False)
+    inbox_prefix: str
+
+
+def load_creds(path: str | Path) -> ClientCreds:
+    """Read a credentials file written by ``RunAuth`` (JSON, mode 0600)."""
+    data = json.loads(Path(path).read_text())
+    return ClientCreds(str(data["user"]), str(data["password"]), str(data["inbox_prefix"]))
+
+
+def creds_from_env() -> ClientCreds | None:
+    path = os.environ.get(CREDS_ENV)
+    return load_creds(path) if path else None
+
+
+@dataclass(frozen=True)
+class RunAuth:
+    """The identities of one run, kept in ``directory`` (``runs/<run>/auth``, mode 0700):
+    one credentials file per kind (``<kind>.creds``, JSON, mode 0600)."""
+
+    directory: Path
+    run: str
+    _passwords: dict[str, str] = field(repr=False)
+
+    @classmethod
+    def ensure(cls, directory: str | Path, run: str) -> RunAuth:
+        """The run's credentials: made for every kind missing, read back otherwise (a
+        restarted server and the roles still running must agree on them)."""
+        check_token(run, "run id")
+        d = Path(directory)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        d.chmod(0o700)
+        passwords = {}
+        for kind in KINDS:
+            path = d / f"{kind}.creds"
+            if not path.exists():
+                _create(path, _creds_doc(run, kind, secrets.token_urlsafe(32)))
+            data = json.loads(path.read_text())
+            if (data.get("run"), data.get("kind")) != (run, kind):
+                raise ValueError(f"{path} holds credentials of another run or kind")
+            passwords[kind] = str(data["password"])
+        return cls(d, run, passwords)
+
+    def creds_file(self, kind: str) -> Path:
+        """The credentials file of ``kind`` (a role name is taken as its kind)."""
+        return self.directory / f"{kind_of_role(kind)}.creds"
+
+    def creds(self, kind: str) -> ClientCreds:
+        return load_creds(self.creds_file(kind))
+
+    def users(self) -> list[dict[str, Any]]:
+        """The run's entries of nats-server's ``authorization.users``."""
+        return [
+            {
+                "user": user_name(self.run, kind),
+                "password": self._passwords[kind],
+                "permissions": permissions(self.run, kind),
+            }
+            for kind in KINDS
+        ]
+
+
+def _creds_doc(run: str, kind: str, password: str) -> dict[str, str]:
+    return {
+        "user": user_name(run, kind),
+        "password": password,
+        "inbox_prefix": inbox_prefix(run, kind),
+        "run": run,
+        "kind": kind,
+    }
+
+
+def _create(path: Path, doc: dict[str, str]) -> None:
+    """Write ``path`` (mode 0600) unless it exists: written aside, then linked in, so a
+    concurrent ``ensure`` never reads half a file and never replaces one."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        with contextlib.suppress(FileExistsError):  # made meanwhile: that one stands
+            os.link(tmp, path)
+    finally:
+        tmp.unlink()
+
+
+if __name__ == "__main__":
+    for row in permission_rows():
+        print(" | ".join(row))
