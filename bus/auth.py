@@ -65,19 +65,21 @@ class _Kind:
     """What a kind does besides publishing its topics (``TopicSpec.producers``)."""
 
     durables: bool = False  # owns durable pull consumers: creates, fetches, acks, deletes
-    objects: bool = False  # stores objects (offloaded bodies, weights)
+    # stores objects: offloaded bodies, weights; and any kind that dead-letters (a dead
+    # letter of a message near the size limit is offloaded like any large event)
+    objects: bool = False
     roles: tuple[str, ...] = ()  # registry role names whose heartbeats it writes
 
 
 _SPECS: dict[str, _Kind] = {
     "orchestrator": _Kind(objects=True, roles=("orchestrator",)),
     "trainer": _Kind(durables=True, objects=True, roles=("trainer",)),
-    "inference": _Kind(roles=("inference",)),
+    "inference": _Kind(objects=True, roles=("inference",)),
     "teacher": _Kind(roles=("teacher",)),
     "env": _Kind(durables=True, objects=True, roles=("env",)),
     "algorithm": _Kind(durables=True, objects=True, roles=("algorithm",)),
     "attach": _Kind(durables=True, objects=True, roles=("algorithm",)),
-    "monitor": _Kind(roles=("monitor", "lake")),
+    "monitor": _Kind(objects=True, roles=("monitor", "lake")),
     "reader": _Kind(),
 }
 

@@ -96,7 +96,7 @@ def test_only_the_launcher_changes_streams() -> None:
     # purging the object stream comes with storing objects (a replaced object's chunks)
     assert may_publish("r1", "trainer", "$JS.API.STREAM.PURGE.OBJ_RLOBJ_r1")
     assert not may_publish("r1", "trainer", "$JS.API.STREAM.PURGE.RL_r1")
-    assert not may_publish("r1", "inference", "$JS.API.STREAM.PURGE.OBJ_RLOBJ_r1")
+    assert not may_publish("r1", "reader", "$JS.API.STREAM.PURGE.OBJ_RLOBJ_r1")
 
 
 @pytest.mark.parametrize("kind", KINDS)
