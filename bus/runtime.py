@@ -158,11 +158,12 @@ class Bus:
 
         link.lost_since = time.monotonic()  # until connected: nats-py retries a refused URL
         servers = [u.strip() for u in url.split(",") if u.strip()]
-        connecting = nats.connect(
+        nc = Client()
+        connecting = nc.connect(
             servers,
             name=f"rlbus-{run}-{producer}",
             max_reconnect_attempts=-1,  # bounded in time by watch_server, not in attempts
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]  # a float works; the hint says int
             pending_size=64 * 1024 * 1024,  # large publishes survive a reconnect (NATS_NOTES #14)
             error_cb=on_error,
             disconnected_cb=on_disconnect,
@@ -170,8 +171,9 @@ class Bus:
             **(connect_options() | kw),
         )
         try:
-            nc = await asyncio.wait_for(connecting, connect_timeout_s)
+            await asyncio.wait_for(connecting, connect_timeout_s)
         except TimeoutError:
+            await nc.close()  # the socket of an attempt in progress (a TLS mismatch...)
             raise ServerUnreachable(
                 f"cannot reach a NATS server at {url} within {connect_timeout_s:g} s "
                 f"(last error: {link.last_error!r})"

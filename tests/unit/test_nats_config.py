@@ -31,7 +31,9 @@ def test_cluster_config_files(tmp_path: Path) -> None:
         users = {u["user"] for u in conf["authorization"]["users"]}
         assert "R.env" in users and "R.reader" in users
         assert "http" not in conf  # no monitoring endpoint
-        check = subprocess.run([find_binary(), "-t", "-c", str(path)], capture_output=True, text=True)
+        check = subprocess.run(
+            [find_binary(), "-t", "-c", str(path)], capture_output=True, text=True
+        )
         assert check.returncode == 0, check.stderr + check.stdout
     creds = json.loads((tmp_path / "R" / "env.creds").read_text())
     assert creds["user"] == "R.env" and creds["password"] not in result.output
