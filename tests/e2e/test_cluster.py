@@ -1,6 +1,6 @@
 """A run on a three-node JetStream cluster survives the loss of a node (real processes,
 real servers on loopback): kill -9 of the node that leads the run's stream (the
-launcher restarts it from its store), and of another node that never comes back (three
+launcher restarts it from its store; a role may exit once on the election and resume), and of another node that never comes back (three
 replicas keep a quorum). The servers `rlbus up` starts refuse anonymous clients. Either way the run reaches max_steps and its log is intact:
 every request has its traces, nothing twice, final weights equal a trainer replay."""
 
@@ -71,7 +71,9 @@ async def test_stream_leader_killed_and_restarted(tmp_path: Path) -> None:
     assert proc.returncode == 0, out[-4000:]
     assert f"nats-server {leader} is back" in out
     assert summary(tmp_path, run)["steps"] == STEPS
-    assert not summary(tmp_path, run).get("restarts"), "a node's death restarted a role"
+    # A role whose JetStream call failed through the election may exit once and resume
+    # (its durable consumer and the log make that safe); none keeps dying.
+    assert all(n <= 1 for n in summary(tmp_path, run).get("restarts", {}).values())
 
     with EmbeddedCluster(tmp_path / run / "nats") as cluster:  # anonymous: a test's reader
         seq_events = await read_seq_events(cluster.url, run)
