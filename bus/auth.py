@@ -32,6 +32,8 @@ import contextlib
 import json
 import os
 import secrets
+import ssl
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from bus.subjects import (
 )
 
 CREDS_ENV = "RLBUS_NATS_CREDS"  # a credentials file to connect with (``--creds``)
+TLS_CA_ENV = "RLBUS_NATS_CA"  # the CA file that signs the servers' certificates (bus.tls_ca)
 
 KINDS: tuple[str, ...] = (
     "launcher", "orchestrator", "trainer", "inference", "teacher", "env", "algorithm",
@@ -226,6 +229,35 @@ def load_creds(path: str | Path) -> ClientCreds:
 def creds_from_env() -> ClientCreds | None:
     path = os.environ.get(CREDS_ENV)
     return load_creds(path) if path else None
+
+
+def connect_options() -> dict[str, Any]:
+    """nats.connect options from the environment: the identity of ``$RLBUS_NATS_CREDS``
+    (``rlbus up`` gives each role its own) and TLS verified against ``$RLBUS_NATS_CA``.
+    Empty: an anonymous plain connection. ``Bus.connect`` uses them."""
+    out: dict[str, Any] = {}
+    if (creds := creds_from_env()) is not None:
+        out |= {"user": creds.user, "password": creds.password}
+        out["inbox_prefix"] = creds.inbox_prefix
+    if ca := os.environ.get(TLS_CA_ENV):
+        out["tls"] = ssl.create_default_context(cafile=ca)
+    return out
+
+
+@contextlib.contextmanager
+def env_set(values: dict[str, str]) -> Iterator[None]:
+    """Within the block, the environment holds ``values`` (an identity, a CA) for this
+    process's connections; afterwards it is as it was."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,7 @@ stored, and a squatted event is stored under a salted header id instead of vanis
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -36,7 +34,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy, PubAck, RawStreamMsg, StorageType, StreamConfig
 
 from bus import codec
-from bus.auth import creds_from_env
+from bus.auth import connect_options
 from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore, sha256_digest
@@ -44,20 +42,6 @@ from bus.subjects import objects_bucket, run_of_stream, stream_name, stream_subj
 from schemas import BodyRef, Event, derive_id
 
 Prepared = tuple[str, bytes, dict[str, str]]  # (subject, payload, headers) as published
-TLS_CA_ENV = "RLBUS_NATS_CA"  # the CA file that signs the servers' certificates (bus.tls_ca)
-
-
-def connect_options() -> dict[str, Any]:
-    """nats.connect options from the environment: the identity of ``$RLBUS_NATS_CREDS``
-    (``bus.auth``; ``rlbus up`` gives each role its own) and TLS verified against
-    ``$RLBUS_NATS_CA``. Empty: an anonymous plain connection."""
-    out: dict[str, Any] = {}
-    if (creds := creds_from_env()) is not None:
-        out |= {"user": creds.user, "password": creds.password}
-        out["inbox_prefix"] = creds.inbox_prefix
-    if ca := os.environ.get(TLS_CA_ENV):
-        out["tls"] = ssl.create_default_context(cafile=ca)
-    return out
 
 
 @dataclass(frozen=True)

@@ -321,14 +321,12 @@ def _store_auth(store: str | Path) -> RunAuth | None:
 
 @contextlib.contextmanager
 def _connecting_as(auth: RunAuth | None, identity: str) -> Iterator[None]:
-    """Within the block, ``Bus.connect`` presents ``identity`` of ``auth``."""
-    from bus.auth import CREDS_ENV
+    """Within the block, ``Bus.connect`` presents ``identity`` of ``auth`` (unless
+    ``$RLBUS_NATS_CREDS`` already names one)."""
+    from bus.auth import CREDS_ENV, env_set
 
     if auth is None or os.environ.get(CREDS_ENV):
         yield
         return
-    os.environ[CREDS_ENV] = str(auth.creds_file(identity))
-    try:
+    with env_set({CREDS_ENV: str(auth.creds_file(identity))}):
         yield
-    finally:
-        os.environ.pop(CREDS_ENV, None)

@@ -32,7 +32,7 @@ from schemas import (
     WeightsPublished,
 )
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class Topic(StrEnum):
@@ -177,12 +177,12 @@ INFER_SERVERS: tuple[str, ...] = ("inference", "teacher")
 
 def is_token(value: str) -> bool:
     """Whether ``value`` may be a subject token (a run, a key, a model name)."""
-    return bool(_TOKEN.match(value))
+    return bool(_TOKEN.fullmatch(value))
 
 
 def check_token(value: str, what: str = "name") -> str:
     """Subject tokens must be plain: a dot or wildcard would change the subject's meaning."""
-    if not _TOKEN.match(value):
+    if not _TOKEN.fullmatch(value):
         raise ValueError(f"invalid {what} {value!r}: use letters, digits, '-' and '_' only")
     return value
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _ESCAPES = {
     '"': '\\"',
     "\\": "\\\\",
@@ -42,7 +42,7 @@ def toml_string(s: str) -> str:
 
 
 def toml_key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else toml_string(key)
+    return key if _BARE_KEY.fullmatch(key) else toml_string(key)
 
 
 def _is_table(v: Any) -> bool:

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from bus.cluster import EmbeddedCluster, is_cluster_store
@@ -159,25 +157,15 @@ def embedded_servers(cfg: RunConfig, paths: RunPaths) -> EmbeddedServer | Embedd
     return EmbeddedServer.for_run(paths.nats, users=users, tls=tls, monitor_port=b.monitor_port)
 
 
-@contextlib.contextmanager
-def launcher_identity(cfg: RunConfig, paths: RunPaths) -> Iterator[None]:
+def launcher_identity(cfg: RunConfig, paths: RunPaths) -> contextlib.AbstractContextManager[None]:
     """The launcher's own connections use the run's ``launcher`` identity (when it has
     credentials) and its CA; roles inherit the CA (``role_env`` gives each its identity)."""
-    from bus.runtime import TLS_CA_ENV
+    from bus.auth import TLS_CA_ENV, env_set
 
     env = role_env(paths, "launcher")
     if cfg.bus.tls_ca:
         env[TLS_CA_ENV] = str(Path(cfg.bus.tls_ca).absolute())
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return env_set(env)
 
 
 async def _check_given_server(url: str, run: str, mode: Mode) -> None:

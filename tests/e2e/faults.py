@@ -13,7 +13,7 @@ import msgspec
 import nats
 
 from bus import codec
-from bus.runtime import connect_options
+from bus.auth import connect_options
 from bus.subjects import Topic, subject
 from schemas import (
     AlgorithmAttached,

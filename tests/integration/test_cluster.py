@@ -19,11 +19,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from bus.auth import TLS_CA_ENV
 from bus.cluster import EmbeddedCluster
 from bus.errors import ServerUnreachable
 from bus.natsconf import Tls
 from bus.reader import read_log
-from bus.runtime import TLS_CA_ENV, Bus, BusSettings
+from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import Topic
 from schemas import EVENT_TYPES, RunStopped
