@@ -63,6 +63,16 @@ class EnvConfig(_Section):
     algorithms: list[str] = []  # ids from `orchestrator.algorithms`; empty = all
     max_turns: int | None = Field(default=None, ge=1)
     sft: EnvSftConfig = Field(default_factory=EnvSftConfig)
+    # Multi-agent envs (docs/algorithms.md, "Members"): the model each member is played
+    # by, "policy" or a key of `orchestrator.models` (unlisted members: the actor).
+    members: dict[str, str] = {}
+    # Who learns: None = every member played by the actor; a member name; "rotate" = a
+    # seat per rollout, balanced over the env's seats. Only the learner's branch trains.
+    learner_seat: str | None = None
+    # The model key playing the seats the learner does not hold (None: the actor).
+    opponent: str | None = None
+    # Judge members never become samples (false: a judge played by the actor trains).
+    drop_judge: bool = True
 
     @property
     def key(self) -> str:
@@ -119,6 +129,10 @@ class ModelEndpointConfig(_Section):
     kind: Literal["policy", "teacher", "reference"] = "reference"
     path: str | None = None  # None = the frozen base weights at `model.path`
     tokens: bool = True  # answers with token ids + logprobs (not text only)
+    # A frozen snapshot of the policy (kind "reference", no path): serves the weights the
+    # trainer published as this version, following the policy until then (0: the
+    # initial weights). The trainer keeps that version's weights for the whole run.
+    policy_version: int | None = Field(default=None, ge=0)
     subject_model: str | None = None  # inference model name it answers on; defaults to the key
 
 
@@ -131,6 +145,9 @@ class EvalConfig(_Section):
     sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
     envs: list[str] = []  # train env ids to evaluate; empty = all
     at_start: bool = True  # also evaluate policy version 0
+    # Multi-agent envs with a learner seat: the seat the learner plays in eval (None: the
+    # env's own `learner_seat` rule, e.g. "rotate": both sides, balanced).
+    learner_seat: str | None = None
 
 
 class WarmupConfig(_Section):
@@ -254,6 +271,20 @@ def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
                     f"`orchestrator.train.env.{i}.algorithms` names {algo!r}, which is not an "
                     f"id in `orchestrator.algorithms` (declared: {algo_ids})"
                 )
+    for i, env in enumerate(o.train.env):
+        bound = [(f"members.{m}", k) for m, k in env.members.items()]
+        for key, model in bound + [("opponent", env.opponent)]:
+            if model is not None and model != POLICY and model not in o.models:
+                problems.append(
+                    f"`orchestrator.train.env.{i}.{key}` = {model!r} must be {POLICY!r} or a "
+                    f"key of `orchestrator.models` (declared: {keys or 'none'})"
+                )
+    for key, m in o.models.items():
+        if m.policy_version is not None and (m.kind != "reference" or m.path is not None):
+            problems.append(
+                f"`orchestrator.models.{key}.policy_version` is a snapshot of the policy: it "
+                'needs kind = "reference" and no `path`'
+            )
     for name in o.eval.envs:
         if name not in env_ids:
             problems.append(

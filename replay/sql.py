@@ -38,7 +38,9 @@ from replay.tables import TABLES
 _VIEWS = {
     "rollouts": """
         SELECT r.* REPLACE (map_from_entries(r.rewards) AS rewards,
-                            map_from_entries(r.metrics) AS metrics),
+                            map_from_entries(r.metrics) AS metrics,
+                            map_from_entries(r.member_rewards) AS member_rewards,
+                            map_from_entries(r.member_models) AS member_models),
                b.batch_step
         FROM _rollouts r
         LEFT JOIN (SELECT run, rollout_id, min(step) AS batch_step

@@ -45,6 +45,7 @@ from schemas import (
 
 S, I64, F, B = pl.Utf8, pl.Int64, pl.Float64, pl.Boolean
 NAMED = pl.List(pl.Struct({"name": pl.Utf8, "value": pl.Float64}))
+MODELS = pl.List(pl.Struct({"name": pl.Utf8, "model": pl.Utf8}))  # member -> model key
 TIMINGS = ("generate_s", "queue_s", "compute_s", "env_s", "total_s")
 _BASE = {"run": S, "seq": I64}
 
@@ -63,8 +64,10 @@ SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
                  "rewards": NAMED, "metrics": NAMED, "num_turns": I64, "num_messages": I64,
                  "num_branches": I64, "prompt_tokens": I64, "completion_tokens": I64,
                  "truncated": B, "finish_reason": S, "error_type": S, "error_message": S,
-                 "num_errors": I64, **dict.fromkeys(TIMINGS, F), "producer": S, "ts_ns": I64},
+                 "num_errors": I64, **dict.fromkeys(TIMINGS, F), "seat": S, "seat_reward": F,
+                 "member_rewards": NAMED, "member_models": MODELS, "producer": S, "ts_ns": I64},
     "rollout_tokens": {**_BASE, "rollout_id": S, "split": S, "branch": I64, "member": S,
+                       "seat": S, "model": S,
                        "n_tokens": I64, "token_ids": pl.List(pl.Int32),
                        "sampled": pl.List(pl.Boolean), "logprobs": pl.List(pl.Float32),
                        "policy_versions": pl.List(pl.Int32)},
@@ -137,6 +140,9 @@ def rollout_rows(
         "truncated": trace.truncated, "finish_reason": finish,
         "error_type": error.kind if error else None, "error_message": error.message if error else None,
         "num_errors": len(trace.errors), **{t: trace.timings.get(t) for t in TIMINGS},
+        "seat": trace.seat, "seat_reward": trace.member_rewards.get(trace.seat or ""),
+        "member_rewards": _named(trace.member_rewards),
+        "member_models": [{"name": k, "model": v} for k, v in sorted(trace.member_models.items())],
         "producer": producer, "ts_ns": ts_ns,
         **{reward_column(k): float(v) for k, v in trace.rewards.items()},
     }  # fmt: skip
@@ -157,6 +163,8 @@ def rollout_rows(
                 "split": trace.task.split,
                 "branch": index,
                 "member": branch.member,
+                "seat": trace.seat,
+                "model": trace.member_models.get(branch.member or ""),
                 "n_tokens": len(ids),
                 "token_ids": ids,
                 "sampled": sampled,

@@ -39,6 +39,23 @@ class TaskRef(Record, frozen=True):
     data: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class Seating(Record, frozen=True):
+    """Who plays which member of a multi-agent rollout, and who learns.
+
+    The orchestrator writes it from the env's config (``members``, ``learner_seat``,
+    ``opponent``, ``drop_judge``); the env server casts each rollout from it
+    (``roles.lib.envs.seats.cast``). None on a request = every member is played by the
+    request's ``model`` and every non-judge member trains.
+    """
+
+    bindings: dict[str, str] = msgspec.field(default_factory=dict)  # member -> model key
+    # None: every member played by the actor trains; a member name; "rotate": a seat per
+    # rollout, balanced over the env's seats within the group.
+    learner: str | None = None
+    opponent: str | None = None  # model of the seats the learner does not hold (None: the actor)
+    train_judges: bool = False
+
+
 class TaskRequested(Event, frozen=True, tag="task_requested/1"):
     """Ask an env server for ``group_size`` rollouts of one task (one group)."""
 
@@ -59,6 +76,7 @@ class TaskRequested(Event, frozen=True, tag="task_requested/1"):
     # Training algorithm ids whose samples this group waits for, decided at dispatch
     # (empty in logs written before runtime attach: the config's routing then applies).
     algorithms: list[str] = msgspec.field(default_factory=list)
+    seating: Seating | None = None  # multi-agent envs: members' models and the learner
 
 
 class Message(Record, frozen=True):
@@ -117,6 +135,10 @@ class Trace(Record, frozen=True):
     policy_max: int = 0  # newest
     truncated: bool = False
     num_turns: int = 0
+    # Multi-agent: the learner's member this rollout (None: no seat rule), and the model
+    # key that played each member (its turns' ``Message.policy_version`` say which weights).
+    seat: str | None = None
+    member_models: dict[str, str] = msgspec.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

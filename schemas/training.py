@@ -99,6 +99,9 @@ class SamplesScored(Event, frozen=True, tag="samples_scored/1"):
     samples: list[Sample]
     rewards: list[Finite] = msgspec.field(default_factory=list)  # of the non-errored rollouts
     excluded: NonNegative = 0  # errored rollouts left out of the baseline and of training
+    # The members whose branches those errored rollouts would have trained, in group
+    # order (what ``rae`` updates its baselines with at reward 0).
+    excluded_members: list[str] = msgspec.field(default_factory=list)
     zero_advantage: bool = False  # no channel has a non-zero weight: no learning signal
     # Why this algorithm could not score the group (its scoring raised, it made a sample
     # that cannot be trained, or the orchestrator gave up waiting: "deadline ..."); the

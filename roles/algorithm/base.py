@@ -105,6 +105,9 @@ class Algorithm:
     channel: ClassVar[str] = "rl"  # where the default ``targets`` puts ``advantages``
     channels: ClassVar[tuple[str, ...]] = ("rl",)  # every channel it may emit
     needs_members: ClassVar[bool] = False  # only for envs whose traces name members
+    # Scores multi-agent traces right (per-branch rewards, per-member baselines); an
+    # algorithm that does not is refused on a member env at start.
+    handles_members: ClassVar[bool] = False
     needs_demonstration: ClassVar[bool] = False  # only for envs with a demonstration
 
     def models(self) -> list[str]:

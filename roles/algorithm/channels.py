@@ -10,8 +10,10 @@
   target (the policy learns to act as if it had seen the demonstration).
 - ``rae``: role-conditioned advantages for multi-agent rollouts. An EMA baseline per
   (env, task, member); for each branch in arrival order, first b <- a*b + (1-a)*r,
-  then A = r - b (b starts at 0). The baseline is a fold over the worker's own
-  ``SamplesScored``, so it survives restarts and replays exactly.
+  then A = r - b (b starts at 0); an errored rollout then updates its members'
+  baselines with reward 0 (``errored_reward``, as SPIRAL's Alg. 1). The baseline is a
+  fold over the worker's own ``SamplesScored``, so it survives restarts and replays
+  exactly.
 
 Formulas, channels and configs: ``docs/algorithms.md``.
 """
@@ -77,6 +79,7 @@ class OPD(Algorithm):
     """On-policy distillation toward the frozen model ``orchestrator.models.<reference>``."""
 
     name = "opd"
+    handles_members = True  # per-branch targets
     channels = ("ref_kl",)
 
     def __init__(self, reference: str = "reference", beta: float = 1.0) -> None:
@@ -101,6 +104,7 @@ class OPSD(Algorithm):
     """Self-distillation: the policy with the env's demonstration prepended is the target."""
 
     name = "opsd"
+    handles_members = True  # per-branch targets
     channels = ("ref_kl",)
     needs_demonstration = True
 
@@ -128,12 +132,16 @@ class RAE(Algorithm):
     name = "rae"
     stateful = True
     needs_members = True
+    handles_members = True
 
-    def __init__(self, alpha: float = 0.9) -> None:
+    def __init__(self, alpha: float = 0.9, errored_reward: float | None = 0.0) -> None:
         super().__init__()
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"rae: alpha must be in [0, 1), got {alpha}")
         self.alpha = float(alpha)
+        # What an errored rollout updates its members' baselines with (SPIRAL Alg. 1:
+        # 0, an invalid game scores nothing); None leaves errored rollouts out.
+        self.errored_reward = None if errored_reward is None else float(errored_reward)
 
     def initial_state(self) -> dict[Key, float]:
         return {}
@@ -163,4 +171,8 @@ class RAE(Algorithm):
         baselines = dict(state or {})
         for s in scored.samples:
             self._update(baselines, (s.env, s.task_index, s.member), s.reward)
+        if self.errored_reward is not None:  # after the group's own: targets never see them
+            for member in scored.excluded_members:
+                key = (scored.env, scored.task_index, member)
+                self._update(baselines, key, self.errored_reward)
         return baselines

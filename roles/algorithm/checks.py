@@ -32,6 +32,14 @@ def _env_problems(
         except Exception as e:  # noqa: BLE001 - an env that cannot be built is a problem to report
             out.append(f"{env_where} cannot be built: {type(e).__name__}: {e}")
             continue
+        if env.members and not algorithm.handles_members:
+            out.append(
+                f"{where} ({algorithm.name}) does not handle members, but {env_where} is a "
+                f"multi-agent env ({list(env.members)}): one baseline over the whole trace "
+                "would mix the members' rewards; use rae or a built-in with per-member "
+                "baselines (grpo, rloo, max_rl, echo), or set `handles_members = True` on "
+                "an algorithm whose targets are per branch"
+            )
         if algorithm.needs_members and not env.members:
             out.append(
                 f"{where} ({algorithm.name}) needs multi-agent traces, but {env_where} "
@@ -76,10 +84,37 @@ def algorithm_problems(
     return problems + _env_problems(where, algorithm, envs)
 
 
+def seat_problems(cfg: RunConfig) -> list[str]:
+    """Each train env's member bindings and learner seat against the env's members."""
+    from roles.lib.envs.registry import make_env
+    from roles.lib.envs.seats import seating_of, seating_problems
+
+    o, out = cfg.orchestrator, []
+    for i, spec in enumerate(o.train.env):
+        seating = seating_of(spec)
+        pins = [("orchestrator.eval", o.eval.learner_seat)] if o.eval.learner_seat else []
+        if seating is None and not pins:
+            continue
+        try:
+            env = make_env(spec.id, dict(spec.args))
+        except Exception:  # noqa: BLE001 - reported by the algorithm checks
+            continue
+        if seating is not None:
+            out += seating_problems(f"orchestrator.train.env.{i}", env, seating)
+        for where, pin in pins:
+            if env.members and (pin not in env.seats):
+                out.append(
+                    f"`{where}.learner_seat` = {pin!r} must be one of the seats of "
+                    f"{spec.id!r}: {list(env.seats)}"
+                )
+    return out
+
+
 def routing_problems(cfg: RunConfig) -> list[str]:
-    """Every algorithm of the config checked against the envs it scores."""
+    """Every algorithm of the config checked against the envs it scores, and every
+    env's seating against its members."""
     o = cfg.orchestrator
-    problems = []
+    problems = seat_problems(cfg)
     shadows = {a.id for a in o.algorithms if a.shadow}
     for i, env in enumerate(o.train.env):
         if env.algorithms and set(env.algorithms) <= shadows:

@@ -15,7 +15,8 @@
   ``echo`` and the per-env ``sft.on_tool_outputs`` train by cross-entropy. Only the
   recorded ``Message.content_span`` counts, never the chat-template scaffolding.
 - ``score_group``: errored traces are left out of the baseline and of training and
-  only counted (``excluded``); the group is sorted by ``sample_index`` first so the
+  only counted (``excluded``, and the members they would have trained:
+  ``excluded_members``, which ``rae`` folds at reward 0); the group is sorted by ``sample_index`` first so the
   result never depends on arrival order. The algorithm's ``Targets`` become one flat
   ``Sample`` per branch, carrying its channels (``schemas/training.py``).
 - ``GroupBuffer``: the pending-group fold (dedup by rollout id, skip scored groups).
@@ -36,10 +37,17 @@ from schemas import Branch, Sample, SamplesScored, Trace, TraceCompleted, arrays
 
 
 def branch_reward(trace: Trace, branch: Branch) -> float:
-    """A branch's own reward, else its member's, else the trace's."""
+    """A branch's own reward, else its member's, else (an env that rewards no member on
+    its own: a shared reward) the trace's. A member missing from a trace's member
+    rewards is an error, never a fallback."""
     if branch.reward is not None:
         return float(branch.reward)
-    if branch.member is not None and branch.member in trace.member_rewards:
+    if branch.member is not None and trace.member_rewards:
+        if branch.member not in trace.member_rewards:
+            raise ValueError(
+                f"trace {trace.rollout_id} has member rewards for "
+                f"{sorted(trace.member_rewards)} but not for {branch.member!r}"
+            )
         return float(trace.member_rewards[branch.member])
     return float(trace.reward)
 
@@ -241,6 +249,9 @@ def score_group(
         samples=samples,
         rewards=[float(t.reward) for t in ok],
         excluded=len(events) - len(ok),
+        excluded_members=[
+            b.member for e in events if not e.trace.ok for b in e.trace.branches if b.member
+        ],
         zero_advantage=not any(has_signal(s) for s in samples),
     )
 

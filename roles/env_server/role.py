@@ -154,6 +154,7 @@ async def rollout_group(
                     sample_index=i,
                     seed=stable_seed(request.seed, i),
                     max_turns=request.max_turns,
+                    seating=request.seating,
                 )
                 for i in range(request.group_size)
             )

@@ -56,7 +56,7 @@ from bus.consumer import Delivery
 from bus.follower import Follow
 from bus.log import get_logger
 from bus.offload import BodyStore
-from bus.reader import last_event
+from bus.reader import first_event, last_event
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
@@ -81,7 +81,8 @@ class ServedModel:
     key: str  # "policy" or a key of orchestrator.models
     subject_model: str  # the model token of the subject it answers on
     path: str  # "tiny", a local directory, or a cached hub id
-    follows_weights: bool  # only the policy picks up weights.published
+    follows_weights: bool  # the policy and its snapshots pick up weights.published
+    pin: int | None = None  # a snapshot: follows the policy up to this version, then stays
 
 
 def resolve_served_model(cfg: RunConfig, model: str) -> ServedModel:
@@ -94,10 +95,13 @@ def resolve_served_model(cfg: RunConfig, model: str) -> ServedModel:
             f"inference --model {model!r}: not {POLICY!r} and not a key of "
             f"`orchestrator.models` (declared: {sorted(cfg.orchestrator.models) or 'none'})"
         )
-    # No path = the frozen base weights of the policy (`model.path`), never updated.
+    # No path = the frozen base weights of the policy (`model.path`), never updated; or,
+    # with `policy_version`, the policy's weights as published at that version.
+    pin = endpoint.policy_version
     return ServedModel(
-        model, endpoint.subject_model or model, endpoint.path or cfg.model.path, False
-    )
+        model, endpoint.subject_model or model, endpoint.path or cfg.model.path,
+        pin is not None, pin,
+    )  # fmt: skip
 
 
 async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
@@ -279,6 +283,8 @@ class InferenceRole(Role):
         self.backend = await make_backend(self.cfg, path, weights_dir)
         if self.served.follows_weights:
             latest = await self._newest_after(-1)  # an unreadable newest: the initial ones
+            if latest is not None and self.served.pin is not None:
+                latest = await self._pinned(latest)
             if latest is not None:
                 await self._apply_weights(latest)
         model = self.served.subject_model
@@ -363,6 +369,8 @@ class InferenceRole(Role):
         pending = self._next_weights.version if self._next_weights else -1
         if event.event_id in self._rejected:
             return
+        if self.served.pin is not None and event.version > self.served.pin:
+            return  # a snapshot: frozen at its version
         if event.version > max(self._serving_version(), pending):
             self._next_weights = event
             self._weights_arrived.set()
@@ -446,6 +454,17 @@ class InferenceRole(Role):
         if newer is pending:
             return False
         return await self._apply_weights(newer)
+
+    async def _pinned(self, latest: WeightsPublished) -> WeightsPublished | None:
+        """A snapshot's weights: ``latest`` while the policy has not passed the pinned
+        version, else that version's announcement (the trainer keeps its weights)."""
+        pin = self.served.pin
+        if pin is None or latest.version <= pin:
+            return latest
+        found: WeightsPublished | None = await first_event(
+            self.bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,), lambda e: e.version == pin
+        )
+        return found
 
     async def _newest_after(self, version: int) -> WeightsPublished | None:
         """The newest announcement on the log, if it is newer than ``version``."""

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import msgspec
 
 from configs import RunConfig
+from roles.lib.envs.seats import seating_of
 from roles.orchestrator.state import OrchestratorState
 from schemas import (
     BatchAssembled,
@@ -191,6 +192,7 @@ class Decider:
                 args=dict(env.args),
                 phase=phase,
                 algorithms=sorted(s.trains_on[phase].get(env.key, ())),
+                seating=seating_of(env),
             )  # fmt: skip
         )
         return group_size
@@ -234,6 +236,7 @@ class Decider:
                             max_turns=env.max_turns,
                             args=dict(env.args),
                             phase="eval",
+                            seating=seating_of(env, e.learner_seat),
                         )  # fmt: skip
                     )
         for version, round_ in sorted(s.eval_rounds.items()):
@@ -301,6 +304,21 @@ def eval_metrics(results: list[Any], k: int) -> dict[str, float]:
                 tasks
             )
         out[f"{env}/errors"] = float(sum(r.errors for r in results if r.env == env))
+        out.update(win_rates(env, [t for r in results if r.env == env for t in r.traces]))
+    return out
+
+
+def win_rates(env: str, traces: list[Any]) -> dict[str, float]:
+    """With a learner seat: the share of rollouts the learner won (its member reward > 0),
+    overall and per seat (``<env>/win_rate``, ``<env>/win_rate@<seat>``); {} without."""
+    seated = [t for t in traces if t.ok and t.seat is not None and t.seat in t.member_rewards]
+    out: dict[str, float] = {}
+    for seat in sorted({t.seat for t in seated}):
+        mine = [t for t in seated if t.seat == seat]
+        out[f"{env}/win_rate@{seat}"] = sum(t.member_rewards[seat] > 0 for t in mine) / len(mine)
+    if seated:
+        wins = sum(t.member_rewards[t.seat] > 0 for t in seated)
+        out[f"{env}/win_rate"] = wins / len(seated)
     return out
 
 

@@ -11,7 +11,8 @@ one back:
 - the orchestrator, the lake, ``rlbus trace`` and replay read announcements (versions and
   digests), never the bytes: replay recomputes every step from the initial weights;
 - checkpoints hold their own ``model.safetensors``; teacher and reference models load
-  from a path (``orchestrator.models``), never from the object store;
+  from a path (``orchestrator.models``), never from the object store, except a policy
+  snapshot (``policy_version``), whose version is ``pinned`` for the whole run;
 - the initial weights (``weights.v0``, stored by the orchestrator) are where replay and
   import restore the initial model from when its directory is gone, so they are kept.
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+
+from configs import RunConfig
 
 INITIAL_VERSION = 0  # the run's initial weights: never collected
 OBJECT_PREFIX = "weights.v"
@@ -66,6 +69,14 @@ def kept(newest: int, keep: int) -> range | None:
     if keep <= 0:
         return None
     return range(max(INITIAL_VERSION + 1, newest - keep + 1), newest + 1)
+
+
+def pinned(cfg: RunConfig) -> set[int]:
+    """Versions a policy snapshot serves (``orchestrator.models.<key>.policy_version``):
+    kept for the whole run, so a snapshot's replica can restart on them."""
+    return {
+        m.policy_version for m in cfg.orchestrator.models.values() if m.policy_version is not None
+    }
 
 
 def collectable(versions: Iterable[int], newest: int, keep: int) -> list[int]:

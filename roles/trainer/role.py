@@ -427,6 +427,7 @@ class TrainerRole(Role):
         after the next step (or by the next process, which lists what is left).
         """
         stale = retention.collectable(self.stored_weights, newest, self.cfg.trainer.keep_weights)
+        stale = [v for v in stale if v not in retention.pinned(self.cfg)]
         for version in stale:
             try:
                 await self._delete_weights(version, self.stored_weights[version])

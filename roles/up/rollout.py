@@ -67,6 +67,7 @@ class Plan:
     env_args: dict[str, Any]
     sampling: Any  # SamplingParams
     max_turns: int | None
+    seating: Any = None  # Seating of a multi-agent env's config entry, or None
 
     @property
     def total(self) -> int:
@@ -79,6 +80,7 @@ def plan_requests(
 ) -> Plan:
     """Sampling, args and max_turns for ``env`` from the config (its train entry, if any)."""
     from roles.lib.envs.registry import env_key
+    from roles.lib.envs.seats import seating_of
     from schemas import SamplingParams
 
     entry = cfg.orchestrator.env(env)
@@ -107,6 +109,9 @@ def plan_requests(
         env_args=dict(entry.args) if entry else {},
         sampling=sampling,
         max_turns=entry.max_turns if entry else None,
+        seating=seating_of(entry, cfg.orchestrator.eval.learner_seat if split == "eval" else None)
+        if entry
+        else None,
     )
 
 
@@ -149,6 +154,7 @@ def build_requests(run: str, seed: int, plan: Plan, size: int) -> list[Any]:
                 else stable_seed(seed, "rollout", plan.split, g),
                 max_turns=plan.max_turns,
                 args=plan.env_args,
+                seating=plan.seating,
             )
         )
     return out

@@ -283,7 +283,13 @@ def test_rubric_weighted_mean_and_zero_weight_metrics() -> None:
 
 def test_registry_builtins_and_unknown_name() -> None:
     """Built-ins load by name; an unknown name's error lists the built-ins."""
-    assert builtin_names() == ["alphabet-sort", "relay-reverse", "reverse-text", "tool-calc"]
+    assert builtin_names() == [
+        "alphabet-sort",
+        "debate",
+        "relay-reverse",
+        "reverse-text",
+        "tool-calc",
+    ]
     assert make_env("alphabet-sort", {"max_turns": 2}).max_turns == 2
     with pytest.raises(UnknownEnv) as e:
         make_env("reverse-txt", {})

@@ -19,7 +19,8 @@ without a model or a bus:
   (the functions with weight 0, as in verifiers, plus extra metric functions).
 
 An ``Environment`` also declares its ``members`` (multi-agent envs name the agents
-whose messages carry ``Message.member``; single-agent envs leave it empty).
+whose messages carry ``Message.member``; single-agent envs leave it empty) and which of
+them are ``judges``; the other members are its ``seats``, where a learner may sit.
 
 Messages are OpenAI-style dicts ``{"role": ..., "content": ...}`` (tool results add a
 ``"name"``). The token-level rollout loop lives in ``roles.lib.envs.harness``; an env never
@@ -146,9 +147,12 @@ class Harness:
     """
 
     max_turns: int = 1
-    # Multi-agent: the members taking turns (one policy plays every member, told which
-    # one it is by the conversation); () = a single agent.
+    # Multi-agent: the members taking turns (told which one they are by the
+    # conversation); () = a single agent. Each member is played by the model the run
+    # binds it to (the policy by default); ``judges`` are members that judge the others
+    # and never train unless the env's ``drop_judge`` is off.
     members: tuple[str, ...] = ()
+    judges: tuple[str, ...] = ()
 
     def speaker(self, turn: int) -> str | None:
         """The member who writes assistant turn ``turn`` (0-based): round robin."""
@@ -279,6 +283,7 @@ class Environment:
         args: dict[str, Any] | None = None,
         *,
         members: tuple[str, ...] = (),
+        judges: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.taskset = taskset
@@ -288,6 +293,15 @@ class Environment:
         # Multi-agent envs name their members (the values of Message.member); () = one
         # agent. Default: the harness's members.
         self.members = tuple(members) or tuple(harness.members)
+        self.judges = tuple(judges) or tuple(harness.judges)
+        unknown = set(self.judges) - set(self.members)
+        if unknown:
+            raise ValueError(f"env {name!r}: judges {sorted(unknown)} are not members")
+
+    @property
+    def seats(self) -> tuple[str, ...]:
+        """The members a learner may sit in: every member but the judges."""
+        return tuple(m for m in self.members if m not in self.judges)
 
     def __repr__(self) -> str:
         return f"Environment({self.name!r}, args={self.args})"

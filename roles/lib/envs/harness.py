@@ -43,12 +43,14 @@ from typing import Any, Protocol
 
 from bus.errors import RequestTimeout
 from roles.lib.envs.base import Environment, Messages
+from roles.lib.envs.seats import cast
 from schemas import (
     Branch,
     GenerateResult,
     InferenceFailed,
     Message,
     SamplingParams,
+    Seating,
     TaskRef,
     Trace,
     TraceError,
@@ -209,9 +211,15 @@ async def run_rollout(
     sample_index: int = 0,
     seed: int = 0,
     max_turns: int | None = None,
+    seating: Seating | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Trace:
     """Run one rollout of ``task`` (its ``data`` is the env's task dict) and record it.
+
+    ``model`` is the actor; in a multi-agent env each member's turns go to the model
+    ``seating`` casts it to (``roles.lib.envs.seats``), only the actor's turns count in
+    ``policy_min``/``policy_max`` (staleness is about the policy's tokens), and only the
+    members that train get a branch.
 
     ``env_name`` is recorded as ``Trace.env`` (the env's subject key); ``env_id`` (default:
     the same) is what each ``GenerateRequest.env`` says, so a scripted teacher can
@@ -230,6 +238,7 @@ async def run_rollout(
     reward, rewards, metrics = 0.0, {}, {}
     member_rewards: dict[str, float] = {}
     data = task.data
+    roles = cast(env, seating, model, seed, sample_index)
 
     def env_call(fn: Callable[..., Any], *args: Any) -> Any:
         t = clock()
@@ -252,10 +261,12 @@ async def run_rollout(
             b.add_env(m, toks, span if toks == rendered else None)
         while True:
             request_id = derive_id(rollout_id, "turn", num_turns)
+            member = env.speaker(num_turns)
+            turn_model = roles.models.get(member, model) if member is not None else model
             t = clock()
             try:
                 result = await generate(
-                    model,
+                    turn_model,
                     request_id,
                     prompt,
                     sampling,
@@ -279,7 +290,8 @@ async def run_rollout(
                 )
             timings["queue_s"] += result.queue_s
             timings["compute_s"] += result.compute_s
-            versions.append(result.policy_version)
+            if turn_model == model:
+                versions.append(result.policy_version)
             truncated = truncated or result.finish_reason == "length"
             content = renderer.parse_completion(completion)
             last = b.add(
@@ -290,8 +302,8 @@ async def run_rollout(
                 logprobs=[0.0] * len(gen_prefix) + lps,
                 temperature=sampling.temperature,
                 policy_version=result.policy_version,
-                model=model,
-                member=env.speaker(num_turns),
+                model=turn_model,
+                member=member,
                 finish_reason=result.finish_reason,
             )
             chat.append({"role": "assistant", "content": content})
@@ -316,6 +328,13 @@ async def run_rollout(
         score = env_call(env.score, chat, data, state)
         reward, rewards, metrics = score.reward, dict(score.rewards), dict(score.metrics)
         member_rewards = dict(score.member_rewards)
+        missing = [m for m in env.members if member_rewards and m not in member_rewards]
+        if missing:  # a partial reward would silently fall back to the trace's
+            raise _Failure(
+                "member_rewards",
+                f"env {name!r} scored members {sorted(member_rewards)} but not {missing}: "
+                "a multi-agent rubric rewards every member or none",
+            )
     except _Failure as f:
         errors.append(f.error)
     except Exception as e:  # noqa: BLE001 - a rollout never raises; the trace records why
@@ -329,7 +348,7 @@ async def run_rollout(
         group_id=group_id,
         sample_index=sample_index,
         messages=messages,
-        branches=branches_of(env, messages),
+        branches=branches_of(env, messages, roles.trains),
         reward=0.0 if errors else float(reward),
         member_rewards={} if errors else member_rewards,
         rewards={} if errors else rewards,
@@ -340,16 +359,20 @@ async def run_rollout(
         policy_max=max(versions, default=0),
         truncated=truncated,
         num_turns=num_turns,
+        seat=roles.learner,
+        member_models=roles.models,
     )
 
 
-def branches_of(env: Environment, messages: list[Message]) -> list[Branch]:
-    """One branch over every message; a multi-agent env gets one per member, each
-    training only that member's turns (``roles.algorithm.samples.branch_masks``)."""
+def branches_of(env: Environment, messages: list[Message], trains: Sequence[str]) -> list[Branch]:
+    """One branch over every message; a multi-agent env gets one per member that trains
+    (``trains``), each training only that member's turns
+    (``roles.algorithm.samples.branch_masks``): a judge's or a frozen opponent's turns
+    never become a sample."""
     ids = [m.id for m in messages]
     if not env.members:
         return [Branch(messages=ids)]
-    return [Branch(messages=ids, member=member) for member in env.members]
+    return [Branch(messages=ids, member=member) for member in trains]
 
 
 def completion_tokens(trace: Trace) -> int:
