@@ -183,7 +183,14 @@ def diff_scored(log: AlgorithmLog, recomputed: list[tuple[int, SamplesScored]]) 
         if old is None:
             continue
         out.groups_compared += 1
-        for name in ("zero_advantage", "excluded", "rewards", "env", "task_index"):
+        for name in (
+            "zero_advantage",
+            "excluded",
+            "excluded_members",
+            "rewards",
+            "env",
+            "task_index",
+        ):
             if getattr(old, name) != getattr(new, name):
                 out.groups.append(f"{gid}: {name} {getattr(old, name)!r} -> {getattr(new, name)!r}")
         olds = {sample_key(gid, s): s for s in old.samples}

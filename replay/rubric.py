@@ -5,7 +5,8 @@
 The debugging loop for reward functions, with no model and no inference: every
 recorded trace (``trace.completed.*``, and the traces inside ``eval.completed.*``) is
 scored again with ``make_env(env_id, args).score(messages, task, state)`` and its reward
-and each named reward are compared exactly with what the env server recorded.
+and each named reward (and each member's reward) are compared exactly with what the env
+server recorded.
 
 - ``messages``: the trace's message nodes in order, as the harness's chat
   (``role``, ``content``, ``name`` when set), closing env remarks included.
@@ -169,12 +170,16 @@ def score_one(
     chat = chat_of(trace)
     turns = (request.max_turns if request is not None else None) or env.max_turns
     score = env.score(chat, task, rebuild_state(env, chat, task, turns))
-    return dict(_keyed(trace.rollout_id, trace.reward, trace.rewards)), dict(
-        _keyed(trace.rollout_id, score.reward, score.rewards)
+    recorded = {**trace.rewards, **{f"member:{m}": r for m, r in trace.member_rewards.items()}}
+    rescored = {**score.rewards, **{f"member:{m}": r for m, r in score.member_rewards.items()}}
+    return dict(_keyed(trace.rollout_id, trace.reward, recorded)), dict(
+        _keyed(trace.rollout_id, score.reward, rescored)
     )
 
 
 def _keyed(rollout: str, reward: float, rewards: dict[str, float]) -> Iterator[tuple[str, float]]:
+    """``rollout`` -> the reward, ``rollout/name`` -> each named reward (``member:<m>``: a
+    member's reward, the training signal of multi-agent envs)."""
     yield rollout, float(reward)
     for name, value in rewards.items():
         yield f"{rollout}/{name}", float(value)

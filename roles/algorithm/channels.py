@@ -123,18 +123,22 @@ class OPSD(Algorithm):
         return _ref_targets(self.name, views, refs, self.beta)
 
 
-Key = tuple[str, int, str | None]  # (env, task index, member)
+Key = tuple[str, int, str | None]  # (env, task index or ANY_TASK, member)
+ANY_TASK = -1  # the task slot of the key with per_task = false: one baseline per (env, member)
 
 
 class RAE(Algorithm):
-    """Role-conditioned advantages: an EMA baseline per (env, task, member)."""
+    """Role-conditioned advantages: an EMA baseline per (env, task, member), or per (env,
+    member) with ``per_task = false`` (SPIRAL's per-(game, role) baseline)."""
 
     name = "rae"
     stateful = True
     needs_members = True
     handles_members = True
 
-    def __init__(self, alpha: float = 0.9, errored_reward: float | None = 0.0) -> None:
+    def __init__(
+        self, alpha: float = 0.9, errored_reward: float | None = 0.0, per_task: bool = True
+    ) -> None:
         super().__init__()
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"rae: alpha must be in [0, 1), got {alpha}")
@@ -142,6 +146,10 @@ class RAE(Algorithm):
         # What an errored rollout updates its members' baselines with (SPIRAL Alg. 1:
         # 0, an invalid game scores nothing); None leaves errored rollouts out.
         self.errored_reward = None if errored_reward is None else float(errored_reward)
+        self.per_task = bool(per_task)
+
+    def key(self, env: str, task_index: int, member: str | None) -> Key:
+        return (env, task_index if self.per_task else ANY_TASK, member)
 
     def initial_state(self) -> dict[Key, float]:
         return {}
@@ -158,7 +166,9 @@ class RAE(Algorithm):
         return [
             [
                 Targets(
-                    advantages=self._update(baselines, (t.env, t.task.index, v.member), v.reward)
+                    advantages=self._update(
+                        baselines, self.key(t.env, t.task.index, v.member), v.reward
+                    )
                 )
                 for v in trace_views
             ]
@@ -170,9 +180,9 @@ class RAE(Algorithm):
         # its branch's reward: replaying the updates reproduces the baselines exactly.
         baselines = dict(state or {})
         for s in scored.samples:
-            self._update(baselines, (s.env, s.task_index, s.member), s.reward)
+            self._update(baselines, self.key(s.env, s.task_index, s.member), s.reward)
         if self.errored_reward is not None:  # after the group's own: targets never see them
             for member in scored.excluded_members:
-                key = (scored.env, scored.task_index, member)
+                key = self.key(scored.env, scored.task_index, member)
                 self._update(baselines, key, self.errored_reward)
         return baselines

@@ -85,15 +85,17 @@ def algorithm_problems(
 
 
 def seat_problems(cfg: RunConfig) -> list[str]:
-    """Each train env's member bindings and learner seat against the env's members."""
+    """Each train env's member bindings and learner seat against the env's members, and
+    ``orchestrator.eval.learner_seat`` against every env it evaluates."""
     from roles.lib.envs.registry import make_env
-    from roles.lib.envs.seats import seating_of, seating_problems
+    from roles.lib.envs.seats import ROTATE, seating_of, seating_problems
 
     o, out = cfg.orchestrator, []
+    pin = o.eval.learner_seat
     for i, spec in enumerate(o.train.env):
         seating = seating_of(spec)
-        pins = [("orchestrator.eval", o.eval.learner_seat)] if o.eval.learner_seat else []
-        if seating is None and not pins:
+        pinned = pin is not None and (not o.eval.envs or spec.id in o.eval.envs)
+        if seating is None and not pinned:
             continue
         try:
             env = make_env(spec.id, dict(spec.args))
@@ -101,12 +103,20 @@ def seat_problems(cfg: RunConfig) -> list[str]:
             continue
         if seating is not None:
             out += seating_problems(f"orchestrator.train.env.{i}", env, seating)
-        for where, pin in pins:
-            if env.members and (pin not in env.seats):
-                out.append(
-                    f"`{where}.learner_seat` = {pin!r} must be one of the seats of "
-                    f"{spec.id!r}: {list(env.seats)}"
-                )
+        if not pinned:
+            continue
+        if not env.members:
+            out.append(
+                f"`orchestrator.eval.learner_seat` = {pin!r} is set, but evaluated env "
+                f"{spec.id!r} declares no members (list only multi-agent envs in "
+                "`orchestrator.eval.envs`, or remove the key)"
+            )
+        elif pin != ROTATE and (pin not in env.seats or pin in spec.members):
+            out.append(
+                f"`orchestrator.eval.learner_seat` = {pin!r} must be {ROTATE!r} or a seat of "
+                f"{spec.id!r} the learner can play: "
+                f"{[m for m in env.seats if m not in spec.members]}"
+            )
     return out
 
 

@@ -155,6 +155,7 @@ async def rollout_group(
                     seed=stable_seed(request.seed, i),
                     max_turns=request.max_turns,
                     seating=request.seating,
+                    group_seed=request.seed,
                 )
                 for i in range(request.group_size)
             )

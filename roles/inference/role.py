@@ -283,8 +283,6 @@ class InferenceRole(Role):
         self.backend = await make_backend(self.cfg, path, weights_dir)
         if self.served.follows_weights:
             latest = await self._newest_after(-1)  # an unreadable newest: the initial ones
-            if latest is not None and self.served.pin is not None:
-                latest = await self._pinned(latest)
             if latest is not None:
                 await self._apply_weights(latest)
         model = self.served.subject_model
@@ -369,8 +367,14 @@ class InferenceRole(Role):
         pending = self._next_weights.version if self._next_weights else -1
         if event.event_id in self._rejected:
             return
-        if self.served.pin is not None and event.version > self.served.pin:
-            return  # a snapshot: frozen at its version
+        pin = self.served.pin
+        if pin is not None and event.version > pin:  # a snapshot: frozen at its version
+            if max(self._serving_version(), pending) >= pin:
+                return
+            found = await self._pinned(event)  # the pin itself went by unseen
+            if found is None:
+                return
+            event = found
         if event.version > max(self._serving_version(), pending):
             self._next_weights = event
             self._weights_arrived.set()
@@ -467,9 +471,12 @@ class InferenceRole(Role):
         return found
 
     async def _newest_after(self, version: int) -> WeightsPublished | None:
-        """The newest announcement on the log, if it is newer than ``version``."""
+        """The newest announcement on the log (a snapshot's: the newest up to its pin),
+        if it is newer than ``version``."""
         try:
             latest = await read_latest_weights(self.bus)
+            if latest is not None:
+                latest = await self._pinned(latest)
         except Exception as e:  # noqa: BLE001 - an unreadable log: nothing newer known
             self.log.warning("weights.latest_unreadable", error=repr(e))
             return None

@@ -69,13 +69,19 @@ def _cfg(tiny_path: Path) -> RunConfig:
 
 @contextlib.asynccontextmanager
 async def running_role(
-    server: EmbeddedServer, run: str, cfg: RunConfig, run_dir: Path, name: str
+    server: EmbeddedServer,
+    run: str,
+    cfg: RunConfig,
+    run_dir: Path,
+    name: str,
+    model: str = "policy",
 ) -> AsyncIterator[InferenceRole]:
     """One replica served in-process (its own connection, as a real process would have)."""
     rbus = await Bus.connect(server.url, run=run, producer=name, settings=BusSettings())
     role = InferenceRole(
-        rbus, name, cfg, run_dir=run_dir, metrics_interval_s=0.5, heartbeat_interval_s=0.5
-    )
+        rbus, name, cfg, model=model, run_dir=run_dir, metrics_interval_s=0.5,
+        heartbeat_interval_s=0.5,
+    )  # fmt: skip
     task = asyncio.create_task(serve_role(role, install_signals=False))
     ready = asyncio.create_task(role.ready.wait())
     await asyncio.wait({task, ready}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
@@ -215,6 +221,30 @@ async def test_bad_and_too_long_requests_get_typed_failures(
     assert (stats["generate_requests"], stats["failed_requests"]) == (1, 1)
     (hb,) = [h for h in heartbeats if h.role == "inference"]
     assert hb.policy_version == 0
+
+
+async def test_a_policy_snapshot_stays_at_its_version(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path, perturbed_weights: bytes
+) -> None:
+    """`policy_version = 1`: a snapshot started after v2 was announced finds v1 on the log
+    and serves it; v3 moves the policy replica, never the snapshot."""
+    cfg = load_config("smoke", [f"model.path={tiny_path}", "inference.device=cpu",
+                                "orchestrator.models.snap.policy_version=1"])  # fmt: skip
+    await _publish_weights(bus, 1, perturbed_weights)
+    await _publish_weights(bus, 2, perturbed_weights[::-1])
+    async with (
+        running_role(nats_server, bus.run, cfg, tmp_path, "snap-0", model="snap") as snap,
+        running_role(nats_server, bus.run, cfg, tmp_path, "pol-0") as policy,
+    ):
+        assert snap.backend is not None and snap.backend.policy_version == 1
+        await _publish_weights(bus, 3, perturbed_weights)
+
+        async def policy_on_v3() -> bool:
+            return policy.backend is not None and policy.backend.policy_version == 3
+
+        await _until(policy_on_v3)
+        await asyncio.sleep(0.2)  # the snapshot got v3 on its own follower by now
+        assert snap.backend.policy_version == 1 and snap.weights_rejected == 0
 
 
 def test_served_model_comes_from_the_config(tiny_path: Path) -> None:

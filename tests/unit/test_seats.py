@@ -17,7 +17,16 @@ from roles.lib.envs.base import Environment, Rubric
 from roles.lib.envs.harness import run_rollout
 from roles.lib.envs.registry import make_env
 from roles.lib.envs.seats import cast
-from schemas import SamplingParams, Seating, TaskRef, Trace, TraceCompleted, TraceError, derive_id
+from schemas import (
+    SamplingParams,
+    Seating,
+    TaskRef,
+    TaskRequested,
+    Trace,
+    TraceCompleted,
+    TraceError,
+    derive_id,
+)
 from schemas.arrays import f32
 from tests.unit.test_algorithm_channels import completed, member_trace
 from tests.unit.test_calculator_env import R, TeacherGenerate
@@ -45,6 +54,27 @@ async def rollout(env: Environment, seating: Seating | None, index: int = 0, see
         SamplingParams(max_completion_tokens=16), rollout_id=f"r{index}", env_id="relay-reverse",
         group_id="g", sample_index=index, seed=seed, seating=seating,
     )  # fmt: skip
+
+
+async def test_an_env_servers_group_sits_the_learner_in_each_seat_equally() -> None:
+    """Through the env server's group rollout (each rollout has its own seed): 4/4."""
+    from roles.env_server.role import rollout_group
+
+    request = TaskRequested(run="r", event_id="e", env="relay-reverse", task=TaskRef(index=3),
+                            group_id="g", group_size=8, seed=5, seating=SELF_PLAY)  # fmt: skip
+    traces = await rollout_group(RELAY, request, TeacherGenerate(), R, "relay-reverse")
+    assert all(t.ok for t in traces)
+    assert Counter(t.seat for t in traces) == {"reverser": 4, "restorer": 4}
+
+
+async def test_a_rollout_in_which_the_actor_never_spoke_is_errored() -> None:
+    """The learner sits second but the rollout ends after one turn: nothing could train."""
+    trace = await run_rollout(
+        RELAY, TaskRef(index=3, data={"text": "hello"}), TeacherGenerate(), R, SamplingParams(),
+        rollout_id="r", env_id="relay-reverse", max_turns=1,
+        seating=Seating(learner="restorer", opponent="frozen"),
+    )  # fmt: skip
+    assert [e.kind for e in trace.errors] == ["no_actor_turn"]
 
 
 def test_rotating_seats_are_deterministic_and_balanced() -> None:
@@ -87,6 +117,8 @@ async def test_a_judge_never_trains_unless_drop_judge_is_off() -> None:
     assert [b.member for b in (await rollout(judged, None)).branches] == ["reverser"]
     kept = await rollout(judged, Seating(train_judges=True))
     assert [b.member for b in kept.branches] == ["reverser", "restorer"]
+    beside = await rollout(judged, Seating(learner="reverser", train_judges=True))
+    assert [b.member for b in beside.branches] == ["reverser", "restorer"]
     # a judge bound to another model never trains, even with train_judges
     bound = await rollout(judged, Seating(bindings={"restorer": "teacher"}, train_judges=True))
     assert [b.member for b in bound.branches] == ["reverser"]
@@ -147,6 +179,14 @@ def test_start_time_refusals_name_the_key_and_the_fix() -> None:
     assert "does not handle members" in msg and "use rae" in msg
     assert refused('orchestrator.train.env=[{id="relay-reverse", learner_seat="rotate"}]',
                    'orchestrator.algorithms=[{id="grpo"}]') == ""  # fmt: skip
+    msg = refused('orchestrator.train.env=[{id="relay-reverse", opponent="policy"}]')
+    assert "`orchestrator.train.env.0.opponent` = 'policy' needs" in msg
+    # eval may pin "rotate" or a seat of a multi-agent env, never a single-agent one
+    assert (
+        refused(relay.replace("nobody", "rotate"), 'orchestrator.eval.learner_seat="rotate"') == ""
+    )
+    msg = refused('orchestrator.eval.learner_seat="reverser"')
+    assert "`orchestrator.eval.learner_seat` = 'reverser' is set" in msg and "no members" in msg
     with pytest.raises(ConfigError, match=r"orchestrator\.train\.env\.0\.opponent"):
         load_config("smoke", ['orchestrator.train.env=[{id="relay-reverse", opponent="ghost"}]'])
 
@@ -165,3 +205,15 @@ def test_eval_reports_the_learners_win_rate_per_seat() -> None:
         "duo/win_rate@alice": 0.5, "duo/win_rate@bob": 0.5, "duo/win_rate": 0.5,
     }  # fmt: skip
     assert win_rates("duo", [seated(None, 1.0)]) == {}
+
+
+def test_rae_per_task_false_keeps_one_baseline_per_member_across_tasks() -> None:
+    """per_task = false: tasks 0 and 1 share alice's baseline (0.5 after task 0, so task
+    1's reward 1 gets A = 1 - 0.75); per task, task 1 starts from 0 again (A = 0.5)."""
+    t0 = completed(member_trace("x0", {"alice": 1.0, "bob": 0.0}, 0, task=0), 1)
+    t1 = completed(member_trace("y0", {"alice": 1.0, "bob": 0.0}, 0, task=1), 1)
+    for per_task, expected in [(False, 0.25), (True, 0.5)]:
+        rae = create("rae", {"alpha": 0.5, "per_task": per_task})
+        state = rae.fold(rae.initial_state(), score_group("rae", rae, [t0], rae.initial_state()))
+        (alice, _bob) = score_group("rae", rae, [t1], state).samples
+        assert float(f32(alice.advantages).max()) == expected

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from bus.errors import RequestTimeout
 from roles.lib.envs.base import Environment, Messages
-from roles.lib.envs.seats import cast
+from roles.lib.envs.seats import Cast, cast
 from schemas import (
     Branch,
     GenerateResult,
@@ -212,14 +212,17 @@ async def run_rollout(
     seed: int = 0,
     max_turns: int | None = None,
     seating: Seating | None = None,
+    group_seed: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Trace:
     """Run one rollout of ``task`` (its ``data`` is the env's task dict) and record it.
 
     ``model`` is the actor; in a multi-agent env each member's turns go to the model
-    ``seating`` casts it to (``roles.lib.envs.seats``), only the actor's turns count in
+    ``seating`` casts it to (``roles.lib.envs.seats``, seats drawn from ``group_seed``,
+    the group's seed, and ``sample_index``), only the actor's turns count in
     ``policy_min``/``policy_max`` (staleness is about the policy's tokens), and only the
-    members that train get a branch.
+    members that train get a branch. A rollout in which the actor never spoke is errored
+    (``no_actor_turn``): nothing of it could train.
 
     ``env_name`` is recorded as ``Trace.env`` (the env's subject key); ``env_id`` (default:
     the same) is what each ``GenerateRequest.env`` says, so a scripted teacher can
@@ -238,7 +241,7 @@ async def run_rollout(
     reward, rewards, metrics = 0.0, {}, {}
     member_rewards: dict[str, float] = {}
     data = task.data
-    roles = cast(env, seating, model, seed, sample_index)
+    roles = Cast({}, None, ())
 
     def env_call(fn: Callable[..., Any], *args: Any) -> Any:
         t = clock()
@@ -250,6 +253,7 @@ async def run_rollout(
             timings["env_s"] += clock() - t
 
     try:
+        roles = cast(env, seating, model, seed if group_seed is None else group_seed, sample_index)
         chat = list(env_call(env.initial_messages, data))
         state = env_call(env.init_state, data)
         prompt = list(renderer.render_prompt(chat))
@@ -325,6 +329,12 @@ async def run_rollout(
             chat.extend(new)
             prompt = list(renderer.continue_prompt(prompt, completion, new))
             gen_prefix = list(renderer.generation_prompt_ids)
+        if roles.trains and not versions:
+            raise _Failure(
+                "no_actor_turn",
+                f"{model!r} (members {list(roles.trains)}) never spoke in {num_turns} turns: "
+                "is max_turns smaller than the turns before its seat?",
+            )
         score = env_call(env.score, chat, data, state)
         reward, rewards, metrics = score.reward, dict(score.rewards), dict(score.metrics)
         member_rewards = dict(score.member_rewards)
@@ -376,5 +386,5 @@ def branches_of(env: Environment, messages: list[Message], trains: Sequence[str]
 
 
 def completion_tokens(trace: Trace) -> int:
-    """How many tokens the actor sampled in ``trace``."""
+    """How many tokens were sampled in ``trace`` (by every model that played in it)."""
     return sum(sum(m.sampled) for m in trace.messages)  # bytes of 0/1

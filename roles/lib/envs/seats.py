@@ -17,7 +17,8 @@ The rules (``docs/algorithms.md``, "Members"):
   len(seats)``: deterministic from the group's seed, balanced within the group, and
   different groups start on different seats;
 - judges train only with ``seating.train_judges`` (``drop_judge = false``), and only
-  when played by the actor; a member played by another model never trains.
+  when played by the actor (beside the learner's seat, if there is a rule); a member
+  played by another model never trains.
 """
 
 from __future__ import annotations
@@ -73,14 +74,15 @@ def cast(
             models[m] = actor
         else:
             models[m] = s.opponent or actor
-    trains = tuple(
-        m
-        for m in env.members
-        if models[m] == actor
-        and (learner is None or m == learner)
-        and (m not in env.judges or s.train_judges)
-    )
-    return Cast(models, learner, trains)
+
+    def trains(m: str) -> bool:
+        if models[m] != actor:
+            return False
+        if m in env.judges:
+            return s.train_judges
+        return learner is None or m == learner
+
+    return Cast(models, learner, tuple(m for m in env.members if trains(m)))
 
 
 def seating_problems(where: str, env: Environment, seating: Seating) -> list[str]:
@@ -100,6 +102,16 @@ def seating_problems(where: str, env: Environment, seating: Seating) -> list[str
                 f"(members: {list(env.members)})"
             )
     rule = seating.learner
+    if seating.opponent is not None and rule is None:
+        out.append(
+            f"`{where}.opponent` = {seating.opponent!r} needs `{where}.learner_seat`: without "
+            "a learner seat every seat is played by the actor (set learner_seat, or bind "
+            f"members in `{where}.members`)"
+        )
+    if rule == ROTATE and not env.seats:
+        out.append(
+            f"`{where}.learner_seat` = 'rotate', but every member of {env.name!r} is a judge"
+        )
     if rule is not None and rule != ROTATE and rule not in env.seats:
         out.append(
             f"`{where}.learner_seat` = {rule!r} must be {ROTATE!r} or one of the seats of "
