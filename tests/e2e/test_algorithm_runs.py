@@ -40,16 +40,19 @@ def finished(proc: subprocess.Popen[str]) -> None:
 
 def test_echo_trains_tool_outputs_while_rl_continues(tmp_path: Path) -> None:
     """RL steps carry both channels; tool-output NLL falls; advantages stay non-zero."""
-    finished(rlbus_up(tmp_path, "echo1", "orchestrator.eval.interval=0", config="tools"))
+    # The tools preset, shortened (half its warm start, 40 RL steps): ce_nll fell from
+    # 6.4 to 3.3 in a check run (the preset's own length is measured in the preset).
+    finished(rlbus_up(tmp_path, "echo1", "orchestrator.eval.interval=0",
+                      "orchestrator.warmup.steps=60", "max_steps=100", config="tools"))  # fmt: skip
     steps = trainer_metrics(tmp_path, "echo1")
     rl = [m for m in steps if m["rl_tokens"] > 0]
-    assert len(rl) == 80  # 200 steps, 120 of them the warm start
+    assert len(rl) == 40  # 100 steps, 60 of them the warm start
     assert all(m["ce_tokens"] > 0 and "ce_nll" in m for m in rl)
     first, last = mean(m["ce_nll"] for m in rl[:5]), mean(m["ce_nll"] for m in rl[-10:])
     assert last < 0.7 * first, (first, last)
     # RL on actions continues beside it: every RL step trains the policy's own tokens by
     # policy gradient, with a learning signal in a share of them (how large a share is
-    # the tiny model's luck: 26 to 74 of 80 seen; see the tools preset on alpha).
+    # the tiny model's luck: 26 to 74 of 80 seen on the full preset; see its alpha).
     assert sum(m["loss_rl"] != 0.0 for m in rl) >= len(rl) // 10
 
 

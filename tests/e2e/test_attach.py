@@ -74,9 +74,10 @@ def attached_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pat
     data = tmp_path_factory.mktemp("attach")
     with EmbeddedServer(data / RUN / "nats") as server:
         url = server.url
-        # Long enough that the attaches land mid-run; the smoke model trains fast.
+        # Long enough that the attaches land mid-run (the detach came at step 31 of 500 in
+        # a check run; the waits poll the log, not the clock).
         up = rlbus_up(
-            data, RUN, "max_steps=500", "orchestrator.eval.interval=0", f"--nats-url={url}"
+            data, RUN, "max_steps=150", "orchestrator.eval.interval=0", f"--nats-url={url}"
         )
         procs = [up]
         try:
