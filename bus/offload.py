@@ -14,8 +14,10 @@ restarted trainer deletes again. How the server gives the disk back: ``rewrite``
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import time
 
 import nats.errors
 import nats.js.errors
@@ -37,6 +39,16 @@ OBJECT_STORE_MAX_BYTES = 200 * 1024 * 1024
 
 # A read that receives no chunk for this long checks that its object still exists.
 READ_STALL_S = 5.0
+# A put that meets a restarting server or a cluster electing a leader is tried again
+# for this long (a put of the same name and bytes is idempotent).
+PUT_PATIENCE_S = 30.0
+_TRANSIENT = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.ServiceUnavailableError,
+)
 
 
 def sha256_digest(data: bytes | memoryview) -> str:
@@ -70,11 +82,19 @@ class BodyStore:
                 )
         return self._obs
 
-    async def put(self, name: str, data: bytes) -> str:
-        """Store ``data`` under ``name``; returns its digest."""
-        obs = await self.store()
-        await obs.put(name, data)
-        return sha256_digest(data)
+    async def put(self, name: str, data: bytes, patience_s: float = PUT_PATIENCE_S) -> str:
+        """Store ``data`` under ``name``; returns its digest. Tried again while the server
+        is away or leaderless, for ``patience_s``; then the error is raised."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                obs = await self.store()
+                await obs.put(name, data)
+                return sha256_digest(data)
+            except _TRANSIENT:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def get(self, name: str, digest: str) -> bytes:
         """The bytes of ``name``, checked against ``digest``."""

@@ -248,8 +248,9 @@ class Bus:
             duplicate_window=self.settings.duplicate_window_s,
             num_replicas=self.settings.replicas,
         )
-        try:
-            await self.js.add_stream(cfg)
+        try:  # asked again while a cluster elects its meta leader (a retry of a create
+            # that did land finds the same stream: created, or "already in use" below)
+            await self.api(lambda: self.js.add_stream(cfg), "stream create")
         except nats.js.errors.BadRequestError:
             await self.js.stream_info(self.stream)  # created concurrently by another role
         self.log.info("stream.ready", stream=self.stream)
@@ -261,8 +262,11 @@ class Bus:
         from bus.registry import roles_bucket
 
         await self.ensure_stream()
-        await self.objects.store()
-        await roles_bucket(self.js, self.run, replicas=self.settings.replicas)
+        await self.api(self.objects.store, "object store")
+        await self.api(
+            lambda: roles_bucket(self.js, self.run, replicas=self.settings.replicas),
+            "role registry",
+        )
 
     # -- publishing -------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ messages still there, and a client connected before the kill publishes again aft
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -92,3 +93,25 @@ async def test_a_server_that_keeps_dying_stops_the_run(tmp_path: Path) -> None:
     assert failed is not None
     assert failed.startswith(f"nats-server died {MAX_SERVER_RESTARTS + 1} times in 60s")
     assert not server.alive
+
+
+async def test_an_object_put_waits_out_a_server_restart(tmp_path: Path) -> None:
+    """A weights put while the server is away is tried again, and lands once it is back
+    (a role in its setup used to die on that: the killed-in-turn fault test caught it)."""
+    from bus.offload import sha256_digest
+
+    data = bytes(range(256)) * 400
+    with EmbeddedServer(tmp_path / "s") as server:
+        bus = await Bus.connect(server.url, "put1", "test")
+        try:
+            await bus.ensure_run()
+            server.stop()
+            put = asyncio.create_task(bus.objects.put("weights.v1", data))
+            await asyncio.sleep(1.5)
+            assert not put.done()
+            await server.restart()
+            digest = await asyncio.wait_for(put, 30)
+            assert digest == sha256_digest(data)
+            assert await bus.objects.get("weights.v1", digest) == data
+        finally:
+            await bus.close()
