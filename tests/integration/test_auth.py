@@ -308,7 +308,8 @@ async def test_reader_reads_the_run_and_writes_nothing(
         await reader.bus.nc.flush()
         results = await refused(
             Heartbeat(reader.js, run, "reader", "r0").beat(),
-            BodyStore(reader.js, launcher.objects.bucket).put("forged", b"x"),
+            # a refused put times out like a leaderless one: tried again for patience_s
+            BodyStore(reader.js, launcher.objects.bucket).put("forged", b"x", patience_s=1.0),
         )
         assert all(isinstance(r, nats.errors.TimeoutError) for r in results), results
         for subj in writes:
