@@ -41,26 +41,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
-import nats.errors
-import nats.js.errors
 from nats.aio.subscription import Subscription as NatsSubscription
 
 from bus import rpc
 from bus.consumer import Delivery
 from bus.follower import Follow
 from bus.log import get_logger
-from bus.offload import BodyStore
-from bus.reader import first_event, last_event
+from bus.reader import first_event
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend, WeightsNotFinite, serving_dtype
+from roles.inference.weights_io import (
+    fetch_weights,
+    read_latest_weights,
+    retry_transient,
+    weights_gone,
+)
 from roles.lib.model import materialize_model
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
@@ -68,7 +70,6 @@ from schemas import (
     GenerateRequest,
     InferenceFailed,
     MetricsReported,
-    ObjectRef,
     ScoreRequest,
     WeightsPublished,
 )
@@ -130,98 +131,6 @@ async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
         gpu_memory_fraction=inf.gpu_memory_fraction,
         served_dtype=inf.dtype,
     )
-
-
-async def read_latest_weights(bus: Bus) -> WeightsPublished | None:
-    """The newest ``weights.published`` event of the run, or None before the first."""
-    event: WeightsPublished | None = await last_event(
-        bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,)
-    )
-    return event
-
-
-# Weights announced as a file: "path" (a shared filesystem) or "shm" (a file under
-# /dev/shm the trainer wrote on this host: no disk round trip). Both are read the same way.
-FILE_KINDS = ("path", "shm")
-
-
-async def fetch_weights(bus: Bus, ref: ObjectRef) -> bytes:
-    """The announced bytes (object store reads verify the digest on the way)."""
-    if ref.kind == "object":
-        return await BodyStore(bus.js, ref.bucket or bus.objects.bucket).get(
-            ref.location, ref.digest
-        )
-    if ref.kind in FILE_KINDS:
-        return await asyncio.to_thread(Path(ref.location).read_bytes)
-    raise ValueError(
-        f"unknown weights location kind {ref.kind!r} (expected 'object', 'path' or 'shm')"
-    )
-
-
-T = TypeVar("T")
-
-# What a weights fetch may meet that says nothing about the weights: the server or the
-# connection was slow or away for a moment (``nats: timeout`` is a TimeoutError). Worth
-# another try; a digest mismatch, a missing object or a non-finite tensor is not.
-TRANSIENT_FETCH_ERRORS: tuple[type[Exception], ...] = (
-    TimeoutError,
-    ConnectionError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.NoServersError,
-    nats.errors.StaleConnectionError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.ServiceUnavailableError,
-    nats.js.errors.NoStreamResponseError,
-)
-
-
-async def _sleep(seconds: float) -> bool:
-    await asyncio.sleep(seconds)
-    return False
-
-
-async def retry_transient(
-    call: Callable[[], Awaitable[T]],
-    *,
-    attempts: int,
-    backoff_s: float,
-    on_retry: Callable[[int, float, Exception], None],
-    sleep: Callable[[float], Awaitable[bool]] = _sleep,
-) -> T:
-    """``call()``, tried up to ``attempts`` times while it fails with one of
-    ``TRANSIENT_FETCH_ERRORS``, waiting ``backoff_s`` and twice as long after each try.
-
-    ``on_retry(attempt, delay_s, error)`` is told before each wait; ``sleep(s)`` returning
-    True (the role is stopping) gives up at once. Any other error, or the last transient
-    one, is raised: bounded, so a server that stays away still ends in an answer.
-    """
-    attempt = 1
-    while True:
-        try:
-            return await call()
-        except TRANSIENT_FETCH_ERRORS as e:
-            if attempt >= attempts:
-                raise
-            delay = backoff_s * 2 ** (attempt - 1)
-            on_retry(attempt, delay, e)
-            if await sleep(delay):
-                raise
-            attempt += 1
-
-
-async def weights_gone(bus: Bus, ref: ObjectRef) -> bool:
-    """Whether the announced weights are no longer stored (collected by the trainer);
-    False when that cannot be told (the announcement is then treated as bad)."""
-    try:
-        if ref.kind == "object":
-            store = BodyStore(bus.js, ref.bucket or bus.objects.bucket)
-            return not await store.exists(ref.location)
-        if ref.kind in FILE_KINDS:
-            return not await asyncio.to_thread(Path(ref.location).exists)
-    except Exception:  # noqa: BLE001 - unknown: not "gone"
-        return False
-    return False
 
 
 def peek_request_id(data: bytes) -> str:

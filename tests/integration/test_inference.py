@@ -21,7 +21,8 @@ from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, infer_subject, subject
 from configs import ConfigError, RunConfig, load_config
-from roles.inference.role import InferenceRole, fetch_weights, resolve_served_model, weights_gone
+from roles.inference.role import InferenceRole, resolve_served_model
+from roles.inference.weights_io import fetch_weights, weights_gone
 from roles.lib.clients import InferenceClient
 from roles.lib.model.loading import load_model
 from roles.lib.model.tiny import build_tiny_model
