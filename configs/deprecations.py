@@ -6,7 +6,8 @@ spellings is an error (we would otherwise have to guess which one the user meant
 `translate_deprecated` is pure: it returns a new dict and the warning messages, and
 the caller decides how to warn.
 
-To add a rename, append to `MOVED_TABLES` or `RENAMED_SAMPLING_KEYS`.
+To add a rename, append to `MOVED_TABLES` or `RENAMED_SAMPLING_KEYS`; a key that did
+nothing and is gone goes to `REMOVED_MODEL_KEYS` (dropped with a warning that says why).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ MOVED_TABLES: tuple[tuple[Path, Path], ...] = (
     (("orchestrator", "sampling"), ("orchestrator", "train", "sampling")),
     (("orchestrator", "env"), ("orchestrator", "train", "env")),
 )
+
+# Keys removed from every `[orchestrator.models.<key>]` table: key -> why.
+REMOVED_MODEL_KEYS: dict[str, str] = {
+    "tokens": "every model answers with token ids and logprobs; the key never did anything",
+}
 
 # Keys renamed inside every sampling table (train, per-env, eval): old -> new.
 RENAMED_SAMPLING_KEYS: dict[str, str] = {"max_tokens": "max_completion_tokens"}
@@ -135,4 +141,13 @@ def translate_deprecated(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         for old_key, new_key in RENAMED_SAMPLING_KEYS.items():
             if msg := _move(root, (*table, old_key), (*table, new_key)):
                 messages.append(msg)
+    models = _lookup(root, ("orchestrator", "models"))
+    for key, table in (models or {}).items() if isinstance(models, dict) else ():
+        for old_key, why in REMOVED_MODEL_KEYS.items():
+            if isinstance(table, dict) and old_key in table:
+                table.pop(old_key)
+                messages.append(
+                    f"`{dotted(('orchestrator', 'models', key, old_key))}` is removed and "
+                    f"ignored: {why}"
+                )
     return root, messages

@@ -51,6 +51,25 @@ class EnvSftConfig(_Section):
     tool_names: list[str] | None = None  # None = every tool
 
 
+class FilterConfig(_Section):
+    """A rollout filter (`[[orchestrator.train.env.filters]]`, `roles.lib.envs.filters`)."""
+
+    # A built-in detector ("gibberish", "repetition", "length") or an import path
+    # "package.module:Class" of a user's detector.
+    type: str = Field(min_length=1)
+    name: str | None = None  # how verdicts and metrics name it; defaults to `type`
+    # true: a flagged rollout never trains (it still counts in reward metrics);
+    # false: monitor only, the verdict is recorded and counted.
+    enforce: bool = True
+    options: dict[str, Any] = {}  # the detector's thresholds (docs/configuration.md)
+
+    @model_validator(mode="after")
+    def _default_name(self) -> FilterConfig:
+        if self.name is None:
+            self.name = self.type.rsplit(":", 1)[-1] if ":" in self.type else self.type
+        return self
+
+
 class EnvConfig(_Section):
     """One training environment (`[[orchestrator.train.env]]`)."""
 
@@ -73,6 +92,22 @@ class EnvConfig(_Section):
     opponent: str | None = None
     # Judge members never become samples (false: a judge played by the actor trains).
     drop_judge: bool = True
+    filters: list[FilterConfig] = []  # rollout filters, applied by the env server
+    # The env's server pool, started by `rlbus up`: `replicas` processes, each with
+    # `max_concurrent` groups in flight (None: `env_server.groups_in_flight`). Elastic
+    # when `max_replicas` > `min_replicas`: the launcher adds a replica while the env's
+    # backlog stays high and retires idle ones (docs/running.md, "Env pools").
+    replicas: int = Field(default=1, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1)
+    min_replicas: int | None = Field(default=None, ge=1)  # None: `replicas`
+    max_replicas: int | None = Field(default=None, ge=1)  # None: `replicas` (static)
+
+    @property
+    def pool(self) -> tuple[int, int]:
+        """(min, max) replicas of the env's server pool; equal for a static pool."""
+        low = self.replicas if self.min_replicas is None else self.min_replicas
+        high = max(low, self.replicas) if self.max_replicas is None else self.max_replicas
+        return low, high
 
     @property
     def key(self) -> str:
@@ -128,7 +163,6 @@ class ModelEndpointConfig(_Section):
 
     kind: Literal["policy", "teacher", "reference"] = "reference"
     path: str | None = None  # None = the frozen base weights at `model.path`
-    tokens: bool = True  # answers with token ids + logprobs (not text only)
     # A frozen snapshot of the policy (kind "reference", no path): serves the weights the
     # trainer published as this version, following the policy until then (0: the
     # initial weights). The trainer keeps that version's weights for the whole run.
@@ -186,6 +220,9 @@ class OrchestratorConfig(_Section):
     stall_factor: float = Field(default=5.0, gt=0)
     stall_min_s: float = Field(default=30.0, gt=0)
     stall_stop_s: float = Field(default=900.0, gt=0)
+    # Tasks dead-lettered because env code raised (a bug, not a flaky model) before the
+    # run stops with reason "env_error", naming the env and the error.
+    max_env_errors: int = Field(default=3, ge=1)
     actor: str = POLICY
     train: TrainConfig = Field(default_factory=TrainConfig)
     algorithms: list[AlgorithmConfig] = Field(default_factory=_default_algorithms)
@@ -279,6 +316,19 @@ def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
                     f"`orchestrator.train.env.{i}.{key}` = {model!r} must be {POLICY!r} or a "
                     f"key of `orchestrator.models` (declared: {keys or 'none'})"
                 )
+    for i, env in enumerate(o.train.env):
+        low, high = env.pool
+        if not low <= env.replicas <= high:
+            problems.append(
+                f"`orchestrator.train.env.{i}.replicas` = {env.replicas} must lie within "
+                f"`min_replicas`..`max_replicas` ({low}..{high})"
+            )
+        names = [f.name or f.type for f in env.filters]
+        for dup in _duplicates(names):
+            problems.append(
+                f"`orchestrator.train.env.{i}.filters`: name {dup!r} is used more than once "
+                "(give each filter of a type its own `name`)"
+            )
     for key, m in o.models.items():
         if m.policy_version is not None and (m.kind != "reference" or m.path is not None):
             problems.append(

@@ -21,6 +21,7 @@ from schemas.ops import BodyRef, DeadLettered, MetricsReported, RoleHeartbeat
 from schemas.rollout import (
     Branch,
     EvalCompleted,
+    FilterVerdict,
     Message,
     SamplingParams,
     Seating,
@@ -29,6 +30,7 @@ from schemas.rollout import (
     Trace,
     TraceCompleted,
     TraceError,
+    ToolCall,
 )
 from schemas.run import ObjectRef, RunStarted, RunStopped, run_started_id, run_stopped_id
 from schemas.training import (
@@ -102,6 +104,8 @@ __all__ = [
     "Trace",
     "TraceCompleted",
     "TraceError",
+    "ToolCall",
+    "FilterVerdict",
     "WeightsPublished",
     "derive_id",
     "new_id",

@@ -79,6 +79,15 @@ class TaskRequested(Event, frozen=True, tag="task_requested/1"):
     seating: Seating | None = None  # multi-agent envs: members' models and the learner
 
 
+class ToolCall(Record, frozen=True):
+    """One tool call of an assistant message, OpenAI-style: the env answers it with a
+    ``tool`` message whose ``tool_call_id`` is this ``id``."""
+
+    id: str
+    name: str
+    arguments: str = "{}"  # JSON object text, as the model wrote it
+
+
 class Message(Record, frozen=True):
     """One node of the message graph."""
 
@@ -98,6 +107,11 @@ class Message(Record, frozen=True):
     # [start, end) of the content's tokens inside token_ids (the rest is chat-template
     # scaffolding); recorded for env messages so SFT on tool outputs trains content only.
     content_span: tuple[int, int] | None = None
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+    # A reply that did not parse (``Trace.turn_errors`` says why): its tokens never train,
+    # the rest of the rollout does.
+    masked: bool = False
 
     def ids(self) -> np.ndarray:
         return arrays.i32(self.token_ids)
@@ -112,9 +126,21 @@ class Branch(Record, frozen=True):
 
 
 class TraceError(Record, frozen=True):
-    kind: str  # "inference_timeout" | "env_exception" | "context_too_long" | ...
+    # docs/running.md, "Errors": inference_timeout, inference_error, no_responders,
+    # context_too_long, bad_reply, no_actor_turn, task_error (rollout errors), parse_error
+    # (a turn error), env_exception (a bug in env code: the task is dead-lettered).
+    kind: str
     message: str
     message_id: int | None = None
+
+
+class FilterVerdict(Record, frozen=True):
+    """One rollout filter's verdict on a trace (``roles.lib.envs.filters``)."""
+
+    name: str  # the filter's name in the env's config
+    value: float  # what the detector measured (its docs say what)
+    flagged: bool  # the value crossed the filter's threshold
+    enforced: bool = False  # flagged by an enforcing filter: the trace never trains
 
 
 class Trace(Record, frozen=True):
@@ -139,6 +165,13 @@ class Trace(Record, frozen=True):
     # key that played each member (its turns' ``Message.policy_version`` say which weights).
     seat: str | None = None
     member_models: dict[str, str] = msgspec.field(default_factory=dict)
+    # Whether some token was sampled by the policy being trained (False: a frozen model
+    # wrote every token, e.g. a frozen actor; staleness does not apply to it).
+    from_policy: bool = True
+    filters: list[FilterVerdict] = msgspec.field(default_factory=list)
+    is_filtered: bool = False  # an enforcing filter flagged it: in metrics, never in a batch
+    turn_errors: list[TraceError] = msgspec.field(default_factory=list)  # masked turns
+    state: dict[str, Any] = msgspec.field(default_factory=dict)  # the env's state_columns
 
     @property
     def ok(self) -> bool:

@@ -44,6 +44,8 @@ class Sample(Record, frozen=True):
     ref_logprobs: bytes | None = None  # float32: the reference's logprob of each token
     ref_weights: bytes | None = None  # float32: ref_kl coefficient per token (0 = not in it)
     member: str | None = None  # multi-agent: the member whose tokens this branch trains
+    # False: a frozen model wrote every token (``Trace.from_policy``); never stale.
+    from_policy: bool = True
     algorithms: list[str] = msgspec.field(default_factory=list)  # ids whose channels it carries
 
     def __len__(self) -> int:

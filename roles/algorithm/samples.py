@@ -172,6 +172,7 @@ def build_sample(view: BranchView, t: Targets, algorithm_id: str) -> Sample:
         reward=view.reward,
         policy_min=trace.policy_min,
         policy_max=trace.policy_max,
+        from_policy=trace.from_policy,
         member=view.member,
         algorithms=[algorithm_id],
     )

@@ -58,6 +58,12 @@ def sampling_params(s: Any) -> SamplingParams:
     )  # fmt: skip
 
 
+def sampling_seed(cfg: RunConfig, sampling: Any) -> int:
+    """The root of rollouts' sampling seeds: the sampling table's ``seed``, else the run
+    seed. Setting it redraws every sample on the same tasks (the run seed picks them)."""
+    return cfg.seed if sampling.seed is None else sampling.seed
+
+
 def choose_env(cfg: RunConfig, n: int) -> Any:
     """The env of group ``n``: drawn by ratio from a seed derived from the run and n."""
     envs = cfg.orchestrator.train.env
@@ -108,7 +114,10 @@ class Decider:
             queue = s.queues[phase]
             if phase == "rl":  # teacher samples (sft) carry the teacher's version, not ours
                 oldest_ok = (step - 1) - o.max_off_policy_steps
-                fresh = [q for q in queue if q.sample.policy_min >= oldest_ok]
+                # Only the policy's tokens age: a frozen actor's sample is never stale.
+                fresh = [
+                    q for q in queue if not q.sample.from_policy or q.sample.policy_min >= oldest_ok
+                ]
                 s.dropped_stale += len(queue) - len(fresh)
                 s.total_dropped_stale += len(queue) - len(fresh)
                 queue.clear()
@@ -117,7 +126,7 @@ class Decider:
                 return
             taken = [queue[i] for i in range(o.batch_size)]
             samples = [q.sample for q in taken]
-            staleness = [(step - 1) - x.policy_min for x in samples]
+            staleness = [(step - 1) - x.policy_min for x in samples if x.from_policy] or [0]
             group_rewards = {q.group_id: q.group_reward for q in taken}
             metrics = MetricsReported(
                 run=self.run, event_id=derive_id(self.run, "orchestrator-metrics", step), role="orchestrator", step=step,
@@ -173,6 +182,7 @@ class Decider:
         n = s.dispatched
         env = choose_env(self.cfg, n)
         group_size = o.warmup.group_size if phase == "sft" else env.group_size
+        sampling = env.sampling or o.train.sampling
         self.emit(
             TaskRequested(
                 run=self.run,
@@ -183,11 +193,11 @@ class Decider:
                 ),
                 group_id=derive_id(self.run, "group", n),
                 group_size=group_size,
-                sampling=sampling_params(env.sampling or o.train.sampling),
+                sampling=sampling_params(sampling),
                 model=o.warmup.actor if phase == "sft" else o.actor,
                 step=s.assembled,
                 policy_version=s.trainer_version,
-                seed=stable_seed(self.cfg.seed, "rollout", n),
+                seed=stable_seed(sampling_seed(self.cfg, sampling), "rollout", n),
                 max_turns=env.max_turns,
                 args=dict(env.args),
                 phase=phase,
@@ -232,7 +242,7 @@ class Decider:
                             model=self.cfg.orchestrator.actor,
                             step=s.assembled,
                             policy_version=v,
-                            seed=stable_seed(self.cfg.seed, "eval", env.id, i),
+                            seed=stable_seed(sampling_seed(self.cfg, e.sampling), "eval", env.id, i),
                             max_turns=env.max_turns,
                             args=dict(env.args),
                             phase="eval",

@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from bus.errors import RequestTimeout
+from configs.orchestrator import POLICY
 from roles.lib.envs.base import Environment, Messages
 from roles.lib.envs.seats import Cast, cast
 from schemas import (
@@ -219,8 +220,9 @@ async def run_rollout(
 
     ``model`` is the actor; in a multi-agent env each member's turns go to the model
     ``seating`` casts it to (``roles.lib.envs.seats``, seats drawn from ``group_seed``,
-    the group's seed, and ``sample_index``), only the actor's turns count in
-    ``policy_min``/``policy_max`` (staleness is about the policy's tokens), and only the
+    the group's seed, and ``sample_index``), only the policy's turns count in
+    ``policy_min``/``policy_max`` (staleness is about the policy's tokens; a trace with
+    none, e.g. a frozen actor's, has ``from_policy`` False), and only the
     members that train get a branch. A rollout in which the actor never spoke is errored
     (``no_actor_turn``): nothing of it could train.
 
@@ -235,7 +237,8 @@ async def run_rollout(
     b = _Builder()
     chat: Messages = []
     errors: list[TraceError] = []
-    versions: list[int] = []
+    versions: list[int] = []  # weights versions of the policy's turns
+    actor_turns = 0
     truncated = False
     num_turns = 0
     reward, rewards, metrics = 0.0, {}, {}
@@ -294,7 +297,8 @@ async def run_rollout(
                 )
             timings["queue_s"] += result.queue_s
             timings["compute_s"] += result.compute_s
-            if turn_model == model:
+            actor_turns += turn_model == model
+            if turn_model == POLICY:  # staleness is about the trained policy's tokens only
                 versions.append(result.policy_version)
             truncated = truncated or result.finish_reason == "length"
             content = renderer.parse_completion(completion)
@@ -329,7 +333,7 @@ async def run_rollout(
             chat.extend(new)
             prompt = list(renderer.continue_prompt(prompt, completion, new))
             gen_prefix = list(renderer.generation_prompt_ids)
-        if roles.trains and not versions:
+        if roles.trains and not actor_turns:
             raise _Failure(
                 "no_actor_turn",
                 f"{model!r} (members {list(roles.trains)}) never spoke in {num_turns} turns: "
@@ -371,6 +375,7 @@ async def run_rollout(
         num_turns=num_turns,
         seat=roles.learner,
         member_models=roles.models,
+        from_policy=bool(versions),
     )
 
 
