@@ -20,7 +20,7 @@ plans.
 
 Eval-split requests ask what the orchestrator's eval asks (the same tasks, seeds and,
 with ``plan_requests``, the config's eval sampling) and are scored with its formula
-(``roles.orchestrator.policy.eval_metrics``), so ``rlbus eval`` of a run's weights
+(``roles.orchestrator.eval_stats.eval_metrics``), so ``rlbus eval`` of a run's weights
 reads like the run's own eval. Every request carries phase ``ADHOC_PHASE``: a live
 run's orchestrator folds only its own phases (``rl``, ``sft``, ``eval``), so ad-hoc
 rollouts on its log neither become groups it trains on nor count in its eval rounds.
@@ -179,7 +179,7 @@ def eval_scores(plans: Sequence[Plan], results: Sequence[Any], k: int) -> dict[s
     """Per env id: tasks answered, ``avg@k``, ``pass@k`` (None unless every reward is 0 or
     1) and rollouts with errors, from ``EvalCompleted`` results by the orchestrator's
     ``eval_metrics``."""
-    from roles.orchestrator.policy import eval_metrics
+    from roles.orchestrator.eval_stats import eval_metrics
 
     values = eval_metrics(list(results), k)
     return {

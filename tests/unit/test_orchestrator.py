@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from configs import load_config
-from roles.orchestrator.policy import decide, eval_metrics, trains_on
+from roles.orchestrator.eval_stats import eval_metrics
+from roles.orchestrator.policy import decide, trains_on
 from roles.orchestrator.state import OrchestratorState
 from schemas import (
     BatchAssembled,

@@ -193,7 +193,7 @@ def test_start_time_refusals_name_the_key_and_the_fix() -> None:
 
 def test_eval_reports_the_learners_win_rate_per_seat() -> None:
     """win = the learner's member reward > 0; per seat and overall; none without seats."""
-    from roles.orchestrator.policy import win_rates
+    from roles.orchestrator.eval_stats import win_rates
 
     def seated(seat: str | None, a: float) -> Trace:
         rewards = {"alice": a, "bob": -a}
