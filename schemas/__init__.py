@@ -27,10 +27,10 @@ from schemas.rollout import (
     Seating,
     TaskRef,
     TaskRequested,
+    ToolCall,
     Trace,
     TraceCompleted,
     TraceError,
-    ToolCall,
 )
 from schemas.run import ObjectRef, RunStarted, RunStopped, run_started_id, run_stopped_id
 from schemas.training import (
