@@ -34,7 +34,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-bus bench-rollouts bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
+bench: bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -45,6 +45,11 @@ bench-bus:
 [group('bench')]
 bench-rollouts:
     {{python}} -m benchmarks.rollout_bench
+
+# Rollouts/s with 1 env server vs an elastic env pool (1..3) on the same workload.
+[group('bench')]
+bench-pools *ARGS:
+    {{python}} -m benchmarks.pool_bench {{ARGS}}
 
 # Lint, type-check and check the import contracts ([tool.importlinter] in pyproject.toml).
 [group('check')]

@@ -105,10 +105,21 @@ class ModelConfig(_Section):
 
 
 class InferenceConfig(_Section):
-    """Inference servers: one queue group per model, `replicas` processes each."""
+    """Inference servers: one queue group per model; the policy's `replicas` processes
+    make a pool, elastic when `max_replicas` > `min_replicas` (docs/running.md#env-pools)."""
 
     backend: Literal["torch", "vllm"] = "torch"
     replicas: int = Field(default=1, ge=1)
+    # The policy's pool bounds; None: `replicas` (a static pool). `rlbus up` adds a
+    # replica while the replicas' mean busy share (their `busy_frac` metric) stays at or
+    # above `scale_up_busy` for `scale_up_after_s`, and retires one while the others
+    # could carry the load at half that share for `scale_down_idle_s`.
+    min_replicas: int | None = Field(default=None, ge=1)
+    max_replicas: int | None = Field(default=None, ge=1)
+    scale_up_busy: float = Field(default=0.9, gt=0, le=1)
+    # Longer than the env pool's: a replica reports its busy share every 10 s.
+    scale_up_after_s: float = Field(default=30.0, ge=0)
+    scale_down_idle_s: float = Field(default=120.0, ge=0)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     # Dtype the weights are served in: "auto" = bfloat16 on CUDA (float16 if model.dtype
     # is float16), model.dtype elsewhere; float32 on CUDA trades speed for less mismatch.
@@ -123,6 +134,17 @@ class InferenceConfig(_Section):
     # it on one GPU: the torch backend caps its allocator, vLLM gets it as
     # `gpu_memory_utilization`.
     gpu_memory_fraction: float = Field(default=0.45, gt=0, le=1)
+    # Eval pinning: a policy replica holds back a weights swap while requests pinned to the
+    # version it serves (an eval round's) run, and `eval_pin_grace_s` after the last one;
+    # never longer than `eval_pin_max_s` (also its wait for a newer pinned version; keep
+    # it below `attempt_timeout_s`, or a waiting request is sent again meanwhile).
+    eval_pin_grace_s: float = Field(default=0.5, ge=0)
+    eval_pin_max_s: float = Field(default=15.0, ge=0)
+
+    @property
+    def pool(self) -> tuple[int, int]:
+        """(min, max) policy replicas; equal for a static pool."""
+        return _pool(self.replicas, self.min_replicas, self.max_replicas)
 
     @model_validator(mode="after")
     def _attempt_within_request(self) -> InferenceConfig:
@@ -131,15 +153,37 @@ class InferenceConfig(_Section):
                 f"`inference.attempt_timeout_s` ({self.attempt_timeout_s:g}) must not exceed "
                 f"`inference.request_timeout_s` ({self.request_timeout_s:g})"
             )
+        low, high = self.pool
+        if not low <= self.replicas <= high:
+            raise ValueError(
+                f"`inference.replicas` = {self.replicas} must lie within "
+                f"`inference.min_replicas`..`inference.max_replicas` ({low}..{high})"
+            )
         return self
 
 
+def _pool(replicas: int, low: int | None, high: int | None) -> tuple[int, int]:
+    """A pool's (min, max): unset bounds default to ``replicas`` (as ``EnvConfig.pool``)."""
+    lo = replicas if low is None else low
+    return lo, max(lo, replicas) if high is None else high
+
+
 class EnvServerConfig(_Section):
-    """Env server processes (`rlbus role env`): one per train env, replicas may attach."""
+    """Env server processes (`rlbus role env`): each train env's pool of replicas
+    (`orchestrator.train.env[].replicas`), and when `rlbus up` resizes an elastic one."""
 
     # Groups one env server process rolls out at once (its task consumer's concurrency).
     # `orchestrator.max_groups_in_flight` bounds how many groups are requested in all.
     groups_in_flight: int = Field(default=8, ge=1)
+    # An elastic env pool (max_replicas > min_replicas) gets a replica while the groups
+    # waiting on its consumer (not yet taken by a replica) stay at or above this many per
+    # replica for `scale_up_after_s`, and retires one after `scale_down_idle_s` with
+    # nothing waiting and nothing in flight. The launcher reads every pool's load (env
+    # backlogs, inference busy shares) every `scale_check_s`.
+    scale_up_backlog: float = Field(default=4.0, gt=0)
+    scale_up_after_s: float = Field(default=10.0, ge=0)
+    scale_down_idle_s: float = Field(default=30.0, ge=0)
+    scale_check_s: float = Field(default=2.0, gt=0)
 
 
 class LossConfig(_Section):

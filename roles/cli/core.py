@@ -111,7 +111,8 @@ def status(
     run: str | None = typer.Option(None, "--run", "-r", help="Run id; without it, list runs."),
     nats_url: str | None = typer.Option(None, "--nats-url"),
 ) -> None:
-    """List live roles of a run (heartbeats, lag), or the runs on the server."""
+    """List live roles of a run (heartbeats, lag), its env and inference pools (replicas,
+    backlog), or the runs on the server."""
     from rich.console import Console
     from rich.table import Table
 
@@ -162,7 +163,15 @@ def status(
                     )
             if started is not None:
                 from roles.cli.algorithm import algorithm_rich_table
+                from roles.up.pools import env_backlogs, pool_rows
 
+                # Each env's pool (replicas alive, bounds, groups waiting + in flight) and
+                # each model's inference replicas (docs/running.md#env-pools).
+                pools = Table("pool", "replicas", "min..max", "backlog (groups)")
+                backlogs = await env_backlogs(bus, cfg)
+                for row in pool_rows(cfg, beats, backlogs, interval, now):
+                    pools.add_row(*row)
+                Console().print(pools)
                 Console().print(await algorithm_rich_table(bus, cfg))
         finally:
             await bus.close()

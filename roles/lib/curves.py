@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from schemas import MetricsReported, RunStarted
 
 Series = list[tuple[float, float]]
+STDERR = "_stderr"  # suffix of an eval score's standard error (roles.orchestrator.eval_stats)
 Table = dict[int, dict[str, float]]
 
 
@@ -55,6 +56,16 @@ class MetricCurves:
         return [(k, v[key]) for k, v in sorted(table.items()) if key in v]
 
     def eval_keys(self) -> list[str]:
+        """The eval scores that are curves (their ``<key>_stderr`` error bars are not)."""
         return sorted(
-            {k for v in self.eval.values() for k in v if any(s in k for s in self.eval_kinds)}
+            {
+                k
+                for v in self.eval.values()
+                for k in v
+                if any(s in k for s in self.eval_kinds) and not k.endswith(STDERR)
+            }
         )
+
+    def stderr(self, key: str, version: int) -> float | None:
+        """The standard error of eval score ``key`` at ``version`` (None: not reported)."""
+        return self.eval.get(version, {}).get(key + STDERR)

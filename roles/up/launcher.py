@@ -10,7 +10,9 @@ running there), on the port of the run's last launch when that is free, and rest
 it there if it dies,
 builds the tiny model if that is the configured policy, writes the resolved config to
 ``runs/<run>/config.toml``, and starts each role with the same ``rlbus role ...``
-command a user would type, logging to ``runs/<run>/logs/<role>.log``. A role that dies
+command a user would type, logging to ``runs/<run>/logs/<role>.log``: each train env's
+pool of env servers and the policy's inference replicas at their ``replicas``, resized
+while the run goes when elastic (``roles/up/pools.py``). A role that dies
 is restarted (it resumes from its durable consumer; the log makes that safe). When the
 orchestrator publishes ``run.stopped`` (or on Ctrl-C) every role gets SIGTERM and drains;
 then ``summary.json`` and ``curves.png`` are written next to the logs.
@@ -28,9 +30,10 @@ from pathlib import Path
 from bus.cluster import EmbeddedCluster, is_cluster_store
 from bus.natsconf import Tls
 from bus.server import EmbeddedServer
-from configs import RunConfig, dump_toml
+from configs import POLICY, RunConfig, dump_toml
 from configs.paths import RunPaths
 from roles.runtime.context import policy_model_dir
+from roles.up.pools import env_replica, inference_replica, run_pools
 from roles.up.processes import RoleProcess, role_env, role_process
 from roles.up.run_guard import (
     LOCK_FILE,
@@ -47,19 +50,20 @@ from roles.up.supervisor import supervise
 
 
 def role_specs(cfg: RunConfig, paths: RunPaths, url: str) -> list[RoleProcess]:
-    """Every role process the config needs."""
+    """Every role process the config needs at the start (each pool at its ``replicas``)."""
     o = cfg.orchestrator
     specs: list[tuple[str, list[str]]] = [
         ("orchestrator", ["orchestrator"]),
         ("trainer", ["trainer"]),
     ]
     for i in range(cfg.inference.replicas):
-        specs.append((f"inference-policy-{i}", ["inference", "--model", "policy"]))
+        specs.append((inference_replica(i), ["inference", "--model", POLICY]))
     for key, model in o.models.items():
         kind = "teacher" if model.kind == "teacher" else "inference"
         specs.append((f"{kind}-{key}", [kind, "--model", key]))
     for env in o.train.env:
-        specs.append((f"env-{env.id}", ["env", "--env", env.id]))
+        for i in range(env.replicas):  # a pool: `env-<id>`, `env-<id>-1`, ...
+            specs.append((env_replica(env.id, i), ["env", "--env", env.id]))
     algorithms = [a.id for a in o.algorithms]
     if o.warmup.steps > 0:
         algorithms += [a for a in o.warmup.algorithms if a not in algorithms]
@@ -141,7 +145,8 @@ def _launch_locked(
         print("devices: " + ", ".join(f"{name} {dev}" for name, dev in devices.items()), flush=True)
         if len(servers) > 1:
             print(f"nats cluster: {len(servers)} nodes, {cfg.bus.resolved_replicas()} replicas", flush=True)  # fmt: skip
-        return asyncio.run(supervise(cfg, paths, url, roles, live_view, servers))
+        pools = run_pools(cfg, roles, lambda name, args: role_process(name, args, paths, url))
+        return asyncio.run(supervise(cfg, paths, url, roles, live_view, servers, pools))
 
 
 def embedded_servers(cfg: RunConfig, paths: RunPaths) -> EmbeddedServer | EmbeddedCluster:

@@ -2,7 +2,7 @@
 
 The launcher's live view, ``summary.json`` and ``curves.png`` all read this one object,
 fed from the run's stream (metrics, weights, stop) and the headers of completed traces
-and evals. Its metric tables are ``roles.lib.curves.MetricCurves``, the same fold as
+and evals; the launcher's inference pool reads its replicas' busy shares here. Its metric tables are ``roles.lib.curves.MetricCurves``, the same fold as
 ``rlbus plot``'s.
 
 Counts: ``rollouts`` are train rollouts, one per ``trace.completed`` message (the rate
@@ -20,6 +20,7 @@ skipped with one log line and counted in the summary's ``rejected``.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -59,6 +60,9 @@ class RunMonitor(MetricCurves):
     rejected: int = 0  # events that cannot be true of the run (``why_rejected``), skipped
     undecodable: int = 0  # messages that are no readable event, skipped
     waiting: list[WeightsPublished] = field(default_factory=list)  # ahead of their batch
+    # Each inference replica's last busy share: producer -> (ts_ns, busy_frac). The
+    # launcher's inference pool reads it (roles.up.pools); nothing else does.
+    busy: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def apply(self, event: Event) -> None:
         """Fold ``event`` if it can be true of the run (see the module docstring)."""
@@ -78,6 +82,8 @@ class RunMonitor(MetricCurves):
                 self.policy_version = max(self.policy_version, event.version)
                 if event.version >= self.policy_version:
                     self.final_digest = event.weights.digest
+            case MetricsReported(role="inference") if "busy_frac" in event.values:
+                self.busy[event.producer] = (event.ts_ns, event.values["busy_frac"])
             case MetricsReported(role="orchestrator") if event.step >= self.assembled:
                 self.assembled = event.step
                 self.phase = "sft" if event.values.get("sft") else "rl"
@@ -206,6 +212,9 @@ class RunMonitor(MetricCurves):
             out[f"{key}:final"] = final
             if after_warm is not None and final is not None:
                 out[f"{key}:gain"] = round(final - after_warm, 4)
+                errors = [self.stderr(key, warm), self.stderr(key, int(points[-1][0]))]
+                if None not in errors:  # independent draws: the errors add in quadrature
+                    out[f"{key}:gain_stderr"] = round(math.hypot(*errors), 4)  # type: ignore[arg-type]
         return out
 
 

@@ -2,7 +2,9 @@
 
 Each role runs as its own process in its own session (a Ctrl-C in the terminal reaches
 the launcher only, which then stops the roles in order), logging to
-``runs/<run>/logs/<name>.log``, and dies with the launcher (``bus.children``).
+``runs/<run>/logs/<name>.log``, and dies with the launcher (``bus.children``). A pool
+replica the launcher retires (``roles.up.pools``) is ``retiring``: it drains on SIGTERM
+and its exit is no crash.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -30,6 +33,8 @@ class RoleProcess:
     log_file: IO[bytes] | None = None
     exit_codes: list[int] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
+    # time.monotonic() when its pool retired it (SIGTERM: it drains, then exits); None: serving
+    retiring_since: float | None = None
 
     def start(self) -> None:
         """Start (or restart) the process, appending to its log."""
@@ -55,6 +60,12 @@ class RoleProcess:
     def terminate(self) -> None:
         if self.alive and self.proc is not None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def retire(self) -> None:
+        """Retired from its pool: SIGTERM, so it stops fetching and finishes what it holds;
+        its exit is expected from now on (the role keeper does not restart it)."""
+        self.retiring_since = time.monotonic()
+        self.terminate()
 
     def wait(self, timeout: float) -> None:
         if self.proc is None:

@@ -5,7 +5,8 @@ events (and only the headers of completed traces and evals, to count rollouts) w
 ordered consumers (``RunFollower``), restarts a role process that dies and shows the last
 error of its log (``RoleKeeper``), restarts the embedded nats-server it started when that
 dies, on the same port and store (``ServerKeeper``), says when a running role stops
-beating (``SilenceWatch``), and on ``run.stopped``, Ctrl-C, SIGTERM or SIGHUP (the
+beating (``SilenceWatch``), resizes the elastic env and inference pools
+(``roles.up.pools.PoolKeeper``), and on ``run.stopped``, Ctrl-C, SIGTERM or SIGHUP (the
 terminal closed) stops every role with SIGTERM, in order, so each drains its in-flight
 work (``stop_in_order``), the view showing which role is draining.
 """
@@ -34,6 +35,7 @@ from configs import RunConfig
 from configs.paths import RunPaths
 from roles.runtime.context import bus_settings
 from roles.up.monitor import RunMonitor
+from roles.up.pools import Pool, PoolKeeper
 from roles.up.processes import RoleProcess, write_summary
 from roles.up.role_errors import exit_text, last_error
 from schemas import MetricsReported, RunStarted, RunStopped, WeightsPublished
@@ -144,8 +146,8 @@ class RoleKeeper:
     def check(self) -> str | None:
         """Restart every role that died; the failure once one died too often."""
         for r in self.roles:
-            if r.alive or r.proc is None:
-                continue
+            if r.alive or r.proc is None or r.retiring_since is not None:
+                continue  # a retired pool replica's exit is its pool's (roles.up.pools)
             code = r.proc.returncode
             r.exit_codes.append(code)
             why = self.death(r)
@@ -420,9 +422,11 @@ async def supervise(
     roles: list[RoleProcess],
     live_view: bool,
     servers: list[EmbeddedServer] | None = None,
+    pools: list[Pool] | None = None,
 ) -> int:
     """Run the roles until the run stops (``servers``: the embedded server, or cluster
-    nodes, this launcher started, watched and restarted; none for a given server)."""
+    nodes, this launcher started, watched and restarted; none for a given server;
+    ``pools``: the run's env and inference pools over ``roles``, shown and resized)."""
     from roles.up.view import LiveView
 
     run = paths.run
@@ -456,6 +460,13 @@ async def supervise(
     interval = cfg.bus.heartbeat_interval_s
     watch = SilenceWatch(bus, view, log, roles, silence_limit_s(interval))
     watching = asyncio.create_task(watch.run(interval))
+    e = cfg.env_server
+    pool_keeper = PoolKeeper(
+        pools or [], roles, keeper.start, bus, view, log, e.scale_check_s, e.scale_up_backlog,
+        cfg.inference.scale_up_busy, busy=monitor.busy,
+    )  # fmt: skip
+    view.pools = pool_keeper
+    pooling = asyncio.create_task(pool_keeper.run())
     failed: str | None = None
     try:
         with view:
@@ -463,13 +474,17 @@ async def supervise(
                 failed = await keep_running(keeper, follower, view, interrupted, server_keeper)
             finally:
                 watch.stop.set()  # stopping roles go quiet on purpose
+                pool_keeper.stop.set()  # no replica starts or retires while the roles stop
+                await asyncio.wait([pooling], timeout=10.0)
                 view.stopping(stop_reason(monitor, failed, signals))
                 await stop_in_order(roles, watcher=view)
                 await follower.finish()
     finally:
         watch.stop.set()
-        if (await asyncio.wait([watching], timeout=10.0))[1]:
-            watching.cancel()  # a registry read that hangs past its own timeouts
+        pool_keeper.stop.set()
+        for task in (watching, pooling):
+            if (await asyncio.wait([task], timeout=10.0))[1]:
+                task.cancel()  # a registry read that hangs past its own timeouts
         await follower.finish()  # after an error above
         await bus.close()
         for sig in STOP_SIGNALS:
@@ -477,6 +492,7 @@ async def supervise(
     monitor.finish()
     summary = monitor.summary()
     summary["restarts"] = {r.name: r.restarts for r in roles if r.restarts}
+    summary["pools"] = pool_keeper.summary()
     if failed:
         summary["failed"] = failed
     if signals:

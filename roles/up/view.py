@@ -1,9 +1,11 @@
 """The live terminal view of ``rlbus up`` (rich), or one plain line per step without a TTY.
 
 Both show the run's phase (starting, warm start (sft), rl, stopped), each role's state
-(running, silent: no heartbeat for a while, down, draining, stopped), notes (a role
-restarted, with the last error of its log; a role silent or beating again; the
-nats-server restarted) and, at the end, a short report of the run (``final_report``).
+(running, silent: no heartbeat for a while, down, retiring: a pool replica draining
+before it leaves, draining, stopped), notes (a role restarted, with the last error of
+its log; a role silent or beating again; the nats-server restarted; a pool resized) and,
+at the end, a short report of the run (``final_report``). The live view also shows each
+pool (``roles.up.pools``): its replicas, bounds and load (an env's backlog).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -20,6 +22,10 @@ from rich.panel import Panel
 from rich.table import Table
 
 from roles.up.monitor import RunMonitor, sparkline
+
+
+class PoolRows(Protocol):
+    def rows(self) -> list[tuple[str, str, str]]: ...
 
 
 class LiveView:
@@ -35,6 +41,7 @@ class LiveView:
         self.states: dict[str, str] = {}  # the supervisor's word on a role: draining, stopped
         self.silent: dict[str, float] = {}  # role -> its last heartbeat (time.time()), while silent
         self.stop_reason: str | None = None  # set once the roles are being stopped
+        self.pools: PoolRows | None = None  # (pool, replicas, load) rows: roles.up.pools
 
     def __enter__(self) -> LiveView:
         if self.enabled:
@@ -147,6 +154,11 @@ class LiveView:
         for r in self.roles:
             roles.add_row(r.name, self.styled_state(r), str(r.restarts) if r.restarts else "")
         parts: list[Any] = [head, roles]
+        if self.pools is not None and (rows := self.pools.rows()):
+            pools = Table("pool", "replicas", "load", box=None, padding=(0, 1))
+            for row in rows:
+                pools.add_row(*row)
+            parts.append(pools)
         if self.notes:
             parts.append("\n".join(self.notes))
         subtitle = "the roles drain in order" if self.stop_reason else "Ctrl-C drains and stops"
@@ -164,6 +176,8 @@ class LiveView:
 
     def styled_state(self, role: Any) -> str:
         state = self.states.get(role.name) or ("running" if role.alive else "down")
+        if state == "running" and getattr(role, "retiring_since", None) is not None:
+            state = "retiring"
         if state == "running" and role.name in self.silent:
             state = f"silent {time.time() - self.silent[role.name]:.0f}s"
         style = STATE_STYLES.get(state.split(" ")[0], "")
@@ -206,13 +220,18 @@ class LiveView:
         at = dict(points)
         warm = self.m.warmup_steps
         parts = []
+
+        def score(version: int) -> str:
+            err = self.m.stderr(key, version)
+            return f"{at[version]:.3f}" + ("" if err is None else f" ± {err:.3f}")
+
         if 0 in at:
-            parts.append(f"{at[0]:.3f} at start")
+            parts.append(f"{score(0)} at start")
         if warm and warm in at:
-            parts.append(f"{at[warm]:.3f} after warm start (v{warm})")
+            parts.append(f"{score(warm)} after warm start (v{warm})")
         if points and points[-1][0] not in (0, warm):
-            version, value = points[-1]
-            parts.append(f"{value:.3f} final (v{int(version)})")
+            version = int(points[-1][0])
+            parts.append(f"{score(version)} final (v{version})")
         return " -> ".join(parts) or "-"
 
 
@@ -221,6 +240,7 @@ STATE_STYLES = {
     "silent": "yellow",
     "down": "red",
     "draining": "yellow",
+    "retiring": "yellow",
     "stopped": "dim",
     "killed": "red",
 }

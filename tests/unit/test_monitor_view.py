@@ -133,6 +133,7 @@ class FakeRole:
     name: str
     alive: bool = True
     restarts: int = 0
+    retiring_since: float | None = None
 
 
 def test_the_view_shows_roles_draining_while_they_stop(capsys) -> None:  # noqa: ANN001
@@ -195,3 +196,40 @@ def test_the_final_report_of_a_failed_run_names_the_error(tmp_path: Path) -> Non
     report = LiveView(m, [], enabled=False).final_report(summary, tmp_path / "s.json", None)
     lines = [" ".join(line.split()) for line in report.splitlines()]
     assert f"result FAILED: {failed}" in lines and "restarts none" in lines
+
+
+@dataclass
+class FakePools:
+    table: list[tuple[str, str, str]]
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        return self.table
+
+
+def test_the_live_view_shows_each_pool_and_a_retiring_replica() -> None:
+    """Replicas (with an elastic pool's bounds) and load per pool; a replica its pool
+    retired reads ``retiring`` until it has drained and left."""
+    retiree = FakeRole("env-x-1", retiring_since=1.0)
+    view = LiveView(fed_monitor(), [FakeRole("env-x"), retiree], enabled=False)
+    view.pools = FakePools(
+        [("env-x", "2 (1..3)", "backlog 37 (16 in flight)"), ("inference-policy", "1", "busy 40%")]
+    )
+    console = Console(file=StringIO(), width=120)
+    console.print(view.render())
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "2 (1..3)" in text and "backlog 37 (16 in flight)" in text and "busy 40%" in text
+    assert "retiring" in text
+
+
+def test_the_monitor_keeps_each_inference_replicas_last_busy_share() -> None:
+    """The inference pool's signal: the newest ``busy_frac`` each replica reported."""
+    m = RunMonitor(run="r", max_steps=4)
+    for busy, ts in ((0.5, 1), (0.9, 2)):
+        m.apply(
+            MetricsReported(
+                run="r", role="inference", step=0, values={"busy_frac": busy}, ts_ns=ts,
+                producer="inference-policy-h-7",
+            )
+        )  # fmt: skip
+    m.apply(MetricsReported(run="r", role="inference", step=0, values={}, producer="x-8"))
+    assert m.busy == {"inference-policy-h-7": (2, 0.9)}
