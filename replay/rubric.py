@@ -40,6 +40,8 @@ from bus.runtime import Bus
 from bus.subjects import Topic
 from configs import RunConfig, resolve
 from replay.diff import ValueDiff, diff_values
+from roles.lib.envs.base import ParseError
+from roles.lib.envs.chat import chat_message
 from schemas import EvalCompleted, RunStarted, TaskRequested, Trace, TraceCompleted
 
 
@@ -85,13 +87,8 @@ def env_ids(cfg: RunConfig) -> dict[str, tuple[str, dict[str, Any]]]:
 
 
 def chat_of(trace: Trace) -> list[dict[str, Any]]:
-    out = []
-    for m in trace.messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.content}
-        if m.name is not None:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
+    """The conversation as the env saw it (tool calls and their ids included)."""
+    return [chat_message(m) for m in trace.messages]
 
 
 def rebuild_state(env: Any, chat: list[dict[str, Any]], task: dict[str, Any], turns: int) -> Any:
@@ -104,7 +101,10 @@ def rebuild_state(env: Any, chat: list[dict[str, Any]], task: dict[str, Any], tu
             continue
         answered += 1
         if answered < turns:
-            env.env_response(chat[: i + 1], task, state)
+            try:
+                env.env_response(chat[: i + 1], task, state)
+            except ParseError:  # a reply the env refused: the harness masked it and went on
+                pass
     return state
 
 

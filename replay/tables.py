@@ -11,6 +11,10 @@ Python loop over tokens). Per-token data lives only in ``rollout_tokens`` and
 
 Named rewards appear twice in ``rollouts``: ``rewards`` (a list of {name, value};
 a MAP in SQL) and one flattened ``reward_<name>`` column per name (sanitised).
+Errors, turn errors and filter verdicts are list columns (``error_kinds``,
+``turn_error_kinds``, ``filters`` as {name, value, flagged, enforced} structs,
+``flagged_filters``): their names vary per run, so one column each is impossible, and
+"per kind" or "per filter" is an UNNEST and a GROUP BY. ``state`` is JSON text.
 Nothing here reads the clock, the network or the RNG.
 """
 
@@ -20,6 +24,7 @@ import json
 import re
 from typing import Any
 
+import msgspec
 import numpy as np
 import polars as pl
 
@@ -46,6 +51,8 @@ from schemas import (
 S, I64, F, B = pl.Utf8, pl.Int64, pl.Float64, pl.Boolean
 NAMED = pl.List(pl.Struct({"name": pl.Utf8, "value": pl.Float64}))
 MODELS = pl.List(pl.Struct({"name": pl.Utf8, "model": pl.Utf8}))  # member -> model key
+KINDS = pl.List(pl.Utf8)  # error kinds, filter names
+VERDICTS = pl.List(pl.Struct({"name": S, "value": F, "flagged": B, "enforced": B}))
 TIMINGS = ("generate_s", "queue_s", "compute_s", "env_s", "total_s")
 _BASE = {"run": S, "seq": I64}
 
@@ -64,7 +71,10 @@ SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
                  "rewards": NAMED, "metrics": NAMED, "num_turns": I64, "num_messages": I64,
                  "num_branches": I64, "prompt_tokens": I64, "completion_tokens": I64,
                  "truncated": B, "finish_reason": S, "error_type": S, "error_message": S,
-                 "num_errors": I64, **dict.fromkeys(TIMINGS, F), "seat": S, "seat_reward": F,
+                 "num_errors": I64, "error_kinds": KINDS, "turn_errors": I64,
+                 "turn_error_kinds": KINDS, "is_filtered": B, "filters": VERDICTS,
+                 "flagged_filters": KINDS, "from_policy": B, "tool_calls": I64, "state": S,
+                 **dict.fromkeys(TIMINGS, F), "seat": S, "seat_reward": F,
                  "member_rewards": NAMED, "member_models": MODELS, "producer": S, "ts_ns": I64},
     "rollout_tokens": {**_BASE, "rollout_id": S, "split": S, "branch": I64, "member": S,
                        "seat": S, "model": S,
@@ -139,7 +149,15 @@ def rollout_rows(
         "prompt_tokens": prompt_total, "completion_tokens": sampled_total,
         "truncated": trace.truncated, "finish_reason": finish,
         "error_type": error.kind if error else None, "error_message": error.message if error else None,
-        "num_errors": len(trace.errors), **{t: trace.timings.get(t) for t in TIMINGS},
+        "num_errors": len(trace.errors), "error_kinds": [e.kind for e in trace.errors],
+        "turn_errors": len(trace.turn_errors),
+        "turn_error_kinds": [e.kind for e in trace.turn_errors], "is_filtered": trace.is_filtered,
+        "filters": [_pick(v, "name", "value", "flagged", "enforced") for v in trace.filters],
+        "flagged_filters": [v.name for v in trace.filters if v.flagged],
+        "from_policy": trace.from_policy,
+        "tool_calls": sum(len(m.tool_calls) for m in trace.messages),
+        "state": msgspec.json.encode(trace.state, order="sorted").decode(),
+        **{t: trace.timings.get(t) for t in TIMINGS},
         "seat": trace.seat, "seat_reward": trace.member_rewards.get(trace.seat or ""),
         "member_rewards": _named(trace.member_rewards),
         "member_models": [{"name": k, "model": v} for k, v in sorted(trace.member_models.items())],
@@ -201,7 +219,8 @@ def _metric_rows(run: str, seq: int, e: MetricsReported) -> dict[str, list[dict[
             for k, v in sorted(e.values.items())
         ]
     }
-    if e.role == "eval":  # keys are "<env>/<metric>", e.g. "reverse-text/avg@4"
+    # Keys are "<env>/<metric>", e.g. "reverse-text/avg@4"; "eval-adhoc" is `rlbus eval`'s.
+    if e.role in ("eval", "eval-adhoc"):
         out["eval"] = []
         for key, v in sorted(e.values.items()):
             env, _, metric = key.rpartition("/")

@@ -15,6 +15,10 @@ class GenerateRequest(Record, frozen=True, tag="generate/1", tag_field="type"):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     seed: int = 0
     env: str | None = None  # which env asks (lets a scripted teacher pick its solver)
+    # An eval's policy version: the policy's replicas hold back a weights swap while
+    # requests pinned to the version they serve run (bounded: `inference.eval_pin_*`),
+    # and briefly wait for it when it is newer. The reply's policy_version says what ran.
+    pin_version: int | None = None
 
 
 class ScoreRequest(Record, frozen=True, tag="score/1", tag_field="type"):

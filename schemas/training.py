@@ -104,6 +104,9 @@ class SamplesScored(Event, frozen=True, tag="samples_scored/1"):
     # The members whose branches those errored rollouts would have trained, in group
     # order (what ``rae`` updates its baselines with at reward 0).
     excluded_members: list[str] = msgspec.field(default_factory=list)
+    # Rollouts an enforcing filter flagged (``Trace.is_filtered``): their rewards are in
+    # ``rewards`` and the baseline, their samples are not here.
+    filtered: NonNegative = 0
     zero_advantage: bool = False  # no channel has a non-zero weight: no learning signal
     # Why this algorithm could not score the group (its scoring raised, it made a sample
     # that cannot be trained, or the orchestrator gave up waiting: "deadline ..."); the

@@ -2,7 +2,8 @@
 
 - ``echo``: GRPO on the actor's tokens (``rl``) plus cross-entropy with weight
   ``alpha`` on what the environment said after the first sampled response (tool
-  outputs, optionally user feedback), content tokens only (``ce``).
+  outputs, optionally user feedback), content tokens only (``ce``); ``tool_names``
+  keeps the outputs of those tools only (a tool message's name, or its call's).
 - ``opd``: on-policy distillation. A frozen reference model scores each branch; the
   ``ref_kl`` channel pulls the policy toward it on the actor's tokens.
 - ``opsd``: on-policy self-distillation. The live policy scores each branch with the

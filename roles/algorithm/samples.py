@@ -9,16 +9,22 @@
 - ``branch_views``: each branch of a trace as flat arrays. ``trainable`` = the actor's
   sampled tokens, except that a message shared by several branches (a common prefix)
   is trained once, in the first branch containing it; in a multi-agent trace a branch
-  with a ``member`` trains only that member's messages.
+  with a ``member`` trains only that member's messages. A masked message (a reply that
+  did not parse: ``Message.masked``, ``Trace.turn_errors``) never trains: it is not
+  trainable, and ``build_sample`` zeroes every channel on its tokens, whatever the
+  algorithm returned for them; the rest of the trace trains.
 - ``env_token_masks``: the content tokens of environment messages (tool outputs,
   optionally user feedback) after the first sampled response, per branch: what
   ``echo`` and the per-env ``sft.on_tool_outputs`` train by cross-entropy. Only the
   recorded ``Message.content_span`` counts, never the chat-template scaffolding.
 - ``score_group``: errored traces are left out of the baseline and of training and
   only counted (``excluded``, and the members they would have trained:
-  ``excluded_members``, which ``rae`` folds at reward 0); the group is sorted by ``sample_index`` first so the
-  result never depends on arrival order. The algorithm's ``Targets`` become one flat
-  ``Sample`` per branch, carrying its channels (``schemas/training.py``).
+  ``excluded_members``, which ``rae`` folds at reward 0). Filtered traces
+  (``Trace.is_filtered``: an enforcing rollout filter flagged them) are real rollouts:
+  the algorithm sees them and their rewards are in ``rewards`` and in the group's
+  baseline, but none of their samples is kept. The group is sorted by ``sample_index``
+  first so the result never depends on arrival order. The algorithm's ``Targets``
+  become one flat ``Sample`` per branch, carrying its channels (``schemas/training.py``).
 - ``GroupBuffer``: the pending-group fold (dedup by rollout id, skip scored groups).
 
 Nothing here reads the clock, the RNG or the network: replay calls the same functions.
@@ -63,11 +69,19 @@ def branch_masks(trace: Trace) -> list[np.ndarray]:
             m = by_id[mid]
             sampled = arrays.mask(m.sampled)
             mine = branch.member is None or m.member == branch.member
-            parts.append(sampled if mine and mid not in seen else np.zeros_like(sampled))
+            trains = mine and mid not in seen and not m.masked
+            parts.append(sampled if trains else np.zeros_like(sampled))
             if mine:
                 seen.add(mid)
         masks.append(np.concatenate(parts) if parts else np.zeros(0, bool))
     return masks
+
+
+def masked_tokens(trace: Trace, branch: Branch) -> np.ndarray:
+    """Per token of ``branch``: True on the tokens of masked messages (never trained)."""
+    by_id = {m.id: m for m in trace.messages}
+    parts = [np.full(len(by_id[i].token_ids) // 4, by_id[i].masked) for i in branch.messages]
+    return np.concatenate(parts) if parts else np.zeros(0, bool)
 
 
 def branch_views(trace: Trace) -> list[BranchView]:
@@ -94,8 +108,10 @@ def env_token_masks(
     """Per branch: content tokens of env messages with a role in ``roles`` (tool
     messages only when ``names`` is None or their name is in it) that come after the
     branch's first sampled response. A message shared by branches is marked in the
-    first one only."""
+    first one only. A tool message's name is its own, else its call's (the join on
+    ``tool_call_id``; the harness records it resolved, older traces may not)."""
     by_id = {m.id: m for m in trace.messages}
+    call_names = {c.id: c.name for m in trace.messages for c in m.tool_calls}
     seen: set[int] = set()
     masks = []
     for branch in trace.branches:
@@ -105,7 +121,8 @@ def env_token_masks(
             m = by_id[mid]
             part = np.zeros(len(m.token_ids) // 4, bool)
             # the name allow-list is about tools: user feedback has no tool name
-            wanted = m.role in roles and (m.role != "tool" or names is None or m.name in names)
+            name = m.name if m.name is not None else call_names.get(m.tool_call_id or "")
+            wanted = m.role in roles and (m.role != "tool" or names is None or name in names)
             if responded and wanted and m.content_span is not None and mid not in seen:
                 start, end = m.content_span
                 part[start:end] = True
@@ -154,6 +171,11 @@ def build_sample(view: BranchView, t: Targets, algorithm_id: str) -> Sample:
     for v in values:
         if v is not None and not np.all(np.isfinite(v)):
             raise ValueError(f"algorithm {algorithm_id!r} returned a non-finite weight")
+    if any(m.masked for m in trace.messages):  # a masked reply trains on no channel
+        keep = ~masked_tokens(trace, view.branch)
+        adv, rl_mask = adv * keep, rl_mask & keep
+        ce = None if ce is None else ce * keep
+        ref_w = None if ref_w is None else ref_w * keep
     return Sample(
         rollout_id=trace.rollout_id,
         branch=view.index,
@@ -228,6 +250,8 @@ def score_group(
         )
     samples = []
     for trace, trace_views, trace_targets in zip(ok, views, targets, strict=True):
+        if trace.is_filtered:  # in the baseline above, never in a batch
+            continue
         tool = (
             env_token_masks(trace, ("tool",), tool_sft.tool_names) if tool_sft is not None else None
         )
@@ -250,6 +274,7 @@ def score_group(
         samples=samples,
         rewards=[float(t.reward) for t in ok],
         excluded=len(events) - len(ok),
+        filtered=sum(t.is_filtered for t in ok),
         excluded_members=[
             b.member for e in events if not e.trace.ok for b in e.trace.branches if b.member
         ],

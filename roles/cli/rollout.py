@@ -38,7 +38,7 @@ from roles.cli.common import fail
 
 if TYPE_CHECKING:
     from configs import RunConfig
-    from roles.up.rollout import Plan, RolloutResult
+    from roles.up.rollout import Plan, Report, RolloutResult
 
 
 def rollout(
@@ -107,9 +107,11 @@ def collect(
     nats_url: str | None,
     timeout_s: float,
     label: str,
+    report: Report | None = None,
 ) -> RolloutResult:
     """Write the run's config, reach its server (starting one on its store if none runs),
-    ask for ``plans``' rollouts and collect them, with progress; Ctrl-C exits 130."""
+    ask for ``plans``' rollouts and collect them, with progress, and publish what
+    ``report`` makes of them (``run_rollouts``); Ctrl-C exits 130."""
     from bus.server import reachable_server
     from configs.paths import RunPaths
     from roles.cli.progress import progress
@@ -133,8 +135,17 @@ def collect(
             with progress(label, sum(p.total for p in plans), "rollouts") as update:
                 return asyncio.run(
                     run_rollouts(
-                        cfg, plans, requests, paths, url, config_path, timeout_s, note, update
-                    )
+                        cfg,
+                        plans,
+                        requests,
+                        paths,
+                        url,
+                        config_path,
+                        timeout_s,
+                        note,
+                        update,
+                        report,
+                    )  # fmt: skip
                 )
         except KeyboardInterrupt:
             raise typer.Exit(130) from None

@@ -5,19 +5,30 @@
 Every replica of an env binds one shared durable consumer, ``env-<env key>``, on
 ``task.requested.<env key>`` (a work queue: each request goes to one replica, and a
 request whose replica dies is redelivered to another after ``ack_wait``). Up to
-``concurrency`` groups (config ``env_server.groups_in_flight``) are in flight per
-replica; the rollouts of a group run concurrently. For a ``TaskRequested`` the server builds ``make_env(env, request.args)``,
+``concurrency`` groups (the env's ``max_concurrent``, else ``env_server.groups_in_flight``)
+are in flight per replica; the rollouts of a group run concurrently. For a ``TaskRequested`` the server builds ``make_env(env, request.args)``,
 takes ``task(split, index)`` and runs ``group_size`` rollouts (rollout ``i`` samples with
 seed ``stable_seed(request.seed, i)``), then returns:
 
 - split ``train``: one ``TraceCompleted`` per rollout, ``event_id = derive_id(request,
   "trace", i)`` and ``rollout_id = derive_id(request, "rollout", i)``;
-- split ``eval``: one ``EvalCompleted`` (``derive_id(request, "eval")``) with all traces.
+- split ``eval``: one ``EvalCompleted`` (``derive_id(request, "eval")``) with all traces;
+  its policy turns are pinned to ``request.policy_version`` (inference holds that version
+  while they run), so an eval at vN is answered by vN.
+
+Train traces then pass the env's rollout filters (``roles.lib.envs.filters``): each
+verdict is recorded on the trace (``filters``, ``is_filtered``), so the log, the lake and
+algorithm replay see the same verdict.
 
 The runtime publishes them and only then acks the request; a redelivered request
-republishes the same ids, which the stream dedups. A failed rollout is an errored trace
-(never an exception), so a group always completes. ``MetricsReported(role="env-<key>")``
-goes out every ``metrics_interval_s``: rollouts/s, mean reward, errors by kind.
+republishes the same ids, which the stream dedups. A retryable failure (inference
+timeout, a failed or malformed reply) is an errored trace, so a group completes; an
+exception from env code (a bug: ``EnvCodeError``) dead-letters the task at once with the
+traceback (``bus.errors.Rejected``), and the orchestrator releases its group and stops
+the run after ``orchestrator.max_env_errors`` of them. ``MetricsReported(role="env-<key>")``
+goes out every ``metrics_interval_s``: rollouts/s, mean reward, errors and turn errors by
+kind, the share of rollouts each filter flagged (``filter_<name>``) and the share kept
+out of training (``filtered``).
 
 Only the tokenizer is loaded (from ``model.path``; "tiny" = the run's tiny model, built
 with ``model.tiny`` sizes and ``model.tiny.init_seed`` if absent): no torch model.
@@ -28,17 +39,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import traceback
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from bus.consumer import Delivery, Subscription
-from bus.errors import NoResponders
+from bus.errors import NoResponders, Rejected
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
 from configs import EnvServerConfig
-from roles.lib.envs.base import Environment
+from configs.orchestrator import POLICY
+from roles.lib.envs.base import EnvCodeError, Environment
+from roles.lib.envs.filters import Filter, apply_filters, build_filters
 from roles.lib.envs.harness import Generate, completion_tokens, run_rollout
 from roles.lib.envs.registry import env_key, make_env
 from roles.runtime.context import RoleContext
@@ -124,8 +138,10 @@ async def rollout_group(
     generate: Generate,
     renderer: Any,
     env_id: str | None = None,
+    filters: Sequence[Filter] = (),
 ) -> list[Trace]:
-    """The ``group_size`` rollouts of one request, run concurrently.
+    """The ``group_size`` rollouts of one request, run concurrently; train traces pass
+    ``filters``. An ``EnvCodeError`` (a bug in env code) propagates.
 
     The orchestrator draws task indices from a large space without knowing the taskset;
     the index is reduced modulo the split's size here, and the trace records the task's
@@ -137,9 +153,12 @@ async def rollout_group(
     except Exception as e:  # noqa: BLE001 - a bad split or empty taskset is the request's fault: record it
         return failed_group(request, request.env, "task_error", f"{type(e).__name__}: {e}")
     task = TaskRef(index=index, split=request.task.split, data=data)
-    return list(
-        await asyncio.gather(
-            *(
+    if task.split == "eval":
+        generate = pinned(generate, request.policy_version)
+    # A TaskGroup: an EnvCodeError in one rollout cancels its siblings and propagates.
+    async with asyncio.TaskGroup() as rollouts:
+        tasks = [
+            rollouts.create_task(
                 run_rollout(
                     env,
                     task,
@@ -157,10 +176,24 @@ async def rollout_group(
                     seating=request.seating,
                     group_seed=request.seed,
                 )
-                for i in range(request.group_size)
             )
-        )
-    )
+            for i in range(request.group_size)
+        ]
+    traces = [t.result() for t in tasks]
+    if task.split == "train" and filters:
+        traces = [apply_filters(t, filters) for t in traces]
+    return traces
+
+
+def pinned(generate: Generate, version: int) -> Generate:
+    """``generate`` with the policy's turns pinned to weights ``version`` (an eval)."""
+
+    async def pinned_generate(model: str, *args: Any, **kwargs: Any) -> Any:
+        if model == POLICY:
+            kwargs["pin_version"] = version
+        return await generate(model, *args, **kwargs)
+
+    return pinned_generate  # type: ignore[return-value]
 
 
 @dataclass
@@ -173,6 +206,10 @@ class RolloutStats:
     reward_sum: float = 0.0
     tokens: int = 0
     errors: Counter[str] = field(default_factory=Counter)
+    turn_errors: Counter[str] = field(default_factory=Counter)
+    judged: int = 0  # rollouts the filters judged (train rollouts without an error)
+    flagged: Counter[str] = field(default_factory=Counter)  # by filter name
+    filtered: int = 0  # kept out of training by an enforcing filter
     step: int = 0
 
     def add(self, request: TaskRequested, traces: Sequence[Trace]) -> None:
@@ -183,6 +220,11 @@ class RolloutStats:
             self.reward_sum += t.reward
             self.tokens += completion_tokens(t)
             self.errors.update(e.kind for e in t.errors)
+            self.turn_errors.update(e.kind for e in t.turn_errors)
+            if t.filters:
+                self.judged += 1
+                self.flagged.update(v.name for v in t.filters if v.flagged)
+                self.filtered += t.is_filtered
 
     def values(self, now: float) -> dict[str, float]:
         n = max(self.rollouts, 1)
@@ -195,6 +237,10 @@ class RolloutStats:
             "errors": float(sum(self.errors.values())),
         }
         out.update({f"errors_{kind}": float(c) for kind, c in self.errors.items()})
+        out.update({f"turn_errors_{kind}": float(c) for kind, c in self.turn_errors.items()})
+        if self.judged:
+            out["filtered"] = self.filtered / self.judged
+            out.update({f"filter_{name}": c / self.judged for name, c in self.flagged.items()})
         return out
 
 
@@ -217,14 +263,16 @@ def client_generate(client: Any, wait_for_responders_s: float = 60.0) -> Generat
         seed: int,
         *,
         env: str | None = None,
+        pin_version: int | None = None,
     ) -> Any:
         loop = asyncio.get_running_loop()
+        pin = {} if pin_version is None else {"pin_version": pin_version}
         deadline = loop.time() + wait_for_responders_s
         delay = 0.1
         while True:
             try:
                 return await client.generate(
-                    model, request_id, prompt_ids, sampling, stop_token_ids, seed, env=env
+                    model, request_id, prompt_ids, sampling, stop_token_ids, seed, env=env, **pin
                 )
             except NoResponders:
                 if loop.time() + delay > deadline:
@@ -250,6 +298,7 @@ class EnvServer(Role):
         generate: Generate,
         *,
         default_args: dict[str, Any] | None = None,
+        filters: Sequence[Filter] = (),
         concurrency: int = EnvServerConfig().groups_in_flight,
         metrics_interval_s: float = METRICS_INTERVAL_S,
         heartbeat_interval_s: float = 2.0,
@@ -260,6 +309,7 @@ class EnvServer(Role):
         self.renderer = renderer
         self.generate = generate
         self.default_args = dict(default_args or {})
+        self.filters = list(filters)
         self.concurrency = concurrency
         self.metrics_interval_s = metrics_interval_s
         self.stats = RolloutStats()
@@ -317,8 +367,12 @@ class EnvServer(Role):
                 )
             else:
                 traces = await rollout_group(
-                    env, request, self.generate, self.renderer, self.env_id
+                    env, request, self.generate, self.renderer, self.env_id, self.filters
                 )
+        except* EnvCodeError as group:  # a bug in env code: dead-letter the task at once
+            bug = group.exceptions[0]
+            self.log.error("env.bug", request=request.event_id, error=str(bug))
+            raise Rejected(f"{bug}\n{bug_traceback(bug)}") from bug
         finally:
             self._inflight -= 1
         self.stats.add(request, traces)
@@ -350,6 +404,12 @@ class EnvServer(Role):
 # -- the process entry point (``rlbus role env``) ---------------------------------------
 
 
+def bug_traceback(bug: BaseException) -> str:
+    """Where env code raised: the traceback it carries, else the exception's own."""
+    text = getattr(bug, "traceback", "") or ""
+    return text or "".join(traceback.format_exception(bug))
+
+
 def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
     """The env's args from ``orchestrator.train.env`` (empty if the env is not listed)."""
     entry = ctx.cfg.orchestrator.env(env_id)
@@ -357,11 +417,15 @@ def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
 
 
 def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
-    """``EnvServer``'s keyword arguments from the run's config: the env's args, the groups
-    in flight (``env_server.groups_in_flight``), the heartbeat interval."""
+    """``EnvServer``'s keyword arguments from the run's config: the env's args and
+    filters, the groups in flight (the env's ``max_concurrent``, else
+    ``env_server.groups_in_flight``), the heartbeat interval."""
+    entry = ctx.cfg.orchestrator.env(env_id)
+    concurrency = entry.max_concurrent if entry is not None else None
     return {
         "default_args": config_args(ctx, env_id),
-        "concurrency": ctx.cfg.env_server.groups_in_flight,
+        "filters": build_filters(entry.filters) if entry is not None else [],
+        "concurrency": concurrency or ctx.cfg.env_server.groups_in_flight,
         "heartbeat_interval_s": ctx.cfg.bus.heartbeat_interval_s,
     }
 

@@ -13,15 +13,20 @@ running batch.
 
     batcher = Batcher(run_batch, max_batch_size=64, batch_window_ms=5)
     result = await batcher.submit(request)    # from many tasks at once
+
+Beside it: ``throughput`` (rates from two snapshots of a backend's counters, for the
+role's metrics) and ``PinHold`` (what holds a weights swap back while an eval's pinned
+requests run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -171,3 +176,137 @@ class Batcher(Generic[T, R]):
             p = self._pending.popleft()
             if not p.future.done():
                 p.future.set_exception(BatcherClosed("batcher closed before the request ran"))
+
+
+# -- metrics -----------------------------------------------------------------------------
+
+
+def throughput(prev: dict[str, float], cur: dict[str, float], dt: float) -> dict[str, float] | None:
+    """Rates over one interval from two cumulative ``Backend.stats()``; None when idle."""
+
+    def delta(key: str) -> float:
+        return cur.get(key, 0.0) - prev.get(key, 0.0)
+
+    requests = delta("generate_requests") + delta("score_requests")
+    if requests <= 0 or dt <= 0:
+        return None
+    values = {
+        "tokens_per_s": delta("completion_tokens") / dt,
+        "prompt_tokens_per_s": delta("prompt_tokens") / dt,
+        "requests_per_s": requests / dt,
+        "failed_requests": delta("failed_requests"),
+    }
+    if (batches := delta("batches")) > 0:
+        items = delta("batched_items")
+        values["batch_size_mean"] = items / batches
+        values["queue_s_mean"] = delta("queue_s") / max(items, 1.0)
+        values["busy_frac"] = delta("busy_s") / dt
+    return values
+
+
+# -- eval pinning -------------------------------------------------------------------------
+
+
+class PinHold:
+    """Holds a weights swap back while requests pinned to the serving version run.
+
+    An eval round asks at one policy version (``GenerateRequest.pin_version``); if a
+    replica swapped weights halfway, most of the round would be answered by later
+    versions and the figure reported "at vN" would not be vN's. So each pinned request is
+    counted while it is queued or generating (``pinned``), and the swap waits
+    (``clear``) until none pinned to the old version is left and ``grace_s`` has passed
+    since the last one ended (the gap between an eval's turns and groups), for at most
+    ``max_s``: training is delayed by a bounded amount, never stalled. A request pinned to
+    a version newer than the one served waits for that swap (``reach``), at most
+    ``max_s`` after the first request pinned to it arrived; the replica loads that version
+    next (``wanted``) even when newer ones are announced.
+
+        hold = PinHold(grace_s=0.5, max_s=15.0)
+        with hold.pinned(version):             # around answering a pinned request
+            ...
+        held_s = await hold.clear(version)     # before swapping version out
+        hold.swapped(new_version)              # after a swap (wakes ``reach``)
+    """
+
+    def __init__(
+        self, *, grace_s: float, max_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.grace_s = max(0.0, grace_s)
+        self.max_s = max(0.0, max_s)
+        self._clock = clock
+        self._running: dict[int, int] = {}  # version -> pinned requests queued or running
+        self._last_end: dict[int, float] = {}  # version -> when its last one ended
+        self._first_ask: dict[int, float] = {}  # newer version -> when it was first awaited
+        self._waiting: dict[int, int] = {}  # newer version -> requests waiting for it now
+        self._changed = asyncio.Event()
+
+    def running(self, version: int) -> int:
+        """Requests pinned to ``version`` now queued or generating."""
+        return self._running.get(version, 0)
+
+    @contextlib.contextmanager
+    def pinned(self, version: int) -> Iterator[None]:
+        """Count a request pinned to ``version`` for as long as the block runs."""
+        self._running[version] = self.running(version) + 1
+        try:
+            yield
+        finally:
+            left = self._running.pop(version) - 1
+            if left:
+                self._running[version] = left
+            self._last_end[version] = self._clock()
+            self._notify()
+
+    async def clear(self, version: int) -> float:
+        """Wait until ``version`` may be swapped out (class docstring); the seconds held."""
+        start = self._clock()
+        deadline = start + self.max_s
+        while (now := self._clock()) < deadline:
+            if self.running(version):
+                until = deadline
+            else:
+                until = min(self._last_end.get(version, -math.inf) + self.grace_s, deadline)
+                if now >= until:
+                    break
+            await self._wait(until - now)
+        return self._clock() - start
+
+    async def reach(self, version: int, serving: Callable[[], int]) -> bool:
+        """Wait until ``serving()`` is at least ``version``, for at most ``max_s`` after
+        the first request pinned to it came; whether it got there."""
+        first = self._first_ask.setdefault(version, self._clock())
+        self._waiting[version] = self._waiting.get(version, 0) + 1
+        try:
+            while serving() < version:
+                left = first + self.max_s - self._clock()
+                if left <= 0:
+                    return False
+                await self._wait(left)
+            return True
+        finally:
+            self._waiting[version] -= 1
+            if not self._waiting[version]:
+                del self._waiting[version]
+
+    def wanted(self, serving: int) -> int | None:
+        """The oldest version newer than ``serving`` that requests wait for (``reach``):
+        the one to load next, so that their eval is answered by it."""
+        return min((v for v in self._waiting if v > serving), default=None)
+
+    def swapped(self, serving: int) -> None:
+        """Weights ``serving`` serve now (or a swap was refused): wake the waiters of
+        ``reach`` and forget what was kept for older versions."""
+        for v in [v for v in self._first_ask if v <= serving]:
+            del self._first_ask[v]
+        for v in [v for v in self._last_end if v < serving]:
+            del self._last_end[v]
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await self._changed.wait()

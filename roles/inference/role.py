@@ -28,6 +28,16 @@ The trainer deletes old versions (``trainer.keep_weights``), so a version can va
 between its announcement and its load: that is ``weights.superseded``, and the newest
 announcement is loaded instead (a collected version always has a newer one).
 
+Eval pinning: a generate request may name the policy version its eval round asks at
+(``GenerateRequest.pin_version``). The policy replica counts the requests pinned to the
+version it serves while they are queued or generating, and holds a swap back until none
+is left and ``inference.eval_pin_grace_s`` has passed since the last one, never longer
+than ``inference.eval_pin_max_s`` (``batcher.PinHold``; ``weights.pin_expired`` when the
+bound cut a hold short), so an eval round is answered by the version it reports. A
+request pinned to a newer version waits for that swap (as long at most); one pinned to an
+older version is answered with the weights there are. Replies always carry the version
+that ran. Frozen models and snapshots ignore pins.
+
 Every ``metrics_interval_s`` (10 s) with traffic it logs ``inference.throughput`` and
 publishes ``MetricsReported(role="inference")``: tokens/s, requests/s, mean batch size,
 mean queue time, and ``weights_lag_s``: for the last swap, the seconds from the
@@ -57,6 +67,7 @@ from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend, WeightsNotFinite, serving_dtype
+from roles.inference.batcher import PinHold, throughput
 from roles.inference.weights_io import (
     fetch_weights,
     read_latest_weights,
@@ -178,9 +189,14 @@ class InferenceRole(Role):
         self.weights_rejected = 0
         self.last_weights_error: str | None = None
         self._rpc: NatsSubscription | None = None
-        self._next_weights: WeightsPublished | None = None
+        self._pending: dict[int, WeightsPublished] = {}  # announced, newer than serving
         self._weights_arrived = asyncio.Event()
         self._rejected: set[str] = set()  # event ids already refused: not retried
+        # Eval pinning (GenerateRequest.pin_version): only the policy itself follows every
+        # version; a frozen model or a snapshot serves what it serves.
+        self.honours_pins = self.served.follows_weights and self.served.pin is None
+        inf = cfg.inference
+        self.pins = PinHold(grace_s=inf.eval_pin_grace_s, max_s=inf.eval_pin_max_s)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -255,14 +271,29 @@ class InferenceRole(Role):
     async def _answer(self, req: GenerateRequest | ScoreRequest) -> Any:
         assert self.backend is not None  # serving starts after setup loaded it
         try:
-            if isinstance(req, GenerateRequest):
+            if isinstance(req, ScoreRequest):
+                return (await self.backend.score([req]))[0]
+            pin = await self._pin_of(req)
+            if pin is None:
                 return (await self.backend.generate([req]))[0]
-            return (await self.backend.score([req]))[0]
+            with self.pins.pinned(pin):  # the swap to a newer version waits for it
+                return (await self.backend.generate([req]))[0]
         except Exception as e:  # noqa: BLE001 - a reply beats a client timeout
             self.log.error("inference.failed", request_id=req.request_id, error=repr(e))
             return InferenceFailed(
                 request_id=req.request_id, kind="internal", message=repr(e)[:500]
             )
+
+    async def _pin_of(self, req: GenerateRequest) -> int | None:
+        """The version ``req`` is pinned to when this replica serves exactly it (after a
+        bounded wait when it is newer than the one served), else None: a request pinned
+        to an older version is answered with the weights there are, and says so."""
+        pin = req.pin_version
+        if pin is None or not self.honours_pins:
+            return None
+        if pin > self._serving_version():
+            await self.pins.reach(pin, self._serving_version)
+        return pin if pin == self._serving_version() else None
 
     def _bad_request(self, data: bytes, error: Exception) -> InferenceFailed:
         return InferenceFailed(
@@ -272,8 +303,8 @@ class InferenceRole(Role):
     # -- weights ------------------------------------------------------------------------
 
     async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
-        """Note the newest announced version; ``_load_weights`` loads it between batches."""
-        pending = self._next_weights.version if self._next_weights else -1
+        """Note an announced version; ``_load_weights`` loads it between batches."""
+        pending = max(self._pending, default=-1)
         if event.event_id in self._rejected:
             return
         pin = self.served.pin
@@ -284,17 +315,31 @@ class InferenceRole(Role):
             if found is None:
                 return
             event = found
-        if event.version > max(self._serving_version(), pending):
-            self._next_weights = event
+        if event.version > self._serving_version():
+            self._pending[event.version] = event
             self._weights_arrived.set()
 
     async def _load_weights(self) -> None:
-        """Loads only the newest pending version (older ones are skipped, not queued)."""
+        """Loads the newest pending version (older ones are skipped, not queued), or the
+        one requests pinned to a version newer than the one served wait for (an eval
+        round's, announced while a load or a hold ran): then the newest after it."""
         while await _wait_either(self._weights_arrived, self.stop_event):
             self._weights_arrived.clear()
-            event, self._next_weights = self._next_weights, None
-            if event is not None and event.version > self._serving_version():
+            event = self._take_pending()
+            if event is not None:
                 await self._apply_weights(event)
+            if any(v > self._serving_version() for v in self._pending):
+                self._weights_arrived.set()
+
+    def _take_pending(self) -> WeightsPublished | None:
+        """The announcement to load next (``_load_weights``); older ones are dropped."""
+        serving = self._serving_version()
+        for v in [v for v in self._pending if v <= serving]:
+            del self._pending[v]
+        if not self._pending:
+            return None
+        wanted = self.pins.wanted(serving) if self.honours_pins else None
+        return self._pending.pop(wanted if wanted in self._pending else max(self._pending))
 
     def _serving_version(self) -> int:
         return self.backend.policy_version if self.backend is not None else 0
@@ -307,12 +352,14 @@ class InferenceRole(Role):
             if event.format != "safetensors":
                 raise ValueError(f"unsupported weights format {event.format!r}")
             data = await self._fetch(event)
+            held_s = await self._hold_for_pinned(previous, event.version)
             await self.backend.load_weights(data, event.weights.digest, event.version)
         except Exception as e:  # noqa: BLE001 - bad weights are refused, serving goes on
             if not isinstance(e, WeightsNotFinite) and await weights_gone(self.bus, event.weights):
                 return await self._load_newer_than(event, e)
             self._reject(event, e, previous)
             return False
+        self.pins.swapped(event.version)
         self.weights_loaded += 1
         # Wall clocks of two processes (one host under `rlbus up`): the event's ts_ns is
         # the trainer's, taken when it announced the version.
@@ -325,8 +372,24 @@ class InferenceRole(Role):
             bytes=len(data),
             load_s=round(time.perf_counter() - started, 4),
             lag_s=round(self.weights_lag_s, 4),
+            pin_held_s=round(held_s, 4),
         )
         return True
+
+    async def _hold_for_pinned(self, serving: int, version: int) -> float:
+        """Hold the swap from ``serving`` to ``version`` while requests pinned to
+        ``serving`` run (``PinHold.clear``, bounded by ``inference.eval_pin_max_s``); the
+        seconds held. Pinned requests still running when the bound is hit get the new
+        weights, and their replies say so."""
+        if not self.honours_pins:
+            return 0.0
+        held_s = await self.pins.clear(serving)
+        if left := self.pins.running(serving):
+            self.log.warning(
+                "weights.pin_expired", serving=serving, version=version, pinned=left,
+                held_s=round(held_s, 3),
+            )  # fmt: skip
+        return held_s
 
     async def _fetch(self, event: WeightsPublished) -> bytes:
         """The announced bytes, transient errors retried (``retry_transient``)."""
@@ -353,10 +416,9 @@ class InferenceRole(Role):
         really missing, and the announcement is rejected like any bad one.
         """
         serving = self._serving_version()
-        pending = self._next_weights  # the newer one _load_weights takes next, if any
-        newer = pending if pending is not None and pending.version > event.version else None
-        if newer is None:
-            newer = await self._newest_after(event.version)
+        newest = max(self._pending, default=-1)  # what _load_weights takes next, if any
+        pending = self._pending[newest] if newest > event.version else None
+        newer = pending or await self._newest_after(event.version)
         if newer is None or newer.event_id in self._rejected:
             self._reject(event, missing, serving)
             return False
@@ -428,29 +490,6 @@ class InferenceRole(Role):
         return MetricsReported(
             run=self.run, role=self.role, step=version, values=values, policy_version=version
         )
-
-
-def throughput(prev: dict[str, float], cur: dict[str, float], dt: float) -> dict[str, float] | None:
-    """Rates over one interval from two cumulative ``Backend.stats()``; None when idle."""
-
-    def delta(key: str) -> float:
-        return cur.get(key, 0.0) - prev.get(key, 0.0)
-
-    requests = delta("generate_requests") + delta("score_requests")
-    if requests <= 0 or dt <= 0:
-        return None
-    values = {
-        "tokens_per_s": delta("completion_tokens") / dt,
-        "prompt_tokens_per_s": delta("prompt_tokens") / dt,
-        "requests_per_s": requests / dt,
-        "failed_requests": delta("failed_requests"),
-    }
-    if (batches := delta("batches")) > 0:
-        items = delta("batched_items")
-        values["batch_size_mean"] = items / batches
-        values["queue_s_mean"] = delta("queue_s") / max(items, 1.0)
-        values["busy_frac"] = delta("busy_s") / dt
-    return values
 
 
 async def _wait_either(event: asyncio.Event, stop: asyncio.Event) -> bool:

@@ -52,8 +52,12 @@ class InferenceClient:
         stop_token_ids: Sequence[int] = (),
         seed: int = 0,
         env: str | None = None,
+        pin_version: int | None = None,
     ) -> GenerateResult | InferenceFailed:
-        """Raises ``bus.errors.RequestTimeout`` when no replica answers in time."""
+        """Raises ``bus.errors.RequestTimeout`` when no replica answers in time.
+
+        ``pin_version``: the policy version an eval asks at; a policy replica serving it
+        keeps those weights until the pinned requests are done (``GenerateRequest``)."""
         req = GenerateRequest(
             request_id=request_id,
             prompt_ids=pack_i32(prompt_ids),
@@ -61,6 +65,7 @@ class InferenceClient:
             stop_token_ids=list(stop_token_ids),
             seed=seed,
             env=env,
+            pin_version=pin_version,
         )
         reply: GenerateResult | InferenceFailed = await self._request(
             model, req, request_id, [GenerateResult, InferenceFailed]

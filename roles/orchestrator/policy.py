@@ -141,6 +141,7 @@ class Decider:
                     "dropped_stale_total": float(s.total_dropped_stale),
                     "skipped_zero_advantage_total": float(s.total_skipped_zero),
                     "groups_in_flight": float(len(s.groups)), "errored_rollouts_total": float(s.errored_rollouts),
+                    "filtered_rollouts_total": float(s.filtered_rollouts),
                     "groups_released_total": float(s.released),
                     "async_lag": float(step - 1 - s.trainer_version), "sft": float(phase == "sft"),
                 },
@@ -253,7 +254,7 @@ class Decider:
                         )  # fmt: skip
                     )
         for version, round_ in sorted(s.eval_rounds.items()):
-            if not round_.reported and round_.expected and len(round_.results) >= round_.expected:
+            if not round_.reported and round_.expected and round_.answered >= round_.expected:
                 self.emit(
                     MetricsReported(
                         run=self.run,
@@ -261,7 +262,7 @@ class Decider:
                         role="eval",
                         step=version,
                         policy_version=version,
-                        values=eval_metrics(round_.results, e.k),
+                        values=eval_metrics(round_.results, e.k, version),
                     )  # fmt: skip
                 )
 
@@ -275,7 +276,9 @@ class Decider:
             1, math.ceil(o.batch_size / max(1, min(e.group_size for e in o.train.env)))
         )
         reason = detail = None
-        if s.no_signal_streak >= o.max_no_signal_batches * groups_per_batch:
+        if len(s.env_failures) >= o.max_env_errors:
+            reason, detail = "env_error", env_error_detail(s)
+        elif s.no_signal_streak >= o.max_no_signal_batches * groups_per_batch:
             reason = "no_learning_signal"
             detail = (
                 f"{s.no_signal_streak} groups in a row had all-equal rewards (zero advantage); "
@@ -300,6 +303,20 @@ class Decider:
             )
         )
         return True
+
+
+def env_error_detail(state: OrchestratorState) -> str:
+    """The stop message of a run whose env servers keep dead-lettering its tasks: which
+    env(s), the newest error's first line, where to read the rest."""
+    failures = state.env_failures
+    envs = sorted({f.subject.rsplit(".", 1)[-1] for f in failures})
+    last = failures[-1]
+    first_line = (last.error.strip().splitlines() or [""])[0]
+    return (
+        f"{len(failures)} task(s) of env {', '.join(envs)} dead-lettered by the env server: "
+        f"{last.error_type}: {first_line} (the traceback: `rlbus events {last.run} "
+        "--topic dead.lettered --json`)"
+    )
 
 
 def waits_for(state: OrchestratorState, cfg: RunConfig) -> list[str]:
@@ -327,8 +344,8 @@ def waits_for(state: OrchestratorState, cfg: RunConfig) -> list[str]:
         envs = sorted({g.request.env for g in s.groups.values() if a in g.waiting_for})
         out.append(f"algorithm {a}: {n} group(s) of {', '.join(envs)} not scored")
     for version, r in sorted(s.eval_rounds.items()):
-        if not r.reported and len(r.results) < r.expected:
-            out.append(f"eval v{version}: {len(r.results)} of {r.expected} tasks answered")
+        if not r.reported and r.answered < r.expected:
+            out.append(f"eval v{version}: {r.answered} of {r.expected} tasks answered")
     return out
 
 

@@ -75,7 +75,10 @@ class Orchestrator(Role):
         await self.start_run()
 
     def subscriptions(self) -> list[Follow]:  # type: ignore[override]
-        topics = [(t, None) for t in READS] + [(Topic.METRICS_REPORTED, "eval")]
+        topics = [(t, None) for t in READS] + [
+            (Topic.METRICS_REPORTED, "eval"),
+            (Topic.DEAD_LETTERED, "env"),  # tasks an env server could not run
+        ]
         return [Follow("orchestrator", topics, self.on_event)]
 
     def background(self) -> list:  # type: ignore[type-arg]

@@ -26,6 +26,7 @@ from schemas import (
     AlgorithmAttached,
     AlgorithmDetached,
     BatchAssembled,
+    DeadLettered,
     EvalCompleted,
     Event,
     MetricsReported,
@@ -63,6 +64,11 @@ class EvalRound:
     expected: int  # eval requests dispatched
     results: list[EvalCompleted] = field(default_factory=list)
     reported: bool = False
+    dead: int = 0  # requests an env server dead-lettered (never answered)
+
+    @property
+    def answered(self) -> int:
+        return len(self.results) + self.dead
 
 
 @dataclass
@@ -89,8 +95,12 @@ class OrchestratorState:
     total_skipped_zero: int = 0
     no_signal_streak: int = 0  # consecutive RL groups without learning signal
     errored_rollouts: int = 0
+    filtered_rollouts: int = 0  # kept out of training by an enforcing rollout filter
     released: int = 0  # groups closed without training (an algorithm failed, a deadline)
     last_release: str = ""  # why the newest one was released
+    # Own task requests an env server dead-lettered (env code raised, or it could not
+    # take them): each releases its group or closes its eval request; enough stop the run.
+    env_failures: list[DeadLettered] = field(default_factory=list)
 
     def inflight(self, phase: str) -> int:
         return sum(1 for g in self.groups.values() if g.request.phase == phase)
@@ -189,6 +199,25 @@ class OrchestratorState:
                 version = self.eval_requests.pop(event.request_id, None)
                 if version is not None:  # None: a duplicate answer to a request already counted
                     self.eval_rounds[version].results.append(event)
+            case DeadLettered(role="env"):
+                self._on_env_dead_letter(event)
+
+    def _on_env_dead_letter(self, event: DeadLettered) -> None:
+        """An env server dead-lettered a task: its group is released (nothing of it
+        trains), an eval request counts as answered with nothing; only the orchestrator's
+        own requests count (the causation id is the request's event id)."""
+        request_id = event.causation_id
+        group = next((g for g in self.groups.values() if g.request.event_id == request_id), None)
+        version = self.eval_requests.pop(request_id or "", None)
+        if group is None and version is None:
+            return  # not ours (an adhoc request, a forgery), or already closed
+        self.env_failures.append(event)
+        if group is not None:
+            self.groups.pop(group.request.group_id)
+            self.released += 1
+            self.last_release = f"group {group.request.group_id}: env server: {event.error_type}"
+        if version is not None:
+            self.eval_rounds[version].dead += 1
 
     def expects(self, event: SamplesScored) -> bool:
         group = self.groups.get(event.group_id)
@@ -219,6 +248,7 @@ class OrchestratorState:
             return  # its only algorithm was detached before scoring it
         first = events[0]  # every algorithm saw the same traces
         self.errored_rollouts += first.excluded
+        self.filtered_rollouts += first.filtered
         phase = group.request.phase
         if phase == "rl" and skip_zero and all(e.zero_advantage for e in events):
             self.skipped_zero += 1

@@ -125,7 +125,9 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 
 def env_problems(cfg: RunConfig) -> list[str]:
-    """Each train env built with its args, as its env server will build it first."""
+    """Each train env built with its args, as its env server will build it first, and its
+    rollout filters built from their options."""
+    from roles.lib.envs.filters import filter_problems
     from roles.lib.envs.registry import UnknownEnv, make_env
 
     problems = []
@@ -141,7 +143,7 @@ def env_problems(cfg: RunConfig) -> list[str]:
             problems.append(
                 f"`{where}`: env {env.id!r} fails to build: {type(e).__name__}: {_one_line(e)}"
             )
-    return problems
+    return problems + filter_problems(cfg.orchestrator.train.env)
 
 
 def algorithm_names(cfg: RunConfig) -> Iterator[tuple[str, str]]:

@@ -7,7 +7,7 @@ command lines.
 
     plans = [plan_requests(cfg, env, "eval", tasks * k, k, "policy") for env in eval_envs(cfg)]
     result = await run_rollouts(cfg, plans, requests, ...)     # requests of every plan
-    scores = eval_scores(plans, result.results, k)             # env -> tasks, avg@k, pass@k, errors
+    scores = eval_scores(plans, result, k)     # env -> tasks, avg@k (± stderr), pass@k, ...
 
 ``run_rollouts`` starts only the role processes that are not running already (one
 ``rlbus role inference --model <model>`` per model and one ``rlbus role env --env <env>``
@@ -24,6 +24,9 @@ with ``plan_requests``, the config's eval sampling) and are scored with its form
 reads like the run's own eval. Every request carries phase ``ADHOC_PHASE``: a live
 run's orchestrator folds only its own phases (``rl``, ``sft``, ``eval``), so ad-hoc
 rollouts on its log neither become groups it trains on nor count in its eval rounds.
+Every request carries the run's newest weights version (``policy_version``; 0 before
+any), to which the env server pins an eval's generate requests, so inference answers
+the whole eval with those weights (``inference.eval_pin_*``).
 """
 
 from __future__ import annotations
@@ -38,12 +41,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from bus.reader import Progress  # on_progress(rollouts done, rollouts expected)
 from configs import RunConfig, dump_toml
 from configs.paths import RunPaths
 from roles.up.processes import RoleProcess, role_process
 
 Note = Callable[[str], None]
+# What to publish about a finished collection (``rlbus eval``: its figures).
+Report = Callable[["RolloutResult"], list[Any]]
 
 # The phase of requests made outside a run's schedule (``schemas.TaskRequested.phase``).
 ADHOC_PHASE = "adhoc"
@@ -68,6 +75,7 @@ class Plan:
     sampling: Any  # SamplingParams
     max_turns: int | None
     seating: Any = None  # Seating of a multi-agent env's config entry, or None
+    seed: int | None = None  # the sampling table's own seed (None: the run seed)
 
     @property
     def total(self) -> int:
@@ -112,6 +120,7 @@ def plan_requests(
         seating=seating_of(entry, cfg.orchestrator.eval.learner_seat if split == "eval" else None)
         if entry
         else None,
+        seed=s.seed,
     )
 
 
@@ -129,12 +138,17 @@ def split_size(plan: Plan) -> int:
     return make_env(plan.env, plan.env_args).size(plan.split)
 
 
-def build_requests(run: str, seed: int, plan: Plan, size: int) -> list[Any]:
+def build_requests(
+    run: str, seed: int, plan: Plan, size: int, policy_version: int = 0
+) -> list[Any]:
     """One TaskRequested per group: tasks 0, 1, ... of the split (of ``size`` tasks).
-    Train seeds derive from the run seed; eval seeds are the orchestrator's eval seeds."""
+    Train seeds derive from the run seed; eval seeds are the orchestrator's eval seeds
+    (both from the sampling table's ``seed`` when it sets one, as the orchestrator's do).
+    ``policy_version``: the weights version asked at (an eval pins its turns to it)."""
     from schemas import TaskRef, TaskRequested, derive_id, new_id, stable_seed
 
     eval_split = plan.split == "eval"
+    seed = seed if plan.seed is None else plan.seed
     out = []
     for g in range(plan.groups):
         event_id = new_id()  # a fresh request each time: a rerun must not be deduplicated away
@@ -149,6 +163,7 @@ def build_requests(run: str, seed: int, plan: Plan, size: int) -> list[Any]:
                 sampling=plan.sampling,
                 model=plan.model,
                 phase=ADHOC_PHASE,
+                policy_version=policy_version,
                 seed=stable_seed(seed, "eval", plan.env, g)
                 if eval_split
                 else stable_seed(seed, "rollout", plan.split, g),
@@ -175,22 +190,26 @@ def summarize(traces: list[Any]) -> dict[str, Any]:
     }
 
 
-def eval_scores(plans: Sequence[Plan], results: Sequence[Any], k: int) -> dict[str, Any]:
-    """Per env id: tasks answered, ``avg@k``, ``pass@k`` (None unless every reward is 0 or
-    1) and rollouts with errors, from ``EvalCompleted`` results by the orchestrator's
-    ``eval_metrics``."""
-    from roles.orchestrator.eval_stats import eval_metrics
+def eval_scores(plans: Sequence[Plan], result: RolloutResult, k: int) -> dict[str, Any]:
+    """Per env id, by the orchestrator's ``eval_metrics`` over ``result``'s
+    ``EvalCompleted`` answers: tasks answered, ``k``, ``avg@k`` and ``avg@k_stderr``,
+    ``pass@j`` (None unless every reward is 0 or 1), rollouts with errors,
+    ``answered_by_pinned`` (the share answered wholly by ``result.policy_version``) and
+    the ``policy_versions`` that answered."""
+    from roles.orchestrator.eval_stats import answering_versions, eval_metrics, pass_ks
 
-    values = eval_metrics(list(results), k)
-    return {
-        p.env: {
-            "tasks": sum(1 for r in results if r.env == p.key),
-            f"avg@{k}": values.get(f"{p.key}/avg@{k}"),
-            f"pass@{k}": values.get(f"{p.key}/pass@{k}"),
-            "errors": int(values.get(f"{p.key}/errors", 0)),
-        }
-        for p in plans
-    }
+    values = eval_metrics(list(result.results), k, result.policy_version)
+    out: dict[str, Any] = {}
+    for p in plans:
+        mine = [r for r in result.results if r.env == p.key]
+        scores: dict[str, Any] = {"tasks": len(mine), "k": k}
+        for name in [f"avg@{k}", f"avg@{k}_stderr", *(f"pass@{j}" for j in pass_ks(k))]:
+            scores[name] = values.get(f"{p.key}/{name}")
+        scores["errors"] = int(values.get(f"{p.key}/errors", 0))
+        scores["answered_by_pinned"] = values.get(f"{p.key}/answered_by_pinned")
+        scores["policy_versions"] = answering_versions([t for r in mine for t in r.traces])
+        out[p.env] = scores
+    return out
 
 
 def write_config(cfg: RunConfig, paths: RunPaths) -> Path:
@@ -274,10 +293,22 @@ async def stop_roles(started: list[RoleProcess], note: Note = _quiet) -> None:
 # -- the rollouts ---------------------------------------------------------------------------
 
 
+async def newest_version(bus: Any) -> int:
+    """The run's newest announced weights version (0 before the first): what the policy
+    serves, and what an eval asks at."""
+    from bus.reader import last_event
+    from bus.subjects import Topic
+    from schemas import WeightsPublished
+
+    latest = await last_event(bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,))
+    return latest.version if latest is not None else 0
+
+
 @dataclass
 class RolloutResult:
     traces: list[Any] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)  # EvalCompleted, one per eval task
+    policy_version: int = 0  # the newest weights version when asked: the requests' own
     wall_s: float = 0.0
     code: int = 0  # 0: every trace came back; 1: a started role died, or the wait timed out
     role_died: bool = False  # a role this started exited: no summary to show
@@ -293,9 +324,12 @@ async def run_rollouts(
     timeout_s: float,
     note: Note = _quiet,
     on_progress: Progress | None = None,
+    report: Report | None = None,
 ) -> RolloutResult:
-    """Start the missing roles, publish ``requests`` (``build_requests`` of ``plans``),
-    collect their traces (``on_progress(done, total)`` as they come), stop what was started."""
+    """Start the missing roles, publish ``requests`` (``build_requests`` of ``plans``; each
+    gets the run's newest weights version), collect their traces (``on_progress(done,
+    total)`` as they come), publish what ``report(result)`` makes of them (when every
+    trace came back), stop what was started."""
     from bus.runtime import Bus
     from roles.runtime.context import bus_settings
 
@@ -304,11 +338,14 @@ async def run_rollouts(
     await bus.ensure_stream()
     started: list[RoleProcess] = []
     t0 = time.monotonic()
-    result = RolloutResult()
+    result = RolloutResult(policy_version=await newest_version(bus))
+    requests = [msgspec.structs.replace(r, policy_version=result.policy_version) for r in requests]
     try:
         started = await start_missing_roles(bus, cfg, plans, paths, url, config_path, note)
         await _collect(bus, plans, requests, started, result, timeout_s, note, on_progress)
         result.wall_s = time.monotonic() - t0
+        if report is not None and result.code == 0:
+            await bus.publish_many(report(result))
         return result
     finally:
         await stop_roles(started, note)
@@ -393,6 +430,7 @@ __all__ = [
     "eval_envs",
     "eval_scores",
     "missing_roles",
+    "newest_version",
     "plan_requests",
     "run_rollouts",
     "split_size",

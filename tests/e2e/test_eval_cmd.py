@@ -1,6 +1,6 @@
 """`rlbus eval` end to end (embedded NATS, real inference and env role processes) and its
-refusals. That a live run's orchestrator ignores its requests is tested in
-tests/unit/test_orchestrator.py."""
+refusals; the eval of a run's checkpoint against that run's own eval of the version. That
+a live run's orchestrator ignores its requests is tested in tests/unit/test_orchestrator.py."""
 
 from __future__ import annotations
 
@@ -10,14 +10,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import replay
 from bus.reader import read_log
 from bus.runtime import Bus
 from bus.server import EmbeddedServer, running_server_url
 from bus.subjects import Topic
-from schemas import EvalCompleted, TaskRequested, stable_seed
+from replay.sql import connect
+from schemas import EvalCompleted, MetricsReported, TaskRequested, WeightsPublished, stable_seed
+from schemas.arrays import i32, mask
+from tests.e2e.conftest import ANALYTICS_RUN
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,6 +43,17 @@ async def eval_log(data_dir: Path, run: str) -> tuple[list[TaskRequested], list[
             await bus.close()
     requests = [e for e in events if isinstance(e, TaskRequested)]
     return requests, [e for e in events if isinstance(e, EvalCompleted)]
+
+
+def completions(answers: list[EvalCompleted]) -> dict[tuple[int, int], list[list[int]]]:
+    """(task, sample) -> the sampled token ids of each of its turns."""
+    return {
+        (a.task_index, t.sample_index): [
+            i32(m.token_ids)[mask(m.sampled)].tolist() for m in t.messages if m.sampled
+        ]
+        for a in answers
+        for t in a.traces
+    }
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -103,6 +119,9 @@ async def test_eval_command_scores_each_env_like_the_runs_eval(tmp_path: Path) -
         (["--env", "nope"], "env error: unknown env 'nope'"),
         (["-k", "0"], "error: -n and -k must be >= 1"),
         (["--model", "nobody"], "error: --model 'nobody' is neither policy"),
+        (["--checkpoint", "gone:3"], "error: --checkpoint 'gone:3': no checkpoint under"),
+        (["--checkpoint", "x", "-m", "teacher"], "error: --model and --checkpoint both"),
+        (["--model", "."], "error: --model .: a directory with neither config.json"),
     ],
 )
 def test_eval_refuses_bad_envs_and_options_in_one_line(
@@ -113,3 +132,50 @@ def test_eval_refuses_bad_envs_and_options_in_one_line(
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.e2e
+async def test_eval_of_a_checkpoint_reproduces_the_runs_eval_of_that_version(
+    tmp_path: Path, smoke: tuple[Path, list[Any]]
+) -> None:
+    """`rlbus eval -m <run>/checkpoints/step-4` (the smoke run's final checkpoint, v4)
+    serves those weights in a run of its own with the source run's eval settings: the same
+    tasks, seeds and sampling as the run's eval of v4, avg@k within 3 standard errors of
+    it, the same completions (greedy: v4's, where v0's would be other tokens; at most one
+    of four may differ by a near-tie under another batching), every rollout answered by
+    the pinned version. The report is written, and the eval run's lake holds its rollouts
+    and figures."""
+    data, events = smoke
+    ckpt = data / ANALYTICS_RUN / "checkpoints" / "step-00000004"
+    v4 = next(e for e in events if isinstance(e, WeightsPublished) and e.version == 4)
+    assert json.loads((ckpt / "state.json").read_text())["weights_digest"] == v4.weights.digest
+    proc = await asyncio.to_thread(rlbus_eval, tmp_path, "-m", str(ckpt), "--run", "evck")
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    report_file = next((tmp_path / "evck").glob("eval-*.json"))
+    report = json.loads(report_file.read_text())
+    assert report["checkpoint"] == {"run": ANALYTICS_RUN, "step": 4, "path": str(ckpt)}
+    assert report["pinned_version"] == 0 and report["policy_versions"] == [0]
+    assert "(step 4 of run ana1, served as v0)" in proc.stdout and "avg@1 ± stderr" in proc.stdout
+
+    ours = report["envs"]["reverse-text"]
+    theirs = next(e for e in events if isinstance(e, MetricsReported) and e.role == "eval" and e.step == 4).values  # fmt: skip
+    noise = max(ours["avg@1_stderr"], theirs["reverse-text/avg@1_stderr"], 1e-3)
+    assert abs(ours["avg@1"] - theirs["reverse-text/avg@1"]) <= 3 * noise, (ours, theirs)
+    assert ours["tasks"] == 4 and ours["answered_by_pinned"] == 1.0 and ours["errors"] == 0
+
+    requests, answers = await eval_log(tmp_path, "evck")
+    in_run = [e for e in events if isinstance(e, TaskRequested) and e.phase == "eval" and e.policy_version == 4]  # fmt: skip
+    asked = lambda rs: sorted((r.task.index, r.seed, r.group_size, r.sampling) for r in rs)  # noqa: E731
+    assert asked(requests) == asked(in_run)
+    ids = {r.event_id for r in in_run}
+    theirs_done = [e for e in events if isinstance(e, EvalCompleted) and e.request_id in ids]
+    mine, same = completions(answers), completions(theirs_done)
+    assert mine.keys() == same.keys() and len(mine) == 4
+    assert sum(mine[key] == same[key] for key in mine) >= 3, (mine, same)
+
+    result = await asyncio.to_thread(replay.sync_lake, "evck", tmp_path, None, True)
+    assert result is not None
+    con = connect(tmp_path, "evck")
+    assert con.sql("select count(*) from rollouts where split = 'eval'").fetchall() == [(4,)]
+    [(avg,)] = con.sql("select value from metrics where role = 'eval-adhoc' and metric = 'reverse-text/avg@1'").fetchall()  # fmt: skip
+    assert avg == pytest.approx(ours["avg@1"])

@@ -27,6 +27,7 @@ from bus.subjects import TOPICS, Topic, durable_name, infer_queue, infer_subject
 from roles.env_server.role import EnvServer, client_generate
 from roles.lib.clients import InferenceClient
 from roles.lib.envs.builtin.alphabet_sort import parse_names
+from roles.lib.envs.registry import env_key
 from roles.lib.model.render import Renderer
 from roles.lib.model.tokenizer import build_tokenizer
 from roles.runtime.role import serve_role
@@ -104,7 +105,7 @@ async def env_server(
     """An EnvServer replica with its own connection, served in a task of this loop."""
     bus = await Bus.connect(url, run=run, producer=f"env-{env}", settings=SETTINGS)
     client = InferenceClient(bus, timeout_s=timeout_s)
-    server = EnvServer(bus, f"env-{env}-{id(bus)}", env, R, client_generate(client, timeout_s),
+    server = EnvServer(bus, f"env-{env_key(env)}-{id(bus)}", env, R, client_generate(client, timeout_s),
                        metrics_interval_s=0.5, heartbeat_interval_s=0.5, **kw)  # fmt: skip
     task = asyncio.create_task(serve_role(server, install_signals=False))
     try:
@@ -292,3 +293,70 @@ async def test_killed_replica_request_is_answered_by_another(
         e.trace.ok and e.trace.reward == 1.0 for e in events if isinstance(e, TraceCompleted)
     )
     assert sorted(responder.request_ids[len(first) :]) == sorted(first)  # same ids on redelivery
+
+
+async def test_a_bug_in_env_code_dead_letters_its_task_at_once(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """The buggy env's rubric divides by zero on some tasks: each such task is
+    dead-lettered on its first delivery with the env's traceback (no retry: a bug fails
+    the same way again), the other tasks' traces are published, and the replica lives on."""
+    from roles.lib.envs.registry import make_env
+    from schemas import DeadLettered
+
+    env_id = "tests.e2e.buggy_env:make"
+    env, key = make_env(env_id), env_key(env_id)
+    reqs = [
+        TaskRequested(run=bus.run, event_id=f"bug-{i}", env=key, task=TaskRef(index=i),
+                      group_id=f"g-bug-{i}", group_size=2, seed=i)
+        for i in range(6)
+    ]  # fmt: skip
+    buggy = {r.event_id for r in reqs if len(str(env.task("train", r.task.index))) % 3 == 0}
+    assert 0 < len(buggy) < len(reqs)  # the fixture has both kinds of task
+    responder = await Responder().start(bus)
+    try:
+        async with env_server(nats_server.url, bus.run, env_id):
+            await bus.publish_many(reqs)
+            dead = await collect(bus, Topic.DEAD_LETTERED, "env", len(buggy))
+            traces = await collect(bus, Topic.TRACE_COMPLETED, key, 2 * (len(reqs) - len(buggy)))
+    finally:
+        await responder.stop()
+    assert {d.causation_id for d in dead} == buggy
+    for d in dead:
+        assert isinstance(d, DeadLettered) and d.deliveries == 1
+        assert "ZeroDivisionError" in d.error and "buggy_env.py" in d.error
+    assert {e.request_id for e in traces} == {r.event_id for r in reqs} - buggy
+
+
+async def test_filters_judge_train_traces_and_report_rates(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """A length filter (enforced) and a monitor-only one: verdicts are on the published
+    traces, and the env server's metrics report each filter's rate and the filtered share."""
+    from configs.orchestrator import FilterConfig
+    from roles.lib.envs.filters import build_filters
+
+    filters = build_filters([
+        FilterConfig(type="length", name="short", options={"min_tokens": 6}),
+        FilterConfig(type="repetition", enforce=False),
+    ])  # fmt: skip
+    responder = await Responder().start(bus)
+    try:
+        async with env_server(nats_server.url, bus.run, "reverse-text", filters=filters):
+            await bus.publish_many(requests(bus.run, "reverse-text", 4, 2))
+            events = await collect(bus, Topic.TRACE_COMPLETED, "reverse-text", 8)
+            (metrics, *_) = await collect(
+                bus, Topic.METRICS_REPORTED, "env-reverse-text", 1, settle_s=0.1
+            )
+    finally:
+        await responder.stop()
+    traces = [e.trace for e in events if isinstance(e, TraceCompleted)]
+    for t in traces:
+        assert [v.name for v in t.filters] == ["short", "repetition"]
+        short = t.filters[0]
+        assert short.flagged == (short.value < 6) and t.is_filtered == short.flagged
+    flagged = sum(t.is_filtered for t in traces)
+    assert 0 < flagged < len(traces)  # the oracle's answers are 3 to 8 characters
+    assert isinstance(metrics, MetricsReported)
+    assert metrics.values["filtered"] == pytest.approx(flagged / len(traces))
+    assert metrics.values["filter_short"] == pytest.approx(flagged / len(traces))

@@ -310,3 +310,135 @@ async def test_weights_in_a_shm_file_load_like_a_path_and_report_their_lag(
     assert await weights_gone(bus, ref)
     assert lag is not None and 2.0 <= lag < 30.0
     assert values["weights_lag_s"] == lag
+
+
+# -- eval pinning --------------------------------------------------------------------------
+
+
+def _when(check):  # noqa: ANN001, ANN202 - a sync check as an _until predicate
+    async def predicate() -> bool:
+        return bool(check())
+
+    return predicate
+
+
+async def _pinned_stream(
+    client: InferenceClient, pin: int, stop: asyncio.Event, out: list[tuple[float, int]]
+) -> None:
+    """Pinned requests one after another (an eval's turns) until ``stop``: (reply time,
+    version) of each."""
+    i = 0
+    while not stop.is_set():
+        res = await client.generate("policy", f"pin{pin}.{i}", PROMPT, GREEDY, pin_version=pin)
+        assert isinstance(res, GenerateResult), res
+        out.append((time.monotonic(), res.policy_version))
+        i += 1
+
+
+async def test_pinned_requests_keep_their_weights_until_done_then_the_swap_happens(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path, perturbed_weights: bytes
+) -> None:
+    """Weights v1 announced while requests pinned to v0 run: every pinned request (and any
+    other meanwhile) is answered by v0, the swap lands `eval_pin_grace_s` after the last
+    pinned one ended; a request pinned to v2 while v1 serves waits for v2's swap."""
+    grace = 0.5
+    cfg = load_config("smoke", [f"model.path={tiny_path}", "inference.device=cpu",
+                                f"inference.eval_pin_grace_s={grace}",
+                                "inference.eval_pin_max_s=15"])  # fmt: skip
+    client = InferenceClient(bus, timeout_s=30)
+    async with running_role(nats_server, bus.run, cfg, tmp_path, "inf-pin") as role:
+        stop, answers = asyncio.Event(), []
+        stream = asyncio.create_task(_pinned_stream(client, 0, stop, answers))
+        await _until(_when(lambda: len(answers) >= 2))
+        await _publish_weights(bus, 1, perturbed_weights)
+        await asyncio.sleep(1.5)  # v1 is fetched and ready long before this
+        during = await _generate(client, "unpinned")
+        stop.set()
+        await stream
+        ended = answers[-1][0]
+
+        async def on_v1() -> bool:
+            return (await _generate(client, "poll")).policy_version == 1
+
+        await _until(on_v1)
+        swapped = time.monotonic()
+        assert {v for _, v in answers} == {0} and during.policy_version == 0
+        assert swapped - ended >= grace - 0.1, (swapped - ended, grace)
+
+        newer = asyncio.create_task(
+            client.generate("policy", "pin2", PROMPT, GREEDY, pin_version=2)
+        )
+        await asyncio.sleep(0.5)
+        assert not newer.done()  # waits for the version it asks at
+        await _publish_weights(bus, 2, perturbed_weights)
+        result = await newer
+        assert isinstance(result, GenerateResult) and result.policy_version == 2
+        assert role.backend is not None and role.backend.policy_version == 2
+
+
+async def test_the_version_an_eval_waits_for_is_loaded_though_newer_ones_came(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path, perturbed_weights: bytes
+) -> None:
+    """v2 and v3 announced while a hold keeps v0 (the swap to v1 waits): a request pinned
+    to v2 gets v2, loaded before v3 (which the replica serves afterwards), where without
+    pins the replica would skip from v1 to the newest."""
+    cfg = load_config("smoke", [f"model.path={tiny_path}", "inference.device=cpu",
+                                "inference.eval_pin_grace_s=0.3", "inference.eval_pin_max_s=15"])  # fmt: skip
+    client = InferenceClient(bus, timeout_s=30)
+    async with running_role(nats_server, bus.run, cfg, tmp_path, "inf-pin-wanted") as role:
+        stop, answers = asyncio.Event(), []
+        stream = asyncio.create_task(_pinned_stream(client, 0, stop, answers))
+        await _until(_when(lambda: len(answers) >= 2))
+        for version in (1, 2, 3):
+            await _publish_weights(bus, version, perturbed_weights)
+            await asyncio.sleep(0.3)
+        at_v2 = asyncio.create_task(
+            client.generate("policy", "pin-v2", PROMPT, GREEDY, pin_version=2)
+        )
+        await asyncio.sleep(0.3)
+        stop.set()
+        await stream
+        result = await at_v2
+        assert {v for _, v in answers} == {0}
+        assert isinstance(result, GenerateResult) and result.policy_version == 2
+        await _until(_when(lambda: role.backend is not None and role.backend.policy_version == 3))
+
+
+async def test_a_pin_never_holds_weights_longer_than_eval_pin_max_s(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path, perturbed_weights: bytes
+) -> None:
+    """Pinned requests that never stop hold v1 back for `eval_pin_max_s` (1 s), not for
+    ever: the swap then happens mid-stream, and later pinned replies say v1."""
+    cfg = load_config("smoke", [f"model.path={tiny_path}", "inference.device=cpu",
+                                "inference.eval_pin_grace_s=5", "inference.eval_pin_max_s=1"])  # fmt: skip
+    client = InferenceClient(bus, timeout_s=30)
+    async with running_role(nats_server, bus.run, cfg, tmp_path, "inf-pin-max"):
+        stop, answers = asyncio.Event(), []
+        stream = asyncio.create_task(_pinned_stream(client, 0, stop, answers))
+        await _until(_when(lambda: len(answers) >= 2))
+        published = time.monotonic()
+        await _publish_weights(bus, 1, perturbed_weights)
+        await _until(_when(lambda: answers[-1][1] == 1), timeout_s=10)
+        first_v1 = next(t for t, v in answers if v == 1)
+        stop.set()
+        await stream
+    assert 0.9 <= first_v1 - published <= 4.0, first_v1 - published
+    assert [v for _, v in answers] == sorted(v for _, v in answers)  # v0 then v1, no return
+
+
+async def test_pin_hold_waits_for_grace_and_bounds_a_wait_for_a_newer_version() -> None:
+    """PinHold alone: `clear` returns at once with nothing pinned, after the grace once the
+    last pinned request ended; `reach` gives up after max_s, and at once for that version
+    afterwards."""
+    from roles.inference.batcher import PinHold
+
+    hold = PinHold(grace_s=0.2, max_s=0.4)
+    assert await hold.clear(0) < 0.05
+    with hold.pinned(0):
+        assert hold.running(0) == 1
+    assert 0.15 <= await hold.clear(0) <= 0.35
+    t = time.monotonic()
+    assert not await hold.reach(3, lambda: 1)
+    assert 0.35 <= time.monotonic() - t <= 0.6
+    assert not await hold.reach(3, lambda: 1)  # already waited its bound
+    assert await hold.reach(1, lambda: 1)

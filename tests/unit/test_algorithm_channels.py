@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -13,7 +14,7 @@ from roles.algorithm.samples import (
     env_token_masks,
     score_group,
 )
-from schemas import Branch, Message, TaskRef, Trace, TraceCompleted, derive_id
+from schemas import Branch, Message, TaskRef, ToolCall, Trace, TraceCompleted, derive_id
 from schemas.arrays import f32, mask, pack_f32, pack_i32, pack_mask
 
 
@@ -178,3 +179,18 @@ def test_per_token_example_by_import_path_puts_grpo_on_the_last_tokens() -> None
     assert f32(b.advantages).tolist() == ones(21, [13], -0.5)
     with pytest.raises(ValueError, match="tail must be >= 1"):
         create("examples.tail_grpo:TailGRPO", {"tail": 0})
+
+
+def test_tool_names_join_a_nameless_tool_message_to_its_call() -> None:
+    """A tool message without a name (a trace the harness did not name) is matched to the
+    call it answers by tool_call_id, so tool_names still selects it."""
+    t = tool_trace()
+    calls = [ToolCall(id="k1", name="calc", arguments="{}")]
+    messages = list(t.messages)
+    messages[1] = msgspec.structs.replace(messages[1], tool_calls=calls)
+    messages[2] = msgspec.structs.replace(messages[2], name=None, tool_call_id="k1")
+    joined = msgspec.structs.replace(t, messages=messages)
+    (calc_only,) = env_token_masks(joined, names=["calc"])
+    assert np.flatnonzero(calc_only).tolist() == CALC
+    (search_only,) = env_token_masks(joined, names=["search"])
+    assert np.flatnonzero(search_only).tolist() == SEARCH

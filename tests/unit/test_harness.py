@@ -1,15 +1,20 @@
-"""Unit tests for the rollout harness (token attribution, failures) and the env server's pure parts."""
+"""Unit tests for the rollout harness: token attribution, retryable failures, env bugs
+(``EnvCodeError``), parse errors that mask one turn, state columns."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import msgspec
 import nats.errors
+import numpy as np
 import pytest
 
 from bus.errors import RequestTimeout
-from roles.lib.envs.base import Environment, Harness, Rubric
+from roles.algorithm import create
+from roles.algorithm.samples import score_group
+from roles.lib.envs.base import EnvCodeError, Environment, Harness, ParseError, Rubric
 from roles.lib.envs.harness import completion_tokens, run_rollout, split_initial_prompt
 from roles.lib.envs.registry import make_env
 from roles.lib.model.render import Renderer
@@ -20,6 +25,7 @@ from schemas import (
     SamplingParams,
     TaskRef,
     Trace,
+    TraceCompleted,
     derive_id,
     stable_seed,
 )
@@ -33,7 +39,8 @@ SAMPLING = SamplingParams(temperature=0.7, max_completion_tokens=32)
 
 class FakeGenerate:
     """Scripted inference: each call pops a reply — (text, finish_reason[, version]), an
-    ``InferenceFailed``, or an exception to raise. Records every call."""
+    ``InferenceFailed``, or an exception to raise. Records every call (``pin_version``:
+    the env server's eval pinning, ``InferenceClient.generate``'s keyword)."""
 
     def __init__(self, *replies: Any) -> None:
         self.replies = list(replies)
@@ -42,10 +49,11 @@ class FakeGenerate:
         self.logprobs: list[list[float]] = []
 
     async def __call__(
-        self, model, request_id, prompt_ids, sampling, stop_token_ids, seed, *, env=None
-    ):  # type: ignore[no-untyped-def]
+        self, model, request_id, prompt_ids, sampling, stop_token_ids, seed, *, env=None,
+        pin_version=None,
+    ):  # type: ignore[no-untyped-def]  # fmt: skip
         self.calls.append(dict(model=model, request_id=request_id, prompt=list(prompt_ids), sampling=sampling,
-                               stop=list(stop_token_ids), seed=seed, env=env))  # fmt: skip
+                               stop=list(stop_token_ids), seed=seed, env=env, pin_version=pin_version))  # fmt: skip
         reply = self.replies.pop(0)
         if isinstance(reply, BaseException):
             raise reply
@@ -266,8 +274,8 @@ async def test_opening_span_skipped_when_the_template_adds_tokens() -> None:
     others keep an exact one."""
 
     class BosRenderer(Renderer):
-        def render_prompt(self, messages):  # type: ignore[no-untyped-def]
-            return [TOK.bos_token_id, *super().render_prompt(messages)]
+        def render_prompt(self, messages, tools=None):  # type: ignore[no-untyped-def]
+            return [TOK.bos_token_id, *super().render_prompt(messages, tools)]
 
     env = make_env("reverse-text", {})
     gen = FakeGenerate(("olleh", "stop"))
@@ -309,33 +317,179 @@ def _boom_env(where: str) -> Environment:
 
 
 @pytest.mark.parametrize(
-    ("where", "replies", "kind", "turns"),
+    ("replies", "kind", "turns"),
     [
-        ("none", [RequestTimeout("no reply on rl.x.infer.policy within 1s")], "inference_timeout", 0),
-        ("none", [("a", "stop"), InferenceFailed(request_id="x", kind="context_too_long", message="300 > 256")],
+        ([RequestTimeout("no reply on rl.x.infer.policy within 1s")], "inference_timeout", 0),
+        ([("a", "stop"), InferenceFailed(request_id="x", kind="context_too_long", message="300 > 256")],
          "context_too_long", 1),
-        ("none", [nats.errors.ConnectionClosedError()], "inference_error", 0),
-        ("prompt", [], "env_exception", 0),
-        ("response", [("a", "stop")], "env_exception", 1),
-        ("rubric", [("a", "stop"), ("b", "stop")], "env_exception", 2),
+        ([nats.errors.ConnectionClosedError()], "inference_error", 0),
     ],
 )  # fmt: skip
-async def test_failures_become_errored_traces(
-    where: str, replies: list, kind: str, turns: int
+async def test_retryable_failures_become_errored_traces(
+    replies: list, kind: str, turns: int
 ) -> None:
-    """Timeouts, InferenceFailed, transport errors and env exceptions give a Trace with the
-    error kind and reward 0 — never an exception; the recorded tokens stay consistent."""
+    """Timeouts, InferenceFailed and transport errors give a Trace with the error kind and
+    reward 0, never an exception; the recorded tokens stay consistent."""
     gen = FakeGenerate(*replies)
-    trace = await run_rollout(_boom_env(where), TaskRef(index=0, data={}), gen, R, SAMPLING, rollout_id="r")  # fmt: skip
+    trace = await run_rollout(_boom_env("none"), TaskRef(index=0, data={}), gen, R, SAMPLING, rollout_id="r")  # fmt: skip
     assert [e.kind for e in trace.errors] == [kind]
     assert not trace.ok and trace.reward == 0.0 and trace.rewards == {} and trace.metrics == {}
-    assert trace.num_turns == turns
+    assert trace.num_turns == turns and trace.state == {}
     if gen.calls:  # what was recorded is a prefix of the last prompt the model was given
         ids, *_ = trace.branch_tokens(trace.branches[0])
-        seen = gen.calls[-1]["prompt"] + (gen.completions[-1] if kind == "env_exception" else [])
-        assert seen[: len(ids)] == ids.tolist()
+        assert gen.calls[-1]["prompt"][: len(ids)] == ids.tolist()
         for m in trace.messages:
             assert len(m.token_ids) // 4 == len(m.sampled) == len(m.logprobs) // 4
+
+
+@pytest.mark.parametrize(
+    ("where", "replies", "error", "function"),
+    [
+        ("prompt", [], "KeyError", "user_prompt"),
+        ("response", [("a", "stop")], "ZeroDivisionError", "env_response"),
+        ("rubric", [("a", "stop"), ("b", "stop")], "ValueError", "rubric"),
+    ],
+)  # fmt: skip
+async def test_a_bug_in_env_code_raises_env_code_error(
+    where: str, replies: list, error: str, function: str
+) -> None:
+    """An exception from env code (opening messages, env_response, the rubric) is not an
+    errored trace: EnvCodeError propagates out of run_rollout, naming the env and the
+    exception on one line and carrying the traceback of where env code raised."""
+    gen = FakeGenerate(*replies)
+    with pytest.raises(EnvCodeError) as info:
+        await run_rollout(_boom_env(where), TaskRef(index=0, data={}), gen, R, SAMPLING, rollout_id="r")  # fmt: skip
+    bug = info.value
+    assert (bug.env, bug.error_type) == ("boom", error)
+    assert str(bug).startswith(f"env 'boom' raised {error}: ") and "\n" not in str(bug)
+    assert f"in {function}" in bug.traceback and error in bug.traceback
+    assert len(gen.calls) == len(replies)
+
+
+async def test_env_messages_that_are_not_chat_dicts_are_an_env_bug() -> None:
+    """env_response must return chat dicts with a role: anything else is EnvCodeError."""
+
+    class Sloppy(Harness):
+        max_turns = 2
+
+        def user_prompt(self, task):  # type: ignore[no-untyped-def]
+            return "hi"
+
+        def env_response(self, messages, task, state):  # type: ignore[no-untyped-def]
+            return ["thanks"], False
+
+    env = Environment("sloppy", make_env("reverse-text", {}).taskset, Sloppy(None),
+                      Rubric({"r": lambda m, t, s: 1.0}))  # fmt: skip
+    with pytest.raises(EnvCodeError, match="env_response returned 'thanks'"):
+        await run_rollout(env, TaskRef(index=0, data={}), FakeGenerate(("a", "stop")), R,
+                          SAMPLING, rollout_id="r")  # fmt: skip
+
+
+class Strict(Harness):
+    """Wants "ok" each turn: anything else is a ParseError, with feedback unless told not to."""
+
+    max_turns = 3
+    state_columns = ("turns", "last")
+
+    def __init__(self, feedback: bool = True, state: Any = None) -> None:
+        super().__init__(None)
+        self.feedback, self.state = feedback, state
+
+    def user_prompt(self, task):  # type: ignore[no-untyped-def]
+        return "say ok"
+
+    def init_state(self, task):  # type: ignore[no-untyped-def]
+        return {"turns": 0, "last": self.state}
+
+    def env_response(self, messages, task, state):  # type: ignore[no-untyped-def]
+        state["turns"] += 1
+        if messages[-1]["content"] != "ok":
+            feedback = [{"role": "user", "content": "say ok"}] if self.feedback else None
+            raise ParseError("not ok", feedback=feedback)
+        return [{"role": "user", "content": "again"}], False
+
+
+def strict_env(**kw: Any) -> Environment:
+    return Environment("strict", make_env("reverse-text", {}).taskset, Strict(**kw),
+                       Rubric({"oks": lambda m, t, s: float(sum(x["content"] == "ok" for x in m))}))  # fmt: skip
+
+
+async def test_parse_error_masks_only_its_turn_and_the_rest_trains() -> None:
+    """The env refuses turn 2 with ParseError: that reply is masked and recorded as a
+    parse_error turn error, the env's feedback goes on, and the trace is ok. Built into
+    samples, no channel trains turn 2's tokens while turns 1 and 3 train as usual."""
+    gen = FakeGenerate(("ok", "stop"), ("nope", "stop"), ("ok", "stop"))
+    trace = await run_rollout(strict_env(), TaskRef(index=0, data={}), gen, R, SAMPLING,
+                              rollout_id="r")  # fmt: skip
+    assert trace.ok and trace.reward == 2.0 and trace.num_turns == 3
+    check_invariants(trace, gen.calls[-1]["prompt"] + gen.completions[-1])
+    roles = [m.role for m in trace.messages]
+    assert roles == ["user", "assistant", "user", "assistant", "user", "assistant"]
+    assert [m.masked for m in trace.messages] == [False, False, False, True, False, False]
+    bad = trace.messages[3]
+    assert [(e.kind, e.message, e.message_id) for e in trace.turn_errors] == [("parse_error", "not ok", bad.id)]  # fmt: skip
+    assert trace.messages[4].content == "say ok"  # the ParseError's feedback
+    assert trace.state == {"turns": 2, "last": None}
+    # Token positions of the masked reply inside the single branch.
+    sizes = [len(m.token_ids) // 4 for m in trace.messages]
+    start = sum(sizes[:3])
+    bad_pos = set(range(start, start + sizes[3]))
+    sampled = trace.branch_tokens(trace.branches[0])[1]
+    # A group of two: the same trace, and a copy with reward 0 (so grpo has a signal).
+    copy = msgspec.structs.replace(trace, rollout_id="r2", sample_index=1, reward=0.0)
+    group = [TraceCompleted(run="x", env="strict", request_id="q", group_size=2, step=0, trace=t)
+             for t in (trace, copy)]  # fmt: skip
+    for algo, options in (
+        ("grpo", {}),
+        ("sft", {}),
+        ("echo", {"alpha": 1.0, "include_user": True}),
+    ):
+        (s, _) = score_group(algo, create(algo, options), group).samples
+        rl = np.flatnonzero(mask(s.mask)).tolist()
+        trained = set(rl) | (
+            set(np.flatnonzero(mask(s.sft_mask)).tolist()) if s.sft_mask else set()
+        )
+        assert not trained & bad_pos, algo
+        assert not f32(s.advantages)[sorted(bad_pos)].any(), algo
+        if algo != "echo":  # echo's ce is on env messages; its rl on the replies
+            assert trained == set(np.flatnonzero(sampled).tolist()) - bad_pos, algo
+    assert rl == sorted(set(np.flatnonzero(sampled).tolist()) - bad_pos)
+
+
+async def test_parse_error_without_feedback_ends_the_rollout() -> None:
+    """A ParseError with no feedback masks the turn and ends the rollout, which is scored."""
+    gen = FakeGenerate(("nope", "stop"))
+    trace = await run_rollout(strict_env(feedback=False), TaskRef(index=0, data={}), gen, R,
+                              SAMPLING, rollout_id="r")  # fmt: skip
+    assert trace.ok and trace.num_turns == 1 and len(gen.calls) == 1
+    assert [m.role for m in trace.messages] == ["user", "assistant"]
+    assert trace.messages[1].masked and [e.message_id for e in trace.turn_errors] == [1]
+    assert trace.reward == 0.0 and trace.state == {"turns": 1, "last": None}
+
+
+async def test_state_columns_are_json_and_a_bad_one_is_an_env_bug() -> None:
+    """Declared state columns are recorded as JSON gives them back (a tuple becomes a
+    list); a value that is not JSON-able raises EnvCodeError naming the column."""
+    gen = FakeGenerate(("ok", "stop"), ("ok", "stop"), ("ok", "stop"))
+    trace = await run_rollout(strict_env(state=("a", 1)), TaskRef(index=0, data={}), gen, R,
+                              SAMPLING, rollout_id="r")  # fmt: skip
+    assert trace.state == {"turns": 2, "last": ["a", 1]}
+    gen = FakeGenerate(("ok", "stop"), ("ok", "stop"), ("ok", "stop"))
+    with pytest.raises(EnvCodeError, match="state column 'last' is not JSON-able"):
+        await run_rollout(strict_env(state={1, 2}), TaskRef(index=0, data={}), gen, R,
+                          SAMPLING, rollout_id="r")  # fmt: skip
+
+
+async def test_partial_member_rewards_are_an_env_bug() -> None:
+    """A multi-agent rubric that rewards some members but not all raises EnvCodeError."""
+    relay = make_env("relay-reverse", {})
+    funcs = dict(relay.rubric.member_funcs)
+    first = next(iter(funcs))
+    partial = Environment(relay.name, relay.taskset, relay.harness,
+                          Rubric(relay.rubric.funcs, member_funcs={first: funcs[first]}))  # fmt: skip
+    gen = FakeGenerate(*[("abc", "stop")] * relay.max_turns)
+    with pytest.raises(EnvCodeError, match="a multi-agent rubric rewards every member or none"):
+        await run_rollout(partial, task_ref(relay), gen, R, SAMPLING, rollout_id="r")
 
 
 async def test_malformed_reply_is_an_error() -> None:

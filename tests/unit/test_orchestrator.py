@@ -10,6 +10,7 @@ from roles.orchestrator.policy import decide, trains_on
 from roles.orchestrator.state import OrchestratorState
 from schemas import (
     BatchAssembled,
+    DeadLettered,
     EvalCompleted,
     Event,
     MetricsReported,
@@ -52,7 +53,11 @@ def started(cfg) -> RunStarted:  # noqa: ANN001
 
 
 def scored(
-    req: TaskRequested, rewards: list[float], policy: int = 0, zero: bool = False
+    req: TaskRequested,
+    rewards: list[float],
+    policy: int = 0,
+    zero: bool = False,
+    from_policy: bool = True,
 ) -> SamplesScored:
     samples = [
         msgspec.structs.replace(
@@ -61,6 +66,7 @@ def scored(
             policy_min=policy,
             policy_max=policy,
             reward=r,
+            from_policy=from_policy,
         )
         for i, r in enumerate(rewards)
     ]
@@ -133,6 +139,65 @@ def test_stale_samples_are_dropped_and_counted() -> None:
     (batch,) = [e for e in out if isinstance(e, BatchAssembled)]
     assert batch.step == 4 and batch.dropped_stale == 4
     assert all((batch.step - 1) - s.policy_min <= 1 for s in batch.samples)
+
+
+def test_a_frozen_models_samples_are_never_stale() -> None:
+    """Staleness is about the policy's tokens: samples a frozen actor wrote every token of
+    (version 0 forever) train at any step, and count as staleness 0."""
+    cfg, state = make("orchestrator.max_async_level=3", "orchestrator.max_off_policy_steps=0")
+    reqs = tasks(step(state, cfg, started(cfg)))
+    for v in (1, 2, 3):
+        step(state, cfg, weights(v))
+    state.assembled = 3
+    out: list[Event] = []
+    out += step(state, cfg, scored(reqs[0], [1, 0, 1, 0], policy=0, from_policy=False))
+    out += step(state, cfg, scored(reqs[1], [1, 0, 1, 0], policy=0, from_policy=False))
+    (batch,) = [e for e in out if isinstance(e, BatchAssembled)]
+    assert batch.dropped_stale == 0 and len(batch.samples) == 8
+    (metrics,) = [e for e in out if isinstance(e, MetricsReported) and e.role == "orchestrator"]
+    assert metrics.values["staleness_max"] == 0.0
+
+
+def dead_letter(req: TaskRequested, n: int) -> DeadLettered:
+    return DeadLettered(
+        run="r", event_id=f"dead-{n}", causation_id=req.event_id, role="env", consumer="env-x",
+        subject=f"rl.r.task.requested.{req.env}", stream_seq=n, deliveries=1, error_type="Rejected",
+        error="env 'reverse-text' raised ZeroDivisionError: division by zero\nTraceback ...", payload=b"",
+    )  # fmt: skip
+
+
+def test_tasks_an_env_server_dead_letters_release_their_groups_then_stop_the_run() -> None:
+    """A dead-lettered task's group is released (a new one takes its slot); at
+    max_env_errors the run stops naming the env and the error. Foreign requests don't count."""
+    cfg, state = make("orchestrator.max_env_errors=2")
+    reqs = tasks(step(state, cfg, started(cfg)))
+    foreign = msgspec.structs.replace(reqs[0], event_id="not-ours")
+    assert tasks(step(state, cfg, dead_letter(foreign, 1))) == []
+    assert state.released == 0
+    refill = tasks(step(state, cfg, dead_letter(reqs[0], 2)))
+    assert reqs[0].group_id not in state.groups and state.released == 1
+    assert len(refill) == 1  # its slot went to a new group
+    out = step(state, cfg, dead_letter(reqs[1], 3))
+    (stop,) = [e for e in out if isinstance(e, RunStopped)]
+    assert stop.reason == "env_error"
+    assert "reverse-text" in stop.detail and "ZeroDivisionError" in stop.detail
+    assert "rlbus events r --topic dead.lettered" in stop.detail
+
+
+def test_a_dead_lettered_eval_task_counts_as_answered() -> None:
+    """An eval round with a dead-lettered request still reports (its errors counted)."""
+    cfg, state = make("orchestrator.eval.interval=1", "orchestrator.eval.num_tasks=2")
+    out = step(state, cfg, started(cfg))
+    evals = [e for e in out if isinstance(e, TaskRequested) and e.phase == "eval"]
+    assert len(evals) == 2
+    step(state, cfg, dead_letter(evals[0], 1))
+    answer = EvalCompleted(
+        run="r", event_id="e1", request_id=evals[1].event_id, env=evals[1].env, step=0,
+        task_index=1, rewards=[1.0],
+    )  # fmt: skip
+    out = step(state, cfg, answer)
+    (report,) = [e for e in out if isinstance(e, MetricsReported) and e.role == "eval"]
+    assert report.step == 0
 
 
 def test_zero_advantage_groups_are_skipped_and_stop_the_run_when_persistent() -> None:

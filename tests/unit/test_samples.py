@@ -6,6 +6,7 @@ import msgspec
 import numpy as np
 
 from roles.algorithm import create
+from roles.algorithm.base import Targets
 from roles.algorithm.samples import GroupBuffer, score_group, trace_samples
 from schemas import Branch, Message, TaskRef, Trace, TraceCompleted, TraceError, derive_id
 from schemas.arrays import f32, mask, pack_f32, pack_i32, pack_mask
@@ -156,3 +157,69 @@ def test_group_buffer_completes_once_and_dedups_redeliveries() -> None:
     assert buf.add(events[2]) is not None  # not marked scored yet: a retry sees it again
     buf.mark_scored("g")
     assert buf.add(events[0]) is None and len(buf) == 0
+
+
+def with_masked_reply() -> Trace:
+    """prompt, a reply that trains, feedback, a masked reply (it did not parse), a reply."""
+    return Trace(
+        rollout_id="m", env="e", task=TaskRef(index=2), group_id="g", sample_index=0,
+        messages=[
+            msg(0, "user", [1, 2], [0, 0]),
+            msg(1, "assistant", [3, 4, 5], [0, 1, 1], 0),
+            msg(2, "user", [6], [0], 1),
+            msgspec.structs.replace(msg(3, "assistant", [7, 8, 9], [0, 1, 1], 2), masked=True),
+            msg(4, "assistant", [10, 11], [0, 1], 3),
+        ],
+        branches=[Branch(messages=[0, 1, 2, 3, 4])], reward=1.0,
+        turn_errors=[TraceError(kind="parse_error", message="bad call", message_id=3)],
+    )  # fmt: skip
+
+
+MASKED = [6, 7, 8]  # positions of message 3 in the branch
+
+
+class EveryToken:
+    """An algorithm that puts weight on every token of every channel (even unsampled)."""
+
+    name = "every"
+    stateful = False
+
+    def targets(self, group, views, state, refs):  # type: ignore[no-untyped-def]
+        def ones(v):  # type: ignore[no-untyped-def]
+            return np.ones(len(v), np.float32)
+
+        return [[Targets(advantages=1.0, ce=ones(v), ref_weights=ones(v), ref_logprobs=-ones(v))
+                 for v in trace_views] for trace_views in views]  # fmt: skip
+
+
+def test_a_masked_reply_trains_on_no_channel_and_the_rest_trains() -> None:
+    """A masked message's tokens get no rl, ce or ref_kl weight, whatever the algorithm
+    returned for them; the trace's other sampled tokens train as usual."""
+    (s,) = trace_samples(with_masked_reply(), 0.5)
+    assert np.flatnonzero(mask(s.mask)).tolist() == [3, 4, 10]
+    assert f32(s.advantages).tolist() == [0, 0, 0, 0.5, 0.5, 0, 0, 0, 0, 0, 0.5]
+    (ce,) = trace_samples(with_masked_reply(), 1.0, channel="ce")
+    assert np.flatnonzero(mask(ce.sft_mask)).tolist() == [3, 4, 10]
+    scored = score_group("every", EveryToken(), [completed(with_masked_reply(), group_size=1)])
+    (s,) = scored.samples
+    for channel in (s.ce_weights, s.ref_weights):
+        weights = f32(channel)
+        assert not weights[MASKED].any() and weights[[0, 1, 2, 3, 4, 5, 9, 10]].all()
+    assert np.flatnonzero(mask(s.sft_mask)).tolist() == [0, 1, 2, 3, 4, 5, 9, 10]
+    assert not f32(s.advantages)[MASKED].any()
+
+
+def test_filtered_traces_count_in_the_baseline_but_never_train() -> None:
+    """A filtered trace's reward is in the group's rewards and baseline, but no sample of
+    it is kept; it is not an errored (excluded) rollout."""
+    traces = [single(f"r{i}", r, i) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
+    traces[3] = msgspec.structs.replace(traces[3], is_filtered=True)
+    scored = score_group("grpo", create("grpo"), [completed(t) for t in traces])
+    assert [s.rollout_id for s in scored.samples] == ["r0", "r1", "r2"]
+    assert scored.rewards == [1.0, 0.0, 0.0, 1.0] and scored.excluded == 0
+    # baseline over all four rewards (mean 0.5), the filtered one included
+    assert [float(f32(s.advantages)[-1]) for s in scored.samples] == [0.5, -0.5, -0.5]
+    every = [msgspec.structs.replace(t, is_filtered=True) for t in traces]
+    scored = score_group("grpo", create("grpo"), [completed(t) for t in every])
+    assert scored.samples == [] and scored.rewards == [1.0, 0.0, 0.0, 1.0]
+    assert scored.zero_advantage and scored.excluded == 0

@@ -13,7 +13,7 @@ from configs import ConfigError, load_config
 from roles.algorithm import create
 from roles.algorithm.checks import routing_problems
 from roles.algorithm.samples import score_group
-from roles.lib.envs.base import Environment, Rubric
+from roles.lib.envs.base import EnvCodeError, Environment, Rubric
 from roles.lib.envs.harness import run_rollout
 from roles.lib.envs.registry import make_env
 from roles.lib.envs.seats import cast
@@ -140,14 +140,14 @@ def test_group_baselines_are_per_member(name: str, alice: list[float], bob: list
     assert [adv[("x0", "bob")], adv[("x1", "bob")]] == bob
 
 
-async def test_partial_member_rewards_make_an_errored_trace() -> None:
-    """A rubric that rewards one member of two: an error naming the missing member."""
+async def test_partial_member_rewards_are_a_bug_in_env_code() -> None:
+    """A rubric that rewards one member of two breaks the env contract: an EnvCodeError
+    (the env server dead-letters the task) naming the missing member."""
     funcs = dict(RELAY.rubric.member_funcs)
     partial = Environment("relay-reverse", RELAY.taskset, RELAY.harness,
                           Rubric(RELAY.rubric.funcs, member_funcs={"reverser": funcs["reverser"]}))  # fmt: skip
-    trace = await rollout(partial, None)
-    assert [e.kind for e in trace.errors] == ["member_rewards"]
-    assert "restorer" in trace.errors[0].message and trace.member_rewards == {}
+    with pytest.raises(EnvCodeError, match="restorer"):
+        await rollout(partial, None)
 
 
 def test_rae_folds_an_errored_rollout_at_reward_zero() -> None:

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import msgspec
 import numpy as np
 import polars as pl
 import pytest
 
-from replay.lake import to_frame
+from replay.lake import lake_dir, to_frame, write_part
+from replay.sql import connect
 from replay.tables import SCHEMAS, TABLES, reward_column, rows_for
-from schemas import EvalCompleted, MetricsReported, TraceCompleted
+from schemas import (
+    EvalCompleted,
+    FilterVerdict,
+    MetricsReported,
+    ToolCall,
+    Trace,
+    TraceCompleted,
+    TraceError,
+)
 from tests.samples import every_event, trace
 
 TOKEN_TABLES = {"rollout_tokens", "sample_tokens"}
@@ -137,3 +150,88 @@ def test_reward_columns_are_sql_safe() -> None:
     """Named rewards with odd characters still give plain column names."""
     assert reward_column("lcs") == "reward_lcs"
     assert reward_column("format/strict-ok") == "reward_format_strict_ok"
+
+
+def judged_trace(rollout: str) -> Trace:
+    """A trace with everything the new rollout columns read: two rollout errors, turn
+    errors, filter verdicts, two tool calls, env state and a frozen actor."""
+    base = trace(rollout=rollout)
+    calls = [ToolCall(id="c0", name="calc"), ToolCall(id="c1", name="calc")]
+    answer = msgspec.structs.replace(base.messages[1], tool_calls=calls)
+    return msgspec.structs.replace(
+        base,
+        messages=[base.messages[0], answer],
+        errors=[
+            TraceError(kind="bad_reply", message="x"),
+            TraceError(kind="task_error", message="y"),
+        ],
+        turn_errors=[TraceError(kind="parse_error", message="p", message_id=1)] * 3,
+        filters=[
+            FilterVerdict(name="gibberish", value=0.5, flagged=True, enforced=True),
+            FilterVerdict(name="loops", value=0.1, flagged=False),
+        ],
+        is_filtered=True,
+        from_policy=False,
+        state={"b": [1, 2], "a": "x"},
+    )
+
+
+def rollout_row(t: Trace) -> dict:
+    """The rollouts row of ``t`` alone in a ``trace.completed``."""
+    event = TraceCompleted(run="golden", env=t.env, request_id="q", group_size=1, step=0, trace=t)
+    return rows_for(event, 1)["rollouts"][0]
+
+
+def test_rollout_row_errors_filters_tools_and_state() -> None:
+    """Every error kind (rollout and turn), the verdicts, tool calls and state are columns."""
+    row = rollout_row(judged_trace("j"))
+    assert row["error_type"] == "bad_reply" and row["num_errors"] == 2
+    assert row["error_kinds"] == ["bad_reply", "task_error"]
+    assert row["turn_errors"] == 3 and row["turn_error_kinds"] == ["parse_error"] * 3
+    assert row["is_filtered"] is True and row["flagged_filters"] == ["gibberish"]
+    assert row["filters"] == [
+        {"name": "gibberish", "value": 0.5, "flagged": True, "enforced": True},
+        {"name": "loops", "value": 0.1, "flagged": False, "enforced": False},
+    ]
+    assert row["from_policy"] is False and row["tool_calls"] == 2
+    assert json.loads(row["state"]) == {"a": "x", "b": [1, 2]}
+    plain = rollout_row(trace(rollout="p"))
+    assert (plain["error_kinds"], plain["turn_errors"], plain["filters"]) == ([], 0, [])
+    assert (plain["is_filtered"], plain["from_policy"], plain["tool_calls"]) == (False, True, 0)
+    assert plain["state"] == "{}"
+
+
+NEW_ROLLOUT_COLUMNS = (
+    "error_kinds", "turn_errors", "turn_error_kinds", "is_filtered", "filters",
+    "flagged_filters", "from_policy", "tool_calls", "state",
+)  # fmt: skip
+
+
+def test_errors_and_filters_per_kind_are_a_group_by(tmp_path: Path) -> None:
+    """In SQL, errors per kind and filter rates per filter are an UNNEST and a GROUP BY,
+    and parts written before these columns existed still union with new ones (NULL)."""
+    lake = lake_dir(tmp_path, "golden")
+    rows = [rollout_row(judged_trace("j")), rollout_row(trace(rollout="p"))]
+    write_part(lake, "rollouts", to_frame("rollouts", rows))
+    old = to_frame("rollouts", [rollout_row(trace(rollout="o"))]).with_columns(
+        seq=pl.lit(2, pl.Int64)
+    )
+    write_part(lake, "rollouts", old.drop(*NEW_ROLLOUT_COLUMNS))
+    con = connect(tmp_path, "golden")
+    errors = con.sql("""
+        SELECT source, kind, count(*) AS n FROM (
+            SELECT 'rollout' AS source, unnest(error_kinds) AS kind FROM rollouts
+            UNION ALL SELECT 'turn', unnest(turn_error_kinds) FROM rollouts)
+        GROUP BY ALL ORDER BY ALL""").fetchall()
+    assert errors == [
+        ("rollout", "bad_reply", 1),
+        ("rollout", "task_error", 1),
+        ("turn", "parse_error", 3),
+    ]
+    rates = con.sql("""
+        SELECT v.name, count(*) AS judged, count(*) FILTER (WHERE v.flagged) AS flagged
+        FROM (SELECT unnest(filters) AS v FROM rollouts) GROUP BY ALL ORDER BY ALL""").fetchall()
+    assert rates == [("gibberish", 1, 1), ("loops", 1, 0)]
+    flags = con.sql("SELECT rollout_id, is_filtered FROM rollouts ORDER BY rollout_id").fetchall()
+    assert flags == [("j", True), ("o", None), ("p", False)]
+    con.close()

@@ -20,11 +20,26 @@ without a model or a bus:
 
 An ``Environment`` also declares its ``members`` (multi-agent envs name the agents
 whose messages carry ``Message.member``; single-agent envs leave it empty) and which of
-them are ``judges``; the other members are its ``seats``, where a learner may sit.
+them are ``judges``; the other members are its ``seats``, where a learner may sit. Its
+``state_columns`` name state keys the harness records on the trace after scoring
+(``Trace.state``: JSON-able values, queryable in the lake), and its harness's ``tools``
+are the OpenAI function schemas the chat template shows the model (HF templates).
 
-Messages are OpenAI-style dicts ``{"role": ..., "content": ...}`` (tool results add a
-``"name"``). The token-level rollout loop lives in ``roles.lib.envs.harness``; an env never
+Messages are OpenAI-style dicts ``{"role": ..., "content": ...}``. An assistant message
+the model ended with tool calls carries ``"tool_calls": [{"id", "type": "function",
+"function": {"name", "arguments": JSON object text}}]`` (parsed by the harness, ids
+derived from the rollout and turn); the env answers each with ``{"role": "tool",
+"tool_call_id": id, "content": ...}`` (``"name"`` optional: the harness fills it in from
+the call). The token-level rollout loop lives in ``roles.lib.envs.harness``; an env never
 sees tokens.
+
+Errors. An exception from env code is a bug: the harness raises ``EnvCodeError`` out of
+the rollout (the env server dead-letters the task). A reply the env cannot read is not
+a bug: ``env_response`` raises ``ParseError`` (optionally with feedback messages), the
+harness masks that turn (its tokens never train), records a ``parse_error`` turn error
+and goes on with the feedback, or ends the rollout without one. The harness itself
+raises the same for a reply that starts a tool call that does not parse, and still
+hands the raw reply to ``env_response``.
 
     env = make_env("reverse-text", {})            # roles.lib.envs.registry
     task = env.task("train", 0)
@@ -39,6 +54,7 @@ import hashlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from traceback import format_exception
 from typing import Any
 
 from schemas import stable_seed
@@ -50,6 +66,42 @@ State = dict[str, Any]
 RewardFn = Callable[[Messages, dict[str, Any], State], float]
 
 SPLITS = ("train", "eval")
+
+
+class EnvCodeError(Exception):
+    """A bug in env code: one of its hooks raised, or it broke the env contract.
+
+    ``run_rollout`` raises it instead of recording an errored trace: a retry would fail
+    the same way, so the env server dead-letters the task with ``traceback`` (the text of
+    where env code raised; "" for a contract violation found by the harness).
+    """
+
+    def __init__(self, env: str, error_type: str, message: str, traceback: str = "") -> None:
+        self.env, self.error_type, self.message, self.traceback = (
+            env,
+            error_type,
+            message,
+            traceback,
+        )
+        line = " ".join(message.split())  # one line, whatever the exception's text
+        super().__init__(f"env {env!r} raised {error_type}: {line}")
+
+    @classmethod
+    def from_exception(cls, env: str, error: BaseException) -> EnvCodeError:
+        text = "".join(format_exception(error))
+        return cls(env, type(error).__name__, str(error), text)
+
+
+class ParseError(Exception):
+    """Raised by ``env_response``: the last assistant reply cannot be read (a malformed
+    tool call, an answer in no known shape). Not a bug: the harness masks that turn (its
+    tokens never train), records a ``parse_error`` turn error with ``str(self)`` and goes
+    on with ``feedback`` (the env's messages, e.g. a tool message saying what was wrong),
+    or ends the rollout when ``feedback`` is None."""
+
+    def __init__(self, message: str, feedback: Messages | None = None) -> None:
+        super().__init__(message)
+        self.feedback = feedback
 
 
 def check_split(split: str) -> str:
@@ -153,6 +205,11 @@ class Harness:
     # and never train unless the env's ``drop_judge`` is off.
     members: tuple[str, ...] = ()
     judges: tuple[str, ...] = ()
+    # State keys recorded on the trace after scoring (``Trace.state``; JSON-able values).
+    state_columns: tuple[str, ...] = ()
+    # OpenAI function schemas of the tools the env answers (``{"type": "function",
+    # "function": {"name", "description", "parameters"}}``), shown by HF chat templates.
+    tools: tuple[dict[str, Any], ...] = ()
 
     def speaker(self, turn: int) -> str | None:
         """The member who writes assistant turn ``turn`` (0-based): round robin."""
@@ -177,7 +234,8 @@ class Harness:
     def env_response(
         self, messages: Messages, task: dict[str, Any], state: State
     ) -> tuple[Messages, bool]:
-        """The env's messages after an assistant turn, and whether the episode is over."""
+        """The env's messages after an assistant turn, and whether the episode is over
+        (``ParseError``: the turn cannot be read; see the module docstring)."""
         return [], True
 
     def reference_answer(self, messages: Messages, task: dict[str, Any]) -> str:
@@ -284,6 +342,7 @@ class Environment:
         *,
         members: tuple[str, ...] = (),
         judges: tuple[str, ...] = (),
+        state_columns: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.taskset = taskset
@@ -294,6 +353,7 @@ class Environment:
         # agent. Default: the harness's members.
         self.members = tuple(members) or tuple(harness.members)
         self.judges = tuple(judges) or tuple(harness.judges)
+        self.state_columns = tuple(state_columns) or tuple(harness.state_columns)
         unknown = set(self.judges) - set(self.members)
         if unknown:
             raise ValueError(f"env {name!r}: judges {sorted(unknown)} are not members")
@@ -321,6 +381,10 @@ class Environment:
     @property
     def max_turns(self) -> int:
         return self.harness.max_turns
+
+    @property
+    def tools(self) -> tuple[dict[str, Any], ...]:
+        return tuple(self.harness.tools)
 
     def initial_messages(self, task: dict[str, Any]) -> Messages:
         return self.harness.initial_messages(task)

@@ -27,9 +27,32 @@ So for every branch, concatenating its messages' ``token_ids`` is the full seque
 model saw last (final prompt + final completion), and ``token_ids``/``sampled``/
 ``logprobs`` have equal lengths per message.
 
-A rollout never raises (except ``CancelledError``): an inference timeout, an
-``InferenceFailed`` reply (e.g. ``context_too_long``), a malformed reply or an exception
-in env code becomes a ``Trace`` with ``errors`` set and reward 0.
+Tool calls. Each completion's text is read back by ``Renderer.parse_tool_calls`` into
+(content, calls); every call gets the id ``derive_id(rollout_id, "turn", turn, "call",
+k)``, is recorded in ``Message.tool_calls`` and reaches the env in the chat dict's
+``tool_calls`` (OpenAI-style). A tool message the env writes records its
+``tool_call_id``, and gets its call's ``name`` when the env gave none (before it is
+rendered, so the model sees the name the template writes, and SFT by tool name works).
+Parsing never touches tokens: the sampled ids are recorded as they are.
+
+Turn errors. A reply that starts a tool call that does not parse, or that the env's
+``env_response`` refuses with ``ParseError``, is masked (``Message.masked``: its tokens
+never train) and recorded in ``Trace.turn_errors`` (``parse_error``, with the message
+id); the rollout goes on (the env sees the raw reply and answers it; a ``ParseError``
+goes on with its ``feedback``, or ends the rollout without one). The trace stays ``ok``.
+
+Failures. A retryable failure becomes a ``Trace`` with ``errors`` set and reward 0: an
+inference timeout, a transport error (``inference_error``), an ``InferenceFailed``
+reply (e.g. ``context_too_long``), a malformed reply (``bad_reply``), a rollout the
+actor never spoke in (``no_actor_turn``). A bug in env code is not retryable: an
+exception from ``initial_messages``, ``init_state``, ``env_response`` (but
+``ParseError``) or ``score``, messages that are not chat dicts, a partial
+``member_rewards``, or a state column that is missing or not JSON-able raises
+``EnvCodeError`` (with the traceback) out of ``run_rollout``; the env server
+dead-letters the task. ``CancelledError`` propagates too.
+
+After scoring, the env's ``state_columns`` are copied from its state into
+``Trace.state`` (as JSON would give them back, so the log and a replay agree).
 
     trace = await run_rollout(env, TaskRef(index=0, data=env.task("train", 0)), client_generate,
                               Renderer(tokenizer), SamplingParams(), rollout_id="r0", seed=1)
@@ -43,7 +66,15 @@ from typing import Any, Protocol
 
 from bus.errors import RequestTimeout
 from configs.orchestrator import POLICY
-from roles.lib.envs.base import Environment, Messages
+from roles.lib.envs.base import EnvCodeError, Environment, Messages, ParseError
+from roles.lib.envs.chat import (
+    chat_calls,
+    check_messages,
+    check_response,
+    parse_reply,
+    resolve_tool_names,
+    state_columns,
+)
 from roles.lib.envs.seats import Cast, cast
 from schemas import (
     Branch,
@@ -53,6 +84,7 @@ from schemas import (
     SamplingParams,
     Seating,
     TaskRef,
+    ToolCall,
     Trace,
     TraceError,
     derive_id,
@@ -117,8 +149,16 @@ class _Builder:
         self, m: dict[str, Any], tokens: Sequence[int], content_span: tuple[int, int] | None = None
     ) -> int:
         """A chat message the env wrote (system, user, tool), none of its tokens sampled."""
-        content = str(m.get("content", ""))
-        return self.add(m["role"], content, tokens, name=m.get("name"), content_span=content_span)
+        content = str(m.get("content") or "")
+        return self.add(m["role"], content, tokens, name=m.get("name"),
+                        tool_call_id=m.get("tool_call_id"), content_span=content_span)  # fmt: skip
+
+    def mask(self, index: int) -> bool:
+        """Mark a reply as masked; False if it already was."""
+        fields = self.items[index]["fields"]
+        was = fields.get("masked", False)
+        fields["masked"] = True
+        return not was
 
     def append_unsampled(self, index: int, tokens: Sequence[int]) -> None:
         item = self.items[index]
@@ -153,6 +193,9 @@ _MESSAGE_FIELDS = {
     "finish_reason",
     "content_span",
     "member",
+    "tool_calls",
+    "tool_call_id",
+    "masked",
 }
 
 
@@ -228,7 +271,7 @@ async def run_rollout(
 
     ``env_name`` is recorded as ``Trace.env`` (the env's subject key); ``env_id`` (default:
     the same) is what each ``GenerateRequest.env`` says, so a scripted teacher can
-    ``make_env`` it.
+    ``make_env`` it. Raises ``EnvCodeError`` for a bug in env code (module docstring).
     """
     name = env_name or env.name
     turns = max_turns or env.max_turns
@@ -237,29 +280,40 @@ async def run_rollout(
     b = _Builder()
     chat: Messages = []
     errors: list[TraceError] = []
+    turn_errors: list[TraceError] = []
+    calls: dict[str, ToolCall] = {}  # every call of the rollout, by id
     versions: list[int] = []  # weights versions of the policy's turns
     actor_turns = 0
     truncated = False
     num_turns = 0
     reward, rewards, metrics = 0.0, {}, {}
     member_rewards: dict[str, float] = {}
+    state_record: dict[str, Any] = {}
     data = task.data
     roles = Cast({}, None, ())
 
-    def env_call(fn: Callable[..., Any], *args: Any) -> Any:
+    def env_call(fn: Callable[..., Any], *args: Any, parse_errors: bool = False) -> Any:
         t = clock()
         try:
             return fn(*args)
-        except Exception as e:  # noqa: BLE001 - env code is user code: record, never crash
-            raise _Failure("env_exception", f"{type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - env code is user code: its bug, with its traceback
+            if parse_errors and isinstance(e, ParseError):
+                raise
+            raise EnvCodeError.from_exception(name, e) from e
         finally:
             timings["env_s"] += clock() - t
 
+    def mask_turn(index: int, reason: str) -> None:
+        if b.mask(index):  # one turn error per reply, the first reason found
+            turn_errors.append(
+                TraceError(kind="parse_error", message=reason[:2000], message_id=index)
+            )
+
     try:
         roles = cast(env, seating, model, seed if group_seed is None else group_seed, sample_index)
-        chat = list(env_call(env.initial_messages, data))
+        chat = check_messages(name, "initial_messages", env_call(env.initial_messages, data))
         state = env_call(env.init_state, data)
-        prompt = list(renderer.render_prompt(chat))
+        prompt = list(renderer.render_prompt(chat, env.tools))
         pieces, gen_prefix = split_initial_prompt(renderer, chat, prompt)
         for m, toks in zip(chat, pieces, strict=True):
             rendered, span = scaffolded(renderer, m)
@@ -301,7 +355,8 @@ async def run_rollout(
             if turn_model == POLICY:  # staleness is about the trained policy's tokens only
                 versions.append(result.policy_version)
             truncated = truncated or result.finish_reason == "length"
-            content = renderer.parse_completion(completion)
+            text = renderer.parse_completion(completion)
+            content, turn_calls, parse_error = parse_reply(renderer, text, rollout_id, num_turns)
             last = b.add(
                 "assistant",
                 content,
@@ -313,13 +368,25 @@ async def run_rollout(
                 model=turn_model,
                 member=member,
                 finish_reason=result.finish_reason,
+                tool_calls=turn_calls,
             )
-            chat.append({"role": "assistant", "content": content})
+            if parse_error is not None:
+                mask_turn(last, parse_error)
+            calls.update((c.id, c) for c in turn_calls)
+            reply: dict[str, Any] = {"role": "assistant", "content": content}
+            if turn_calls:
+                reply["tool_calls"] = chat_calls(turn_calls)
+            chat.append(reply)
             num_turns += 1
             if num_turns >= turns:
                 break
-            new, done = env_call(env.env_response, chat, data, state)
-            new = list(new)
+            try:
+                response = env_call(env.env_response, chat, data, state, parse_errors=True)
+            except ParseError as e:
+                mask_turn(last, str(e))
+                response = ([], True) if e.feedback is None else (e.feedback, False)
+            new, done = check_response(name, response)
+            new = resolve_tool_names(new, calls)
             if done:  # closing remarks: part of the conversation, never seen by the model
                 for m in new:
                     b.add_env(m, [])
@@ -344,14 +411,18 @@ async def run_rollout(
         member_rewards = dict(score.member_rewards)
         missing = [m for m in env.members if member_rewards and m not in member_rewards]
         if missing:  # a partial reward would silently fall back to the trace's
-            raise _Failure(
-                "member_rewards",
-                f"env {name!r} scored members {sorted(member_rewards)} but not {missing}: "
+            raise EnvCodeError(
+                name,
+                "ValueError",
+                f"scored members {sorted(member_rewards)} but not {missing}: "
                 "a multi-agent rubric rewards every member or none",
             )
+        state_record = state_columns(name, env.state_columns, state)
     except _Failure as f:
         errors.append(f.error)
-    except Exception as e:  # noqa: BLE001 - a rollout never raises; the trace records why
+    except EnvCodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the harness's own failure: recorded, never a crash
         errors.append(TraceError(kind="harness_exception", message=f"{type(e).__name__}: {e}"))
     timings["total_s"] = clock() - t_start
     messages = b.messages()
@@ -376,6 +447,8 @@ async def run_rollout(
         seat=roles.learner,
         member_models=roles.models,
         from_policy=bool(versions),
+        turn_errors=turn_errors,
+        state={} if errors else state_record,
     )
 
 

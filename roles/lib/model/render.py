@@ -12,14 +12,45 @@ drift from what was sampled and every prompt extends the last one.
 Written for the character tokenizer; for other HF chat templates it renders one message
 as the difference between a conversation with and without it (so templates that inject
 a default system prompt do not repeat it), which covers the common templates.
+
+Tool calls. Messages are OpenAI-style: an assistant message may carry ``tool_calls``
+(``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]``), a tool
+message ``tool_call_id``; both go through the chat template as they are (HF templates
+get each call's arguments as a dict, as transformers expects; ``tools``, the env's tool
+schemas, go to ``render_prompt``). ``parse_tool_calls`` reads a completion's text back
+into (content, calls) in the format of the tokenizer:
+
+- the char tokenizer: ``<|tool_call|>name:{...}`` (``roles.lib.model.tokenizer``);
+- a tokenizer with ``<tool_call>`` in its vocabulary (Hermes, Qwen 2.5/3):
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks;
+- any other: no tool calls (the completion is all content). Subclass and override
+  ``parse_tool_calls`` for another format.
+
+A completion that writes the call marker but does not parse raises
+``ToolCallSyntaxError`` (the harness masks that turn). Parsing never changes tokens: the
+harness records the sampled ids as they are, so the token invariants hold whatever the
+completion says.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
+from roles.lib.model.tokenizer import (
+    TOOL_CALL,
+    ParsedToolCall,
+    ToolCallSyntaxError,
+    split_tool_calls,
+)
+
 Message = dict[str, Any]
+
+# Hermes-style tool calls (Qwen 2.5/3, Hermes): JSON objects in <tool_call> blocks.
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 # A fixed first message: per-message rendering is "[anchor, msg]" minus "[anchor]".
 _ANCHOR: Message = {"role": "user", "content": "x"}
@@ -44,13 +75,39 @@ class Renderer:
         ids = [self.end_token_id, tokenizer.eos_token_id]
         self.stop_token_ids: list[int] = list(dict.fromkeys(i for i in ids if i is not None))
         self.generation_prompt_ids: list[int] = self._encode(self._generation_prompt_text())
+        # The completion format of tool calls: the char template's, Hermes', or none.
+        self.tool_format: str | None = (
+            "char" if TOOL_CALL in vocab else "hermes" if _HERMES_OPEN in vocab else None
+        )
 
     # -- text level -----------------------------------------------------------------
 
-    def _template(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    def _template(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            [self._template_message(m) for m in messages],
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
+
+    def _template_message(self, message: Message) -> Message:
+        """The message as the chat template wants it: the char template writes a call's
+        arguments text verbatim; HF templates expect them as a dict."""
+        calls = message.get("tool_calls")
+        if not calls or self.tool_format == "char":
+            return message
+        out = []
+        for call in calls:
+            fn = dict(call.get("function", call))
+            if isinstance(fn.get("arguments"), str):
+                fn["arguments"] = json.loads(fn["arguments"])
+            out.append({**call, "function": fn})
+        return {**message, "tool_calls": out}
 
     def _encode(self, text: str) -> list[int]:
         # The template already wrote every special token it wants; add none.
@@ -72,9 +129,14 @@ class Renderer:
 
     # -- token level ----------------------------------------------------------------
 
-    def render_prompt(self, messages: Sequence[Message]) -> list[int]:
-        """The first prompt of an episode: chat template + generation prompt, as ids."""
-        return self._encode(self._template(messages, True))
+    def render_prompt(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The first prompt of an episode: chat template + generation prompt, as ids.
+
+        ``tools`` (OpenAI function schemas) go to the template; the char template shows
+        none (its prompts must stay short), HF templates list them as they do."""
+        return self._encode(self._template(messages, True, tools))
 
     def message_tokens(self, message: Message) -> list[int]:
         """One message's tokens (scaffold + content) as they appear mid-conversation."""
@@ -111,6 +173,16 @@ class Renderer:
         cut = next((k for k, t in enumerate(ids) if t in self.stop_token_ids), len(ids))
         return self.tokenizer.decode(ids[:cut], skip_special_tokens=False)
 
+    def parse_tool_calls(self, text: str) -> tuple[str, list[ParsedToolCall]]:
+        """(content, calls) of a completion's text (``parse_completion``'s), in this
+        tokenizer's tool-call format; ``ToolCallSyntaxError`` when the text starts a
+        call that does not parse."""
+        if self.tool_format == "char":
+            return split_tool_calls(text)
+        if self.tool_format == "hermes":
+            return _split_hermes(text)
+        return text, []
+
     def close_completion(self, completion_ids: Sequence[int]) -> list[int]:
         """The completion as it stays in the context: ends with a stop token.
 
@@ -133,3 +205,36 @@ class Renderer:
         for message in new_messages:
             ids += self.message_tokens(message)
         return ids + self.generation_prompt_ids
+
+
+def _split_hermes(text: str) -> tuple[str, list[ParsedToolCall]]:
+    """Hermes/Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks:
+    the content is the text before the first block (trailing whitespace dropped), only
+    whitespace may stand between and after blocks."""
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls, pos = [], start
+    for k, m in enumerate(_HERMES_BLOCK.finditer(text, start)):
+        if text[pos : m.start()].strip():
+            raise ToolCallSyntaxError(f"tool call {k}: unexpected {text[pos : m.start()][:60]!r}")
+        calls.append(_hermes_call(k, m.group(1)))
+        pos = m.end()
+    if text[pos:].strip():
+        what = "an unclosed <tool_call>" if _HERMES_OPEN in text[pos:] else "text"
+        raise ToolCallSyntaxError(f"{what} after the tool calls: {text[pos:][:60]!r}")
+    return text[:start].rstrip(), calls
+
+
+def _hermes_call(k: int, body: str) -> ParsedToolCall:
+    """One block's ``{"name": str, "arguments": {...} or its JSON text}``."""
+    try:
+        value = json.loads(body)
+        arguments = value.get("arguments", {}) if isinstance(value, dict) else None
+        if isinstance(arguments, str):  # some models write the arguments as JSON text
+            arguments = json.loads(arguments)
+    except ValueError as e:
+        raise ToolCallSyntaxError(f"tool call {k}: not JSON: {e}") from e
+    if not isinstance(arguments, dict) or not isinstance(value.get("name"), str):
+        raise ToolCallSyntaxError(f'tool call {k}: expected {{"name": str, "arguments": {{...}}}}')
+    return ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))

@@ -4,42 +4,71 @@ Conversation (char tokens are precious: the tiny model has 256 positions)::
 
     system:    Use calc.
     user:      12+34                    (a+b; a, b in [low, high], default 10..99)
-    assistant: 12+34                    turn 1: the whole message is the tool call
-    tool:      46        (name "calc")  the env evaluates it; rendered <|tool|>calc:46<|end|>
+    assistant: <|tool_call|>calc:{"expr":"12+34"}   turn 1: a structured tool call
+    tool:      46                       answers the call (tool_call_id; the harness names
+                                        it calc), rendered <|tool|>calc:46<|end|>
     assistant: 46                       turn 2: the answer; the episode ends (max_turns 2)
 
-Every first assistant message gets a tool reply, so every trace holds a named tool
-message, even from an untrained policy. The tool is ``calc``: a small safe evaluator of
-integer arithmetic (digits, ``+ - *``, spaces, a leading minus per number; ``*`` binds
-tighter), never ``eval``; anything else, an expression longer than ``MAX_EXPR_CHARS`` or
-a result beyond ``MAX_ABS`` answers ``"error"`` (which keeps tool messages short).
+The call is OpenAI-style (``tool_calls`` on the assistant's chat message, one tool
+message per call, ``tool_call_id`` = the call's id); ``tools`` declares the schema for
+HF chat templates. The tool is ``calc``: a small safe evaluator of integer arithmetic
+(digits, ``+ - *``, spaces, a leading minus per number; ``*`` binds tighter), never
+``eval``; anything else, an expression longer than ``MAX_EXPR_CHARS``, a result beyond
+``MAX_ABS``, another tool's name or arguments other than ``{"expr": str}`` answers
+``"error"`` (which keeps tool messages short).
+
+A first reply with no call, or a call that does not parse, is a turn error: the env
+raises ``ParseError`` (the harness masks that reply) with a ``calc`` tool message
+``"error"`` as feedback, so every trace still holds a named tool message, even from an
+untrained policy. State columns (``Trace.state``): ``tool_calls`` (calls answered) and
+``last_result`` (the last tool reply, None before one).
 
 Rewards: ``answer`` (weight 1) = 1 iff the second assistant message, stripped, is
-``str(a+b)``; metric ``tool_ok`` (weight 0) = 1 iff the tool call evaluated to a+b.
-``solve`` (the scripted teacher) answers from the conversation alone: turn 1 the user's
-expression, turn 2 the tool's result.
+``str(a+b)``; metric ``tool_ok`` (weight 0) = 1 iff the first call evaluated to a+b.
+``solve`` (the scripted teacher) answers from the conversation alone: turn 1 the call of
+the user's expression, turn 2 the tool's result. The teacher speaks the char
+tokenizer's tokens, so its call (and ``reference_answer``'s) is the char template's text
+form (``roles.lib.model.tokenizer.format_tool_call``), which the renderer parses back
+into the structured call; a conversation built without the harness (a test's, the
+teacher's view of a prompt) carries its call in that text, and ``calls_of`` reads it.
 
     python -c "from roles.lib.envs.registry import make_env; e = make_env('tool-calc', {}); print(e.task('train', 0))"
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from typing import Any
 
 from roles.lib.envs.base import (
+    ChatMessage,
     Environment,
     GeneratedTaskset,
     Harness,
     Messages,
+    ParseError,
     Rubric,
     State,
     assistant_answers,
 )
+from roles.lib.model.tokenizer import ToolCallSyntaxError, format_tool_call, split_tool_calls
 
 SYSTEM_PROMPT = "Use calc."
 TOOL_NAME = "calc"
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "Evaluate integer arithmetic over + - * (e.g. 12+34).",
+        "parameters": {
+            "type": "object",
+            "properties": {"expr": {"type": "string"}},
+            "required": ["expr"],
+        },
+    },
+}
 ERROR = "error"
 MAX_EXPR_CHARS = 32
 MAX_ABS = 10**9
@@ -114,6 +143,39 @@ def calc(expr: str) -> str:
         return ERROR
 
 
+def call_text(expr: str) -> str:
+    """The call of ``calc`` on ``expr`` as the model writes it (char template)."""
+    return format_tool_call(TOOL_NAME, {"expr": expr})
+
+
+def calls_of(message: ChatMessage) -> list[dict[str, Any]]:
+    """An assistant message's calls as ``{"id", "name", "arguments"}``: its structured
+    ``tool_calls`` (the harness's), else the calls written in its content in the char
+    template's text form (no ids). Raises ``ToolCallSyntaxError`` for one that does not
+    parse."""
+    if message.get("tool_calls"):
+        return [
+            {"id": c.get("id"), "name": c["function"]["name"],
+             "arguments": c["function"]["arguments"]}
+            for c in message["tool_calls"]
+        ]  # fmt: skip
+    _, parsed = split_tool_calls(str(message.get("content") or ""))
+    return [{"id": None, "name": c.name, "arguments": c.arguments} for c in parsed]
+
+
+def run_call(call: dict[str, Any]) -> str:
+    """The tool's reply to one call: ``calc(expr)``, or ``"error"`` for another tool or
+    arguments other than ``{"expr": str}``."""
+    try:
+        args = json.loads(call["arguments"])
+    except ValueError:
+        return ERROR
+    if call["name"] != TOOL_NAME or not isinstance(args, dict):
+        return ERROR
+    expr = args.get("expr")
+    return calc(expr) if isinstance(expr, str) and set(args) == {"expr"} else ERROR
+
+
 def expression(task: dict[str, Any]) -> str:
     return f"{task['a']}+{task['b']}"
 
@@ -138,28 +200,50 @@ class CalcTasks(GeneratedTaskset):
 
 class CalcHarness(Harness):
     max_turns = 2
+    tools = (TOOL_SCHEMA,)
+    state_columns = ("tool_calls", "last_result")
 
     def user_prompt(self, task: dict[str, Any]) -> str:
         return expression(task)
 
+    def init_state(self, task: dict[str, Any]) -> State:
+        return {"tool_calls": 0, "last_result": None}
+
     def env_response(
         self, messages: Messages, task: dict[str, Any], state: State
     ) -> tuple[Messages, bool]:
-        answers = assistant_answers(messages)
-        if len(answers) != 1:  # the answer is in (or the episode ran past it): done
+        replies = [m for m in messages if m.get("role") == "assistant"]
+        if len(replies) != 1:  # the answer is in (or the episode ran past it): done
             return [], True
-        # Any first message is a tool call, well formed or not: the tool always answers.
-        return [{"role": "tool", "name": TOOL_NAME, "content": calc(answers[0])}], False
+        error = [{"role": "tool", "name": TOOL_NAME, "content": ERROR}]
+        try:
+            calls = calls_of(replies[0])
+        except ToolCallSyntaxError as e:
+            state["last_result"] = ERROR
+            raise ParseError(f"calc: {e}", feedback=error) from e
+        if not calls:
+            state["last_result"] = ERROR
+            raise ParseError("calc: the first reply is not a tool call", feedback=error)
+        out = []
+        for call in calls:
+            result = run_call(call)
+            # Answer by id (the harness names the message after the call); a call read
+            # from text has no id, so its answer names the tool itself.
+            ref = {"tool_call_id": call["id"]} if call["id"] else {"name": TOOL_NAME}
+            out.append({"role": "tool", **ref, "content": result})
+        state["tool_calls"] += len(calls)
+        state["last_result"] = out[-1]["content"]
+        return out, False
 
     def reference_answer(self, messages: Messages, task: dict[str, Any]) -> str:
-        return target(task) if assistant_answers(messages) else expression(task)
+        return target(task) if assistant_answers(messages) else call_text(expression(task))
 
     def solve(self, messages: Messages) -> str:
         tools = [m for m in messages if m.get("role") == "tool"]
         if tools:
             return str(tools[-1]["content"])
         users = [m for m in messages if m.get("role") == "user"]
-        return str(users[-1]["content"])
+        return call_text(str(users[-1]["content"]))
 
     def demonstration(self, task: dict[str, Any]) -> Messages | None:
         # Both turns: the default (opening -> first reference answer) would show only the call.
@@ -178,8 +262,12 @@ def answer_reward(messages: Messages, task: dict[str, Any], state: State) -> flo
 
 
 def tool_ok(messages: Messages, task: dict[str, Any], state: State) -> float:
-    answers = assistant_answers(messages)
-    return float(bool(answers) and calc(answers[0]) == target(task))
+    replies = [m for m in messages if m.get("role") == "assistant"]
+    try:
+        calls = calls_of(replies[0]) if replies else []
+    except ToolCallSyntaxError:
+        return 0.0
+    return float(bool(calls) and run_call(calls[0]) == target(task))
 
 
 def make_env(
