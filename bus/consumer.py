@@ -283,7 +283,7 @@ class Consumer:
                 await msg.nak()
             raise
         except Rejected as e:
-            await self._dead_letter(msg, delivery, type(e).__name__, str(e))
+            await self._dead_letter(msg, delivery, e.error_type, str(e))
             return
         except Exception as e:  # noqa: BLE001 - the bus boundary is the one catch-all
             if delivery.deliveries >= max_deliver:

@@ -54,11 +54,13 @@ class Rejected(BusError):
     the same events. Raise it only from checks that are a pure function of the event and
     the fold's state, never for a transient failure. A follower's handler may pass what
     the refusal itself caused (``outputs``, as a handler returns them): the follower
-    publishes them after the dead-letter record."""
+    publishes them after the dead-letter record. ``error_type`` names the refusal in the
+    dead-letter record (default: "Rejected"; the env server says "EnvCodeError")."""
 
-    def __init__(self, reason: str, outputs: object = None):
+    def __init__(self, reason: str, outputs: object = None, error_type: str | None = None):
         super().__init__(reason)
         self.outputs = outputs
+        self.error_type = error_type or type(self).__name__
 
 
 class BodyError(BusError):

@@ -140,6 +140,9 @@ class InferenceConfig(_Section):
     # it below `attempt_timeout_s`, or a waiting request is sent again meanwhile).
     eval_pin_grace_s: float = Field(default=0.5, ge=0)
     eval_pin_max_s: float = Field(default=15.0, ge=0)
+    # A version the orchestrator evaluates is also held until that eval's first pinned
+    # request comes (its requests may queue behind train groups), at most this long.
+    eval_pin_expect_s: float = Field(default=3.0, ge=0)
 
     @property
     def pool(self) -> tuple[int, int]:
@@ -152,6 +155,12 @@ class InferenceConfig(_Section):
             raise ValueError(
                 f"`inference.attempt_timeout_s` ({self.attempt_timeout_s:g}) must not exceed "
                 f"`inference.request_timeout_s` ({self.request_timeout_s:g})"
+            )
+        if self.eval_pin_max_s >= self.attempt_timeout_s:
+            raise ValueError(
+                f"`inference.eval_pin_max_s` ({self.eval_pin_max_s:g}) must be below "
+                f"`inference.attempt_timeout_s` ({self.attempt_timeout_s:g}): a request "
+                "waiting for a pinned version would be sent again meanwhile"
             )
         low, high = self.pool
         if not low <= self.replicas <= high:
@@ -259,6 +268,21 @@ class RunConfig(_Section):
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+
+    def evaluates(self, version: int) -> bool:
+        """Whether the orchestrator evaluates policy ``version`` (at start, every
+        ``eval.interval`` versions, right after the warm start, at the end). Inference
+        asks too: it holds such a version until its eval has been answered."""
+        e = self.orchestrator.eval
+        if e.interval == 0:
+            return False
+        warm = self.orchestrator.warmup.steps
+        return (
+            (version == 0 and e.at_start)
+            or (version > 0 and version % e.interval == 0)
+            or version == self.max_steps
+            or (warm > 0 and version == warm)  # the score right after the warm start
+        )
 
     @model_validator(mode="after")
     def _cross_field(self) -> RunConfig:

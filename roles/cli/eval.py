@@ -141,6 +141,11 @@ def evaluate(
         path.write_text(json.dumps(report, indent=1) + "\n")
         typer.echo(f"report: {path}", err=True)
         typer.echo(json.dumps(report) if as_json else render(report))
+        # Lake rows: the requests, rollouts and figures, for `rlbus sql --run <eval run>`.
+        from roles.cli.lake import sync_before_query
+
+        sync_before_query(cfg.run, paths.data_dir, nats_url, named=False)
+        typer.echo(f"lake: {paths.lake}  (rlbus sql --run {cfg.run} ...)", err=True)
     raise typer.Exit(result.code)
 
 

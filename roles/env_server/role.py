@@ -51,7 +51,7 @@ from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
 from configs import EnvServerConfig
 from configs.orchestrator import POLICY
-from roles.lib.envs.base import EnvCodeError, Environment
+from roles.lib.envs.base import EnvCodeError, Environment, check_split
 from roles.lib.envs.filters import Filter, apply_filters, build_filters
 from roles.lib.envs.harness import Generate, completion_tokens, run_rollout
 from roles.lib.envs.registry import env_key, make_env
@@ -148,37 +148,46 @@ async def rollout_group(
     real index and data.
     """
     try:
+        check_split(request.task.split)
+    except ValueError as e:  # the request's fault, not the env's: errored traces
+        return failed_group(request, request.env, "task_error", str(e))
+    try:
         index = request.task.index % env.size(request.task.split)
         data = env.task(request.task.split, index)
-    except Exception as e:  # noqa: BLE001 - a bad split or empty taskset is the request's fault: record it
-        return failed_group(request, request.env, "task_error", f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - the taskset is env code: its bug
+        raise EnvCodeError.from_exception(request.env, e) from e
     task = TaskRef(index=index, split=request.task.split, data=data)
     if task.split == "eval":
         generate = pinned(generate, request.policy_version)
-    # A TaskGroup: an EnvCodeError in one rollout cancels its siblings and propagates.
-    async with asyncio.TaskGroup() as rollouts:
-        tasks = [
-            rollouts.create_task(
-                run_rollout(
-                    env,
-                    task,
-                    generate,
-                    renderer,
-                    request.sampling,
-                    rollout_id=rollout_id(request, i),
-                    model=request.model,
-                    env_name=request.env,
-                    env_id=env_id,
-                    group_id=request.group_id,
-                    sample_index=i,
-                    seed=stable_seed(request.seed, i),
-                    max_turns=request.max_turns,
-                    seating=request.seating,
-                    group_seed=request.seed,
+    # A TaskGroup: an EnvCodeError in one rollout cancels its siblings and propagates
+    # (bare, not in an ExceptionGroup, so the env server can dead-letter the task).
+    try:
+        async with asyncio.TaskGroup() as rollouts:
+            tasks = [
+                rollouts.create_task(
+                    run_rollout(
+                        env,
+                        task,
+                        generate,
+                        renderer,
+                        request.sampling,
+                        rollout_id=rollout_id(request, i),
+                        model=request.model,
+                        env_name=request.env,
+                        env_id=env_id,
+                        group_id=request.group_id,
+                        sample_index=i,
+                        seed=stable_seed(request.seed, i),
+                        max_turns=request.max_turns,
+                        seating=request.seating,
+                        group_seed=request.seed,
+                    )
                 )
-            )
-            for i in range(request.group_size)
-        ]
+                for i in range(request.group_size)
+            ]
+    except BaseExceptionGroup as group:  # a rollout never raises anything else
+        bugs = [e for e in group.exceptions if isinstance(e, EnvCodeError)]
+        raise (bugs or list(group.exceptions))[0] from None
     traces = [t.result() for t in tasks]
     if task.split == "train" and filters:
         traces = [apply_filters(t, filters) for t in traces]
@@ -208,7 +217,8 @@ class RolloutStats:
     errors: Counter[str] = field(default_factory=Counter)
     turn_errors: Counter[str] = field(default_factory=Counter)
     judged: int = 0  # rollouts the filters judged (train rollouts without an error)
-    flagged: Counter[str] = field(default_factory=Counter)  # by filter name
+    # by filter name: every filter that judged a rollout (0 when it flagged none)
+    flagged: Counter[str] = field(default_factory=Counter)
     filtered: int = 0  # kept out of training by an enforcing filter
     step: int = 0
 
@@ -223,7 +233,7 @@ class RolloutStats:
             self.turn_errors.update(e.kind for e in t.turn_errors)
             if t.filters:
                 self.judged += 1
-                self.flagged.update(v.name for v in t.filters if v.flagged)
+                self.flagged.update({v.name: int(v.flagged) for v in t.filters})
                 self.filtered += t.is_filtered
 
     def values(self, now: float) -> dict[str, float]:
@@ -369,10 +379,9 @@ class EnvServer(Role):
                 traces = await rollout_group(
                     env, request, self.generate, self.renderer, self.env_id, self.filters
                 )
-        except* EnvCodeError as group:  # a bug in env code: dead-letter the task at once
-            bug = group.exceptions[0]
+        except EnvCodeError as bug:  # a bug in env code: dead-letter the task at once
             self.log.error("env.bug", request=request.event_id, error=str(bug))
-            raise Rejected(f"{bug}\n{bug_traceback(bug)}") from bug
+            raise Rejected(bug_report(bug), error_type="EnvCodeError") from bug
         finally:
             self._inflight -= 1
         self.stats.add(request, traces)
@@ -404,10 +413,14 @@ class EnvServer(Role):
 # -- the process entry point (``rlbus role env``) ---------------------------------------
 
 
-def bug_traceback(bug: BaseException) -> str:
-    """Where env code raised: the traceback it carries, else the exception's own."""
-    text = getattr(bug, "traceback", "") or ""
-    return text or "".join(traceback.format_exception(bug))
+def bug_report(bug: EnvCodeError, limit: int = 3800) -> str:
+    """The dead letter's text: the one-line error, then where env code raised (the
+    traceback it carries, else its own), cut in the middle if long: the innermost frames
+    and the exception line are at the end, and they matter most."""
+    trace = bug.traceback or "".join(traceback.format_exception(bug))
+    if len(trace) > limit:
+        trace = trace[: limit // 4] + "\n...\n" + trace[-(limit * 3 // 4) :]
+    return f"{bug}\n{trace}"
 
 
 def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:

@@ -225,6 +225,7 @@ class PinHold:
         with hold.pinned(version):             # around answering a pinned request
             ...
         held_s = await hold.clear(version)     # before swapping version out
+        held_s = await hold.clear(version, expect_s=3.0)  # ... an eval of it is due
         hold.swapped(new_version)              # after a swap (wakes ``reach``)
     """
 
@@ -238,6 +239,7 @@ class PinHold:
         self._last_end: dict[int, float] = {}  # version -> when its last one ended
         self._first_ask: dict[int, float] = {}  # newer version -> when it was first awaited
         self._waiting: dict[int, int] = {}  # newer version -> requests waiting for it now
+        self._refused: set[int] = set()  # versions this replica refused: never reached
         self._changed = asyncio.Event()
 
     def running(self, version: int) -> int:
@@ -257,13 +259,20 @@ class PinHold:
             self._last_end[version] = self._clock()
             self._notify()
 
-    async def clear(self, version: int) -> float:
-        """Wait until ``version`` may be swapped out (class docstring); the seconds held."""
+    async def clear(self, version: int, expect_s: float = 0.0) -> float:
+        """Wait until ``version`` may be swapped out (class docstring); the seconds held.
+        ``expect_s`` > 0: an eval of ``version`` is due (``RunConfig.evaluates``), so hold
+        it until its first pinned request has come (for at most ``expect_s``), then by
+        the rule above: eval requests can reach the replica after the next version is
+        announced (the env servers had train groups queued before them)."""
         start = self._clock()
         deadline = start + self.max_s
+        expected = start + min(expect_s, self.max_s)
         while (now := self._clock()) < deadline:
             if self.running(version):
                 until = deadline
+            elif version not in self._last_end and now < expected:
+                until = expected
             else:
                 until = min(self._last_end.get(version, -math.inf) + self.grace_s, deadline)
                 if now >= until:
@@ -279,7 +288,7 @@ class PinHold:
         try:
             while serving() < version:
                 left = first + self.max_s - self._clock()
-                if left <= 0:
+                if left <= 0 or version in self._refused:
                     return False
                 await self._wait(left)
             return True
@@ -300,6 +309,12 @@ class PinHold:
             del self._first_ask[v]
         for v in [v for v in self._last_end if v < serving]:
             del self._last_end[v]
+        self._notify()
+
+    def refused(self, version: int) -> None:
+        """The replica refused weights ``version`` (not finite, unreadable): requests
+        waiting for it are served with what it has."""
+        self._refused.add(version)
         self._notify()
 
     def _notify(self) -> None:

@@ -28,15 +28,9 @@ The trainer deletes old versions (``trainer.keep_weights``), so a version can va
 between its announcement and its load: that is ``weights.superseded``, and the newest
 announcement is loaded instead (a collected version always has a newer one).
 
-Eval pinning: a generate request may name the policy version its eval round asks at
-(``GenerateRequest.pin_version``). The policy replica counts the requests pinned to the
-version it serves while they are queued or generating, and holds a swap back until none
-is left and ``inference.eval_pin_grace_s`` has passed since the last one, never longer
-than ``inference.eval_pin_max_s`` (``batcher.PinHold``; ``weights.pin_expired`` when the
-bound cut a hold short), so an eval round is answered by the version it reports. A
-request pinned to a newer version waits for that swap (as long at most); one pinned to an
-older version is answered with the weights there are. Replies always carry the version
-that ran. Frozen models and snapshots ignore pins.
+Eval pinning (``GenerateRequest.pin_version``: a swap waits, bounded, for the requests
+pinned to the version served) and snapshots (a model pinned to a policy version) are in
+``roles/inference/pinning.py``; replies always carry the version that ran.
 
 Every ``metrics_interval_s`` (10 s) with traffic it logs ``inference.throughput`` and
 publishes ``MetricsReported(role="inference")``: tokens/s, requests/s, mean batch size,
@@ -62,12 +56,12 @@ from bus import rpc
 from bus.consumer import Delivery
 from bus.follower import Follow
 from bus.log import get_logger
-from bus.reader import first_event
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend, WeightsNotFinite, serving_dtype
-from roles.inference.batcher import PinHold, throughput
+from roles.inference.batcher import throughput
+from roles.inference.pinning import EvalPinning, snapshot_weights
 from roles.inference.weights_io import (
     fetch_weights,
     read_latest_weights,
@@ -194,9 +188,8 @@ class InferenceRole(Role):
         self._rejected: set[str] = set()  # event ids already refused: not retried
         # Eval pinning (GenerateRequest.pin_version): only the policy itself follows every
         # version; a frozen model or a snapshot serves what it serves.
-        self.honours_pins = self.served.follows_weights and self.served.pin is None
-        inf = cfg.inference
-        self.pins = PinHold(grace_s=inf.eval_pin_grace_s, max_s=inf.eval_pin_max_s)
+        honours = self.served.follows_weights and self.served.pin is None
+        self.pins = EvalPinning(cfg, self.served.key, honours, self.log)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -273,27 +266,16 @@ class InferenceRole(Role):
         try:
             if isinstance(req, ScoreRequest):
                 return (await self.backend.score([req]))[0]
-            pin = await self._pin_of(req)
+            pin = await self.pins.pin_of(req, self._serving_version)
             if pin is None:
                 return (await self.backend.generate([req]))[0]
-            with self.pins.pinned(pin):  # the swap to a newer version waits for it
+            with self.pins.hold.pinned(pin):  # the swap to a newer version waits for it
                 return (await self.backend.generate([req]))[0]
         except Exception as e:  # noqa: BLE001 - a reply beats a client timeout
             self.log.error("inference.failed", request_id=req.request_id, error=repr(e))
             return InferenceFailed(
                 request_id=req.request_id, kind="internal", message=repr(e)[:500]
             )
-
-    async def _pin_of(self, req: GenerateRequest) -> int | None:
-        """The version ``req`` is pinned to when this replica serves exactly it (after a
-        bounded wait when it is newer than the one served), else None: a request pinned
-        to an older version is answered with the weights there are, and says so."""
-        pin = req.pin_version
-        if pin is None or not self.honours_pins:
-            return None
-        if pin > self._serving_version():
-            await self.pins.reach(pin, self._serving_version)
-        return pin if pin == self._serving_version() else None
 
     def _bad_request(self, data: bytes, error: Exception) -> InferenceFailed:
         return InferenceFailed(
@@ -311,7 +293,7 @@ class InferenceRole(Role):
         if pin is not None and event.version > pin:  # a snapshot: frozen at its version
             if max(self._serving_version(), pending) >= pin:
                 return
-            found = await self._pinned(event)  # the pin itself went by unseen
+            found = await snapshot_weights(self.bus, pin, event)  # the pin itself went by unseen
             if found is None:
                 return
             event = found
@@ -338,8 +320,7 @@ class InferenceRole(Role):
             del self._pending[v]
         if not self._pending:
             return None
-        wanted = self.pins.wanted(serving) if self.honours_pins else None
-        return self._pending.pop(wanted if wanted in self._pending else max(self._pending))
+        return self._pending.pop(self.pins.next_version(self._pending, serving))
 
     def _serving_version(self) -> int:
         return self.backend.policy_version if self.backend is not None else 0
@@ -352,14 +333,14 @@ class InferenceRole(Role):
             if event.format != "safetensors":
                 raise ValueError(f"unsupported weights format {event.format!r}")
             data = await self._fetch(event)
-            held_s = await self._hold_for_pinned(previous, event.version)
+            held_s = await self.pins.hold_swap(previous, event.version)
             await self.backend.load_weights(data, event.weights.digest, event.version)
         except Exception as e:  # noqa: BLE001 - bad weights are refused, serving goes on
             if not isinstance(e, WeightsNotFinite) and await weights_gone(self.bus, event.weights):
                 return await self._load_newer_than(event, e)
             self._reject(event, e, previous)
             return False
-        self.pins.swapped(event.version)
+        self.pins.hold.swapped(event.version)
         self.weights_loaded += 1
         # Wall clocks of two processes (one host under `rlbus up`): the event's ts_ns is
         # the trainer's, taken when it announced the version.
@@ -375,21 +356,6 @@ class InferenceRole(Role):
             pin_held_s=round(held_s, 4),
         )
         return True
-
-    async def _hold_for_pinned(self, serving: int, version: int) -> float:
-        """Hold the swap from ``serving`` to ``version`` while requests pinned to
-        ``serving`` run (``PinHold.clear``, bounded by ``inference.eval_pin_max_s``); the
-        seconds held. Pinned requests still running when the bound is hit get the new
-        weights, and their replies say so."""
-        if not self.honours_pins:
-            return 0.0
-        held_s = await self.pins.clear(serving)
-        if left := self.pins.running(serving):
-            self.log.warning(
-                "weights.pin_expired", serving=serving, version=version, pinned=left,
-                held_s=round(held_s, 3),
-            )  # fmt: skip
-        return held_s
 
     async def _fetch(self, event: WeightsPublished) -> bytes:
         """The announced bytes, transient errors retried (``retry_transient``)."""
@@ -430,24 +396,13 @@ class InferenceRole(Role):
             return False
         return await self._apply_weights(newer)
 
-    async def _pinned(self, latest: WeightsPublished) -> WeightsPublished | None:
-        """A snapshot's weights: ``latest`` while the policy has not passed the pinned
-        version, else that version's announcement (the trainer keeps its weights)."""
-        pin = self.served.pin
-        if pin is None or latest.version <= pin:
-            return latest
-        found: WeightsPublished | None = await first_event(
-            self.bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,), lambda e: e.version == pin
-        )
-        return found
-
     async def _newest_after(self, version: int) -> WeightsPublished | None:
         """The newest announcement on the log (a snapshot's: the newest up to its pin),
         if it is newer than ``version``."""
         try:
             latest = await read_latest_weights(self.bus)
             if latest is not None:
-                latest = await self._pinned(latest)
+                latest = await snapshot_weights(self.bus, self.served.pin, latest)
         except Exception as e:  # noqa: BLE001 - an unreadable log: nothing newer known
             self.log.warning("weights.latest_unreadable", error=repr(e))
             return None
@@ -457,6 +412,7 @@ class InferenceRole(Role):
         """Refuse ``event`` for good (never retried); the current weights keep serving."""
         self.weights_rejected += 1
         self._rejected.add(event.event_id)
+        self.pins.hold.refused(event.version)  # requests waiting for it stop waiting
         self.last_weights_error = f"{type(error).__name__}: {error}"
         if isinstance(error, WeightsNotFinite):
             self.log.error(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from configs.orchestrator import POLICY
 from schemas.arrays import mask
 
 
@@ -91,13 +92,17 @@ def pinned_share(traces: list[Any], version: int) -> float | None:
 
 
 def answering_versions(traces: list[Any]) -> list[int]:
-    """The policy versions that answered ``traces`` (every sampled turn's, sorted)."""
+    """The policy versions that answered ``traces`` (every sampled turn the policy
+    played, sorted; a frozen opponent's or a judge's turns are not the policy's)."""
     return sorted(
         {
             m.policy_version
             for t in traces
             for m in t.messages
-            if m.policy_version is not None and m.sampled and mask(m.sampled).any()
+            if m.policy_version is not None
+            and m.model in (None, POLICY)
+            and m.sampled
+            and mask(m.sampled).any()
         }
     )
 

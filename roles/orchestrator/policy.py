@@ -99,8 +99,10 @@ class Decider:
         if self.stop():
             return self.out
         self.assemble()
-        self.dispatch()
+        # Eval requests before new train groups: they reach env servers first, so the
+        # weights they are pinned to are still served (inference holds them, bounded).
         self.evaluate()
+        self.dispatch()
         self.stop()
         return self.out
 
@@ -142,6 +144,8 @@ class Decider:
                     "skipped_zero_advantage_total": float(s.total_skipped_zero),
                     "groups_in_flight": float(len(s.groups)), "errored_rollouts_total": float(s.errored_rollouts),
                     "filtered_rollouts_total": float(s.filtered_rollouts),
+                    "filtered_groups_total": float(s.filtered_groups),
+                    "env_errors_total": float(len(s.env_failures)),
                     "groups_released_total": float(s.released),
                     "async_lag": float(step - 1 - s.trainer_version), "sft": float(phase == "sft"),
                 },
@@ -212,16 +216,7 @@ class Decider:
     # -- eval ---------------------------------------------------------------------------
 
     def is_eval_version(self, v: int) -> bool:
-        e = self.cfg.orchestrator.eval
-        if e.interval == 0:
-            return False
-        warm = self.cfg.orchestrator.warmup.steps
-        return (
-            (v == 0 and e.at_start)
-            or (v > 0 and v % e.interval == 0)
-            or v == self.cfg.max_steps
-            or (warm > 0 and v == warm)  # the score right after the warm start
-        )
+        return self.cfg.evaluates(v)
 
     def evaluate(self) -> None:
         s, e = self.state, self.cfg.orchestrator.eval
@@ -262,7 +257,8 @@ class Decider:
                         role="eval",
                         step=version,
                         policy_version=version,
-                        values=eval_metrics(round_.results, e.k, version),
+                        values=eval_metrics(round_.results, e.k, version)
+                        | ({"dead_lettered": float(round_.dead)} if round_.dead else {}),
                     )  # fmt: skip
                 )
 

@@ -96,6 +96,7 @@ class OrchestratorState:
     no_signal_streak: int = 0  # consecutive RL groups without learning signal
     errored_rollouts: int = 0
     filtered_rollouts: int = 0  # kept out of training by an enforcing rollout filter
+    filtered_groups: int = 0  # RL groups whose every rollout was filtered
     released: int = 0  # groups closed without training (an algorithm failed, a deadline)
     last_release: str = ""  # why the newest one was released
     # Own task requests an env server dead-lettered (env code raised, or it could not
@@ -250,6 +251,9 @@ class OrchestratorState:
         self.errored_rollouts += first.excluded
         self.filtered_rollouts += first.filtered
         phase = group.request.phase
+        if phase == "rl" and first.rewards and first.filtered == len(first.rewards):
+            self.filtered_groups += 1  # every rollout filtered: nothing to train, and not
+            return  # the rewards' fault, so it does not count toward no_learning_signal
         if phase == "rl" and skip_zero and all(e.zero_advantage for e in events):
             self.skipped_zero += 1
             self.total_skipped_zero += 1

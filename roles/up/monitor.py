@@ -20,7 +20,6 @@ skipped with one log line and counted in the summary's ``rejected``.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -212,9 +211,6 @@ class RunMonitor(MetricCurves):
             out[f"{key}:final"] = final
             if after_warm is not None and final is not None:
                 out[f"{key}:gain"] = round(final - after_warm, 4)
-                errors = [self.stderr(key, warm), self.stderr(key, int(points[-1][0]))]
-                if None not in errors:  # independent draws: the errors add in quadrature
-                    out[f"{key}:gain_stderr"] = round(math.hypot(*errors), 4)  # type: ignore[arg-type]
         return out
 
 

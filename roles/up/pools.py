@@ -9,7 +9,7 @@ equal bounds make it static. The launcher reads every pool's load each
   consumer ``env-<key>``, the work queue its replicas share. ``num_pending`` groups wait
   (no replica took them yet), ``num_ack_pending`` are in flight. Hot: at least
   ``env_server.scale_up_backlog`` groups waiting per replica. Idle: nothing waiting,
-  nothing in flight.
+  and one replica fewer would hold the groups in flight at half its capacity.
 - inference pool ``inference-policy`` (replicas ``inference-policy-<i>``): each replica's
   ``busy_frac``, the share of its last metrics interval spent running batches
   (``metrics.reported.inference``, every 10 s while it has traffic, none without). Hot:
@@ -132,12 +132,18 @@ class PoolState:
         return scale
 
 
-def env_load(waiting: int, in_flight: int, replicas: int, up_backlog: float) -> Load:
+def env_load(
+    waiting: int, in_flight: int, replicas: int, up_backlog: float, concurrency: int = 1
+) -> Load:
     """An env pool's load from its consumer: ``waiting`` groups no replica took yet,
-    ``in_flight`` groups being rolled out, across ``replicas`` replicas."""
+    ``in_flight`` groups being rolled out, across ``replicas`` replicas of ``concurrency``
+    groups each. Idle: nothing waits, and one replica fewer would hold what is in flight
+    at half its capacity (a busy run's pool also shrinks back after a burst, e.g. an
+    eval round, and not only when nothing at all runs)."""
+    spare = (max(1, replicas) - 1) * concurrency / 2
     return Load(
         hot=waiting >= up_backlog * max(1, replicas),
-        idle=waiting == 0 and in_flight == 0,
+        idle=waiting == 0 and in_flight <= spare,
         text=f"backlog {waiting + in_flight} ({in_flight} in flight)",
     )
 
@@ -179,6 +185,7 @@ class Pool:
     members: dict[int, RoleProcess]
     make: Callable[[int], RoleProcess]
     consumer: str | None = None  # an env pool's durable; None: an inference pool
+    concurrency: int = 1  # an env pool: groups in flight per replica
     retiring: dict[int, RoleProcess] = field(default_factory=dict)
     load: Load | None = None  # the last reading
     scaled: list[dict[str, Any]] = field(default_factory=list)  # every resize
@@ -226,6 +233,7 @@ def run_pools(
                 members={i: by_name[env_replica(env.id, i)] for i in range(env.replicas)},
                 make=_env_maker(make, env.id),
                 consumer=durable_name("env", env.key),
+                concurrency=env.max_concurrent or s.groups_in_flight,
             )
         )
     inf = cfg.inference
@@ -368,7 +376,7 @@ class PoolKeeper:
         backlog = await consumer_backlog(self.bus, pool.consumer)
         if backlog is None:
             return None
-        return env_load(*backlog, len(pool.members), self.up_backlog)
+        return env_load(*backlog, len(pool.members), self.up_backlog, pool.concurrency)
 
     def _busy(self, pid: int | None, now_ns: int) -> float:
         """The busy share the replica with ``pid`` last reported, 0 if none lately."""

@@ -310,8 +310,11 @@ class RolloutResult:
     results: list[Any] = field(default_factory=list)  # EvalCompleted, one per eval task
     policy_version: int = 0  # the newest weights version when asked: the requests' own
     wall_s: float = 0.0
-    code: int = 0  # 0: every trace came back; 1: a started role died, or the wait timed out
+    # 0: every trace came back; 1: a started role died, or the wait timed out; 2: an env
+    # server dead-lettered a request (a bug in env code: ``env_error`` says which)
+    code: int = 0
     role_died: bool = False  # a role this started exited: no summary to show
+    env_error: str | None = None
 
 
 async def run_rollouts(
@@ -366,12 +369,12 @@ async def _collect(
     back, a started role dies, or ``timeout_s`` passes."""
     from bus.reader import LogReader
     from bus.subjects import Topic
-    from schemas import EvalCompleted, TraceCompleted
+    from schemas import DeadLettered, EvalCompleted, TraceCompleted
 
     t0, total = time.monotonic(), sum(p.total for p in plans)
     topics = [
         (Topic.EVAL_COMPLETED if p.split == "eval" else Topic.TRACE_COMPLETED, p.key) for p in plans
-    ]
+    ] + [(Topic.DEAD_LETTERED, "env")]  # a request an env server could not run
     wanted = {r.event_id for r in requests}
     traces: dict[str, Any] = {}
     answers: dict[str, Any] = {}  # request id -> EvalCompleted
@@ -384,7 +387,13 @@ async def _collect(
     )  # fmt: skip
 
     async def collect() -> None:
-        async for event in reader.events((TraceCompleted, EvalCompleted)):
+        async for event in reader.events((TraceCompleted, EvalCompleted, DeadLettered)):
+            if isinstance(event, DeadLettered):
+                if event.causation_id in wanted:
+                    first = (event.error.strip().splitlines() or [""])[0]
+                    result.env_error = f"{event.error_type}: {first}"
+                    done.set()
+                continue
             if event.request_id not in wanted:
                 continue  # someone else's rollouts on the same env
             if isinstance(event, EvalCompleted):
@@ -418,6 +427,9 @@ async def _collect(
     finally:
         done.set()
         await asyncio.gather(collector, return_exceptions=True)
+    if result.env_error is not None:
+        note(f"an env server dead-lettered a request: {result.env_error}")
+        result.code = 2
     result.traces = list(traces.values())
     result.results = list(answers.values())
 

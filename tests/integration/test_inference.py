@@ -344,7 +344,8 @@ async def test_pinned_requests_keep_their_weights_until_done_then_the_swap_happe
     grace = 0.5
     cfg = load_config("smoke", [f"model.path={tiny_path}", "inference.device=cpu",
                                 f"inference.eval_pin_grace_s={grace}",
-                                "inference.eval_pin_max_s=15"])  # fmt: skip
+                                "inference.eval_pin_max_s=15",
+                                "orchestrator.eval.interval=0"])  # no eval due: no hold of its own  # fmt: skip
     client = InferenceClient(bus, timeout_s=30)
     async with running_role(nats_server, bus.run, cfg, tmp_path, "inf-pin") as role:
         stop, answers = asyncio.Event(), []
@@ -442,3 +443,26 @@ async def test_pin_hold_waits_for_grace_and_bounds_a_wait_for_a_newer_version() 
     assert 0.35 <= time.monotonic() - t <= 0.6
     assert not await hold.reach(3, lambda: 1)  # already waited its bound
     assert await hold.reach(1, lambda: 1)
+
+
+async def test_pin_hold_waits_for_a_due_eval_and_gives_up_on_a_refused_version() -> None:
+    """A version whose eval is due is held until its first pinned request has come and
+    gone (its eval requests may arrive after the next version is announced), at most
+    expect_s for that first one; a request waiting for a version the replica refused is
+    released at once."""
+    from roles.inference.batcher import PinHold
+
+    hold = PinHold(grace_s=0.1, max_s=5.0)
+    t = time.monotonic()
+    assert 0.25 <= await hold.clear(4, expect_s=0.3) <= 0.6  # no eval request came
+    clearing = asyncio.create_task(hold.clear(5, expect_s=3.0))
+    await asyncio.sleep(0.1)
+    assert not clearing.done()  # waiting for the eval's first request
+    with hold.pinned(5):
+        await asyncio.sleep(0.05)
+    assert 0.1 <= await clearing <= 0.4  # then the grace after it
+    waiting = asyncio.create_task(hold.reach(7, lambda: 5))
+    await asyncio.sleep(0.05)
+    hold.refused(7)
+    assert await waiting is False
+    assert time.monotonic() - t < 1.5

@@ -69,6 +69,24 @@ def test_sampled_turns_leave_out_prompt_and_scaffolding() -> None:
     assert turn.token_ids.tolist() == [5, 6] and turn.logprobs.tolist() == [-1.0, -2.0]
 
 
+def test_only_the_turns_of_members_that_train_are_judged() -> None:
+    """Multi-agent: a frozen opponent's degenerate turn does not filter the learner's
+    rollout; the learner's own turns are what the detectors see."""
+    import msgspec
+
+    trace = completion_trace([5, 6, 7], [1, 2, 3] * 4)
+    learner, opponent = trace.messages[1], trace.messages[2]
+    seated = msgspec.structs.replace(
+        trace,
+        messages=[trace.messages[0], msgspec.structs.replace(learner, member="alice"),
+                  msgspec.structs.replace(opponent, member="bob")],
+        branches=[Branch(messages=[0, 1, 2], member="alice")],
+    )  # fmt: skip
+    assert [t.token_ids.tolist() for t in sampled_turns(seated)] == [[5, 6, 7]]
+    assert not verdict(seated, "repetition").flagged
+    assert verdict(trace, "repetition").flagged  # both turns judged when both train
+
+
 def test_gibberish_flags_low_logprob_garbage_not_a_confident_completion() -> None:
     """Garbage drawn from the far tail is flagged; a confident completion is not."""
     garbage = completion_trace(([7, 41, 3, 88, 12, 60], [-9.0, -7.5, -0.2, -11.0, -8.0, -6.5]))

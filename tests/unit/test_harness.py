@@ -537,3 +537,18 @@ def test_split_initial_prompt_with_template_extras() -> None:
     )
     pieces, gen = split_initial_prompt(FakeRenderer(), msgs, [5, 5, 5])
     assert sum(pieces, []) + gen == [5, 5, 5]
+
+
+async def test_a_state_column_the_state_lacks_is_none_and_a_bad_score_is_an_env_bug() -> None:
+    """A rollout that ended before the env set a column records None for it (not a bug);
+    a rubric returning a non-finite reward is the env's bug (EnvCodeError)."""
+    env = strict_env()
+    env.harness.state_columns = ("turns", "never_set")
+    env.state_columns = ("turns", "never_set")
+    gen = FakeGenerate(("ok", "stop"), ("ok", "stop"), ("ok", "stop"))
+    trace = await run_rollout(env, TaskRef(index=0, data={}), gen, R, SAMPLING, rollout_id="r")
+    assert trace.ok and trace.state == {"turns": 2, "never_set": None}
+    nan = Environment("nan", env.taskset, env.harness, Rubric({"x": lambda m, t, s: float("nan")}))
+    gen = FakeGenerate(("ok", "stop"), ("ok", "stop"), ("ok", "stop"))
+    with pytest.raises(EnvCodeError, match="not a finite number"):
+        await run_rollout(nan, TaskRef(index=0, data={}), gen, R, SAMPLING, rollout_id="r")

@@ -19,7 +19,8 @@ import pytest
 from bus.runtime import Bus
 from bus.subjects import Topic, subject
 from roles.up.monitor import RunMonitor
-from roles.up.supervisor import RunFollower, silence_limit_s, silences
+from roles.up.silence import silence_limit_s, silences
+from roles.up.supervisor import RunFollower
 from roles.up.view import LiveView
 from schemas import BodyRef, MetricsReported, RunStopped, WeightsPublished, run_stopped_id
 from schemas.run import ObjectRef

@@ -99,6 +99,9 @@ def test_the_env_load_counts_groups_waiting_per_replica_and_idles_on_nothing_at_
     assert not env_load(waiting=3, in_flight=8, replicas=2, up_backlog=2).hot
     assert not env_load(waiting=0, in_flight=50, replicas=1, up_backlog=1).hot
     assert env_load(0, 0, 2, 2).idle and not env_load(0, 1, 2, 2).idle
+    # One replica fewer would hold what runs at half its capacity: idle, in a busy run too.
+    assert env_load(0, 4, 3, 2, concurrency=8).idle and not env_load(0, 9, 3, 2, 8).idle
+    assert not env_load(1, 0, 3, 2, concurrency=8).idle  # something waits
     assert env_load(3, 2, 1, 1).text == "backlog 5 (2 in flight)"
 
 

@@ -86,12 +86,14 @@ def check_response(env: str, response: Any) -> tuple[Messages, bool]:
 
 
 def state_columns(env: str, columns: Sequence[str], state: Any) -> dict[str, Any]:
-    """The declared state columns, as JSON gives them back (``EnvCodeError`` naming the
-    column if one is missing or not JSON-able)."""
-    out = {}
+    """The declared state columns, as JSON gives them back: None for one the state does
+    not hold (yet: a rollout that ended early), ``EnvCodeError`` naming a column that is
+    not JSON-able."""
+    out: dict[str, Any] = {}
     for key in columns:
         if not isinstance(state, dict) or key not in state:
-            raise EnvCodeError(env, "KeyError", f"state column {key!r} is not in the env's state")
+            out[key] = None
+            continue
         try:
             out[key] = json.loads(json.dumps(state[key], allow_nan=False))
         except (TypeError, ValueError) as e:

@@ -52,13 +52,16 @@ class Turn(NamedTuple):
 
 
 def sampled_turns(trace: Trace) -> list[Turn]:
-    """The sampled tokens of every assistant message of ``trace``, in message order.
+    """The sampled tokens of the assistant messages that would train, in message order:
+    in a multi-agent trace only the turns of the members its branches train (a frozen
+    opponent's or a judge's degenerate reply does not filter the learner's rollout).
 
     Masked turns (a reply that did not parse) are included: they never train, but they
     are still what the model wrote, and degenerate output is what filters look for."""
+    trained = {b.member for b in trace.branches}
     turns = []
     for m in trace.messages:
-        if m.role != "assistant":
+        if m.role != "assistant" or (m.member is not None and m.member not in trained):
             continue
         sampled = arrays.mask(m.sampled)
         turns.append(Turn(m.ids()[sampled], arrays.f32(m.logprobs)[sampled], m.finish_reason))

@@ -60,13 +60,15 @@ After scoring, the env's ``state_columns`` are copied from its state into
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from bus.errors import RequestTimeout
 from configs.orchestrator import POLICY
-from roles.lib.envs.base import EnvCodeError, Environment, Messages, ParseError
+from roles.lib.envs.base import EnvCodeError, Environment, Messages, ParseError, Score
 from roles.lib.envs.chat import (
     chat_calls,
     check_messages,
@@ -322,7 +324,7 @@ async def run_rollout(
             b.add_env(m, toks, span if toks == rendered else None)
         while True:
             request_id = derive_id(rollout_id, "turn", num_turns)
-            member = env.speaker(num_turns)
+            member = env_call(env.speaker, num_turns)
             turn_model = roles.models.get(member, model) if member is not None else model
             t = clock()
             try:
@@ -406,7 +408,7 @@ async def run_rollout(
                 f"{model!r} (members {list(roles.trains)}) never spoke in {num_turns} turns: "
                 "is max_turns smaller than the turns before its seat?",
             )
-        score = env_call(env.score, chat, data, state)
+        score = env_call(lambda: scored(env.score(chat, data, state)))
         reward, rewards, metrics = score.reward, dict(score.rewards), dict(score.metrics)
         member_rewards = dict(score.member_rewards)
         missing = [m for m in env.members if member_rewards and m not in member_rewards]
@@ -450,6 +452,17 @@ async def run_rollout(
         turn_errors=turn_errors,
         state={} if errors else state_record,
     )
+
+
+def scored(score: Any) -> Score:
+    """A rubric's result, checked: a ``Score`` of finite floats (else the env's bug)."""
+    if not isinstance(score, Score):
+        raise TypeError(f"score() returned {score!r}, not a Score")
+    values = [score.reward, *score.rewards.values(), *score.metrics.values(),
+              *score.member_rewards.values()]  # fmt: skip
+    if not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in values):
+        raise ValueError(f"score() returned a value that is not a finite number: {score!r}")
+    return score
 
 
 def branches_of(env: Environment, messages: list[Message], trains: Sequence[str]) -> list[Branch]:
