@@ -18,7 +18,7 @@ import pytest
 
 from bus.server import EmbeddedServer
 from schemas import MetricsReported
-from tests.e2e.helpers import all_events, rlbus_up
+from tests.e2e.helpers import all_events, rlbus_up, summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -39,11 +39,15 @@ def finished(proc: subprocess.Popen[str]) -> None:
 
 
 def test_echo_trains_tool_outputs_while_rl_continues(tmp_path: Path) -> None:
-    """RL steps carry both channels; tool-output NLL falls; advantages stay non-zero."""
-    # The tools preset, shortened (half its warm start, 40 RL steps): ce_nll fell from
-    # 6.4 to 3.3 in a check run (the preset's own length is measured in the preset).
-    finished(rlbus_up(tmp_path, "echo1", "orchestrator.eval.interval=0",
+    """The README's tools preset, shortened (half its warm start, 40 RL steps), finishes
+    with finite evals; RL steps carry both channels; tool-output NLL falls; advantages
+    stay non-zero."""
+    finished(rlbus_up(tmp_path, "echo1", "orchestrator.eval.interval=60", "orchestrator.eval.num_tasks=8",
                       "orchestrator.warmup.steps=60", "max_steps=100", config="tools"))  # fmt: skip
+    s = summary(tmp_path, "echo1")
+    assert s["stopped"]["reason"] == "max_steps" and not s["restarts"], s["stopped"]
+    assert {"0", "60", "100"} <= set(s["eval"])
+    assert all(0.0 <= v <= 1.0 for m in s["eval"].values() for k, v in m.items() if "/avg@" in k)
     steps = trainer_metrics(tmp_path, "echo1")
     rl = [m for m in steps if m["rl_tokens"] > 0]
     assert len(rl) == 40  # 100 steps, 60 of them the warm start

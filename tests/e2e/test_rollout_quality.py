@@ -47,7 +47,7 @@ def test_a_frozen_actor_trains_to_max_steps(tmp_path: Path) -> None:
     the teacher's tokens are not the policy's, so none is dropped as stale (before: three
     batches, then every sample dropped and the run stuck)."""
     proc = rlbus_up(
-        tmp_path, "frozen1", "max_steps=8", "orchestrator.warmup.steps=0",
+        tmp_path, "frozen1", "max_steps=6", "orchestrator.warmup.steps=0",
         "orchestrator.eval.interval=0", 'orchestrator.actor="teacher"',
         "orchestrator.max_off_policy_steps=0", 'orchestrator.algorithms=[{id="sft"}]',
     )  # fmt: skip
@@ -55,6 +55,6 @@ def test_a_frozen_actor_trains_to_max_steps(tmp_path: Path) -> None:
     assert proc.returncode == 0, out[-4000:]
     events = events_of(tmp_path, "frozen1")
     batches = [e for e in events if isinstance(e, BatchAssembled)]
-    assert [b.step for b in batches] == list(range(1, 9))
+    assert [b.step for b in batches] == list(range(1, 7))
     assert all(b.phase == "rl" and b.dropped_stale == 0 for b in batches)
     assert all(not s.from_policy for b in batches for s in b.samples)

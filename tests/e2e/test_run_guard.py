@@ -21,7 +21,7 @@ import pytest
 from tests.e2e.helpers import rlbus_up, summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-STEPS = 20  # the signal lands while the roles start, long before the last step
+STEPS = 12  # the signal lands while the roles start, long before the last step
 
 
 def processes_under(data_dir: Path) -> list[str]:

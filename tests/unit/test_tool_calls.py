@@ -47,8 +47,8 @@ def openai_call(name: str, arguments: str, call_id: str = "c0") -> dict[str, Any
 
 def test_a_call_renders_as_the_model_writes_it() -> None:
     """An assistant message with tool_calls renders as its content, then one
-    <|tool_call|>name:arguments per call (arguments verbatim), then <|end|>; a tool message
-    shows its name, never its tool_call_id; <|tool_call|> is one token."""
+    <|tool|>name:arguments per call (arguments verbatim), then <|end|>; a tool message
+    shows its name, never its tool_call_id; <|tool|> is one token."""
     assert len(ids(TOOL_CALL)) == 1 and TOK.unk_token_id not in ids(TOOL_CALL)
     calls = [openai_call("calc", '{"expr":"1+2"}'), openai_call("calc", '{"expr": "3"}', "c1")]
     reply = {"role": "assistant", "content": "go", "tool_calls": calls}
@@ -122,6 +122,8 @@ class Lookup(Harness):
     """Turn 1: the model calls tools; the env answers each call by id only (no name)."""
 
     max_turns = 2
+    tools = ({"type": "function", "function": {"name": "ab"}},
+             {"type": "function", "function": {"name": "cd"}})  # fmt: skip
 
     def __init__(self) -> None:
         super().__init__(None)
@@ -231,3 +233,18 @@ async def test_sft_on_tool_outputs_filters_by_the_name_resolved_from_the_call() 
     echo = create("echo", {"alpha": 1.0, "tool_names": ["calc"]})
     (s, _) = score_group("echo", echo, group).samples
     assert np.flatnonzero(mask(s.sft_mask)).tolist() == span
+
+
+async def test_an_env_without_tools_reads_a_call_marker_as_text() -> None:
+    """Only an env that declares tools gets replies parsed into calls: elsewhere a stray
+    marker in a reply is content (no turn error, nothing masked)."""
+    harness = Lookup()
+    harness.tools = ()
+    env = Environment("plain", make_env("reverse-text", {}).taskset, harness,
+                      Rubric({"one": lambda m, t, s: 1.0}))  # fmt: skip
+    gen = Script('hm<|tool|>ab:{"q":"x"}', "done")
+    trace = await run_rollout(env, TaskRef(index=0, data={}), gen, R, SamplingParams(),
+                              rollout_id="p")  # fmt: skip
+    reply = trace.messages[1]
+    assert reply.content == 'hm<|tool|>ab:{"q":"x"}' and reply.tool_calls == []
+    assert not reply.masked and trace.turn_errors == []

@@ -209,6 +209,7 @@ class Harness:
     state_columns: tuple[str, ...] = ()
     # OpenAI function schemas of the tools the env answers (``{"type": "function",
     # "function": {"name", "description", "parameters"}}``), shown by HF chat templates.
+    # Only an env that declares tools gets the model's replies parsed into tool calls.
     tools: tuple[dict[str, Any], ...] = ()
 
     def speaker(self, turn: int) -> str | None:

@@ -358,7 +358,12 @@ async def run_rollout(
                 versions.append(result.policy_version)
             truncated = truncated or result.finish_reason == "length"
             text = renderer.parse_completion(completion)
-            content, turn_calls, parse_error = parse_reply(renderer, text, rollout_id, num_turns)
+            # Only an env with tools reads calls: elsewhere a stray call marker is text.
+            content, turn_calls, parse_error = (
+                parse_reply(renderer, text, rollout_id, num_turns)
+                if env.tools
+                else (text, [], None)
+            )
             last = b.add(
                 "assistant",
                 content,
