@@ -98,6 +98,6 @@ def test_the_gpu_preset_model_has_the_parameters_its_header_states() -> None:
 
     with torch.device("meta"):
         n = count_params(LlamaForCausalLM(config))
-    assert n == 99_190_272
+    assert n == 99_191_040
     header = Path(__file__).parents[2].joinpath("configs/presets/gpu.toml").read_text()
     assert f"{n:,} parameters" in header

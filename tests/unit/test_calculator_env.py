@@ -25,7 +25,7 @@ ENV = make_env("tool-calc", {})
 TASK = {"a": 12, "b": 34}
 
 
-CALL = call_text("12+34")  # <|tool|>calc:{"expr":"12+34"}
+CALL = call_text("12+34")  # <|tool_call|>calc:{"expr":"12+34"}
 
 
 def conversation(*answers: str, task: dict[str, Any] = TASK) -> list[dict[str, Any]]:
@@ -146,8 +146,8 @@ def test_a_structured_call_is_answered_by_id_and_counted_in_state() -> None:
 
 @pytest.mark.parametrize(
     ("reply", "reason"),
-    [("12+34", "not a tool call"), ("<|tool|>calc:{oops", "not JSON"),
-     ('<|tool|>calc:["12+34"]', "not a JSON object"), ("<|tool|>{}", "name:")],
+    [("12+34", "not a tool call"), ("<|tool_call|>calc:{oops", "not JSON"),
+     ('<|tool_call|>calc:["12+34"]', "not a JSON object"), ("<|tool_call|>{}", "name:")],
 )  # fmt: skip
 def test_a_first_reply_that_is_no_call_is_a_parse_error_with_a_tool_reply(
     reply: str, reason: str
@@ -165,7 +165,7 @@ def test_a_first_reply_that_is_no_call_is_a_parse_error_with_a_tool_reply(
 def test_a_call_in_text_form_gets_a_named_reply_and_the_second_message_ends_it() -> None:
     """Without the harness (no ids) a call written as text is answered with a named tool
     message; after the answer the episode is over."""
-    assert CALL == '<|tool|>calc:{"expr":"12+34"}'
+    assert CALL == '<|tool_call|>calc:{"expr":"12+34"}'
     assert conversation(CALL)[-1] == {"role": "tool", "name": "calc", "content": "46"}
     msgs = conversation(CALL, "46")
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
@@ -268,7 +268,7 @@ async def test_scripted_rollout_makes_a_structured_call_and_gets_full_reward() -
     assert (start, end) == (6, 8)  # <|tool|> is one token, then c a l c : one token each
     assert not mask(tool.sampled).any()
     full, sampled, *_ = trace.branch_tokens(trace.branches[0])
-    assert len(full) < 64 and sampled.sum() == 1 + len(CALL) - len("<|tool|>") + 1 + len("46") + 1  # fmt: skip
+    assert len(full) < 64 and sampled.sum() == 1 + len(CALL) - len("<|tool_call|>") + 1 + len("46") + 1  # fmt: skip
     assert trace.num_turns == 2 and len(gen.prompts) == 2
 
 
@@ -291,7 +291,7 @@ async def test_untrained_policy_still_gets_a_tool_message() -> None:
 async def test_malformed_call_is_masked_once_and_the_env_sees_the_raw_reply() -> None:
     """A reply that starts a call but does not parse: the harness masks it (one parse_error,
     though the env refuses it too), records the raw text as its content and no calls."""
-    bad = '<|tool|>calc:{"expr":"12+'
+    bad = '<|tool_call|>calc:{"expr":"12+'
     gen = TeacherGenerate(bad, "46")
     trace = await run_rollout(ENV, TaskRef(index=0, data=TASK), gen, R, SamplingParams(),
                               rollout_id="r")  # fmt: skip

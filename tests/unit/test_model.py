@@ -177,3 +177,24 @@ def test_tampered_weights_raise_digest_mismatch(tiny_dir: Path) -> None:
     assert info.value.expected == digest(b)
     assert info.value.actual == digest(tampered)
     assert state_dict_to_bytes(model) == before
+
+
+def test_a_token_added_later_moves_no_initial_weight() -> None:
+    """The tiny model over the grown vocabulary has exactly the weights the first
+    vocabulary's model had (same seed), plus the added tokens' rows at the mean
+    embedding: a new special token never changes a run's starting point."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from roles.lib.model.tiny import BASE_VOCAB, init_weights, tiny_config
+    from roles.lib.model.tokenizer import build_tokenizer
+
+    cfg = tiny_config(build_tokenizer())
+    assert cfg.vocab_size > BASE_VOCAB
+    grown = dict(init_weights(cfg, 3).named_parameters())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        first = LlamaForCausalLM(LlamaConfig(**{**cfg.to_dict(), "vocab_size": BASE_VOCAB}))
+    for name, w in first.named_parameters():
+        assert torch.equal(grown[name][: len(w)], w), name
+    emb = grown["model.embed_tokens.weight"]
+    assert torch.allclose(emb[BASE_VOCAB:], emb[:BASE_VOCAB].mean(0).expand_as(emb[BASE_VOCAB:]))

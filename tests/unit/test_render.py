@@ -96,13 +96,13 @@ def test_multi_turn_prompts_extend_and_concatenate(turns: list) -> None:
 
 
 def test_char_template_reads_tool_calls_and_hides_tool_schemas() -> None:
-    """The char tokenizer's renderer parses <|tool|> calls; tool schemas passed to
+    """The char tokenizer's renderer parses <|tool_call|> calls; tool schemas passed to
     render_prompt are not shown (the tiny model's prompts stay short)."""
     assert R.tool_format == "char"
     messages = [{"role": "user", "content": "1+1"}]
     schema = {"type": "function", "function": {"name": "calc", "parameters": {}}}
     assert R.render_prompt(messages, [schema]) == R.render_prompt(messages)
-    content, calls = R.parse_tool_calls('sum<|tool|>calc:{"expr":"1+1"}')
+    content, calls = R.parse_tool_calls('sum<|tool_call|>calc:{"expr":"1+1"}')
     assert content == "sum" and [(c.name, c.arguments) for c in calls] == [
         ("calc", '{"expr":"1+1"}')
     ]

@@ -47,8 +47,8 @@ def openai_call(name: str, arguments: str, call_id: str = "c0") -> dict[str, Any
 
 def test_a_call_renders_as_the_model_writes_it() -> None:
     """An assistant message with tool_calls renders as its content, then one
-    <|tool|>name:arguments per call (arguments verbatim), then <|end|>; a tool message
-    shows its name, never its tool_call_id; <|tool|> is one token."""
+    <|tool_call|>name:arguments per call (arguments verbatim), then <|end|>; a tool message
+    shows its name, never its tool_call_id; <|tool_call|> is one token."""
     assert len(ids(TOOL_CALL)) == 1 and TOK.unk_token_id not in ids(TOOL_CALL)
     calls = [openai_call("calc", '{"expr":"1+2"}'), openai_call("calc", '{"expr": "3"}', "c1")]
     reply = {"role": "assistant", "content": "go", "tool_calls": calls}
@@ -242,9 +242,9 @@ async def test_an_env_without_tools_reads_a_call_marker_as_text() -> None:
     harness.tools = ()
     env = Environment("plain", make_env("reverse-text", {}).taskset, harness,
                       Rubric({"one": lambda m, t, s: 1.0}))  # fmt: skip
-    gen = Script('hm<|tool|>ab:{"q":"x"}', "done")
+    gen = Script('hm<|tool_call|>ab:{"q":"x"}', "done")
     trace = await run_rollout(env, TaskRef(index=0, data={}), gen, R, SamplingParams(),
                               rollout_id="p")  # fmt: skip
     reply = trace.messages[1]
-    assert reply.content == 'hm<|tool|>ab:{"q":"x"}' and reply.tool_calls == []
+    assert reply.content == 'hm<|tool_call|>ab:{"q":"x"}' and reply.tool_calls == []
     assert not reply.masked and trace.turn_errors == []

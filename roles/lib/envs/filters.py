@@ -115,7 +115,7 @@ class Gibberish(Detector):
     Default -6.0 (p < 0.25%, 1 draw in 400): a healthy policy draws from that far tail
     for a few percent of its tokens at most, while a collapsing one, whose distribution
     has gone flat, draws most of its tokens there. It sits below a uniform guess over a
-    small vocabulary (-4.65 for the tiny model's 105 tokens), so an untrained tiny model
+    small vocabulary (-4.66 for the tiny model's 106 tokens), so an untrained tiny model
     is not called gibberish. Default ``max_share`` 0.2: one token in five from the tail
     is noise, not language. 0.0 for a trace that sampled nothing."""
 

@@ -20,8 +20,7 @@ get each call's arguments as a dict, as transformers expects; ``tools``, the env
 schemas, go to ``render_prompt``). ``parse_tool_calls`` reads a completion's text back
 into (content, calls) in the format of the tokenizer:
 
-- the char tokenizer: ``<|tool|>name:{...}`` inside an assistant message
-  (``roles.lib.model.tokenizer``);
+- the char tokenizer: ``<|tool_call|>name:{...}`` (``roles.lib.model.tokenizer``);
 - a tokenizer with ``<tool_call>`` in its vocabulary (Hermes, Qwen 2.5/3):
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks;
 - any other: no tool calls (the completion is all content). Subclass and override
@@ -41,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from roles.lib.model.tokenizer import (
-    CHAT_TEMPLATE,
+    TOOL_CALL,
     ParsedToolCall,
     ToolCallSyntaxError,
     split_tool_calls,
@@ -78,11 +77,7 @@ class Renderer:
         self.generation_prompt_ids: list[int] = self._encode(self._generation_prompt_text())
         # The completion format of tool calls: the char template's, Hermes', or none.
         self.tool_format: str | None = (
-            "char"
-            if getattr(tokenizer, "chat_template", None) == CHAT_TEMPLATE
-            else "hermes"
-            if _HERMES_OPEN in vocab
-            else None
+            "char" if TOOL_CALL in vocab else "hermes" if _HERMES_OPEN in vocab else None
         )
 
     # -- text level -----------------------------------------------------------------

@@ -18,8 +18,11 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from roles.lib.model.tokenizer import END, build_tokenizer
+from roles.lib.model.tokenizer import ALPHABET, END, SPECIAL_TOKENS, build_tokenizer
 from roles.lib.model.weights import digest, state_dict_to_bytes
+
+# The char tokenizer's first vocabulary: the tiny model's random draws are over these.
+BASE_VOCAB = len(SPECIAL_TOKENS) + len(ALPHABET)
 
 
 def tiny_config(
@@ -51,12 +54,27 @@ def tiny_config(
 def init_weights(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     """A freshly initialised model; the seed alone fixes every weight.
 
+    The tokens added to the char tokenizer after its first vocabulary
+    (``LATER_SPECIAL_TOKENS``, e.g. ``<|tool_call|>``) do not move a single random draw:
+    the model is drawn over the first ``BASE_VOCAB`` tokens exactly as before, then each
+    added token's embedding (tied to its output row) is the mean of the others. So a
+    seed gives the same initial weights it always gave (a run's results stay
+    comparable), and a new token starts as an average token, not a random one.
+
     fork_rng restores the global RNG afterwards, so building a model never perturbs the
     caller's random stream (devices=[] because the model is built on the CPU).
     """
+    base = min(config.vocab_size, BASE_VOCAB)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "vocab_size": base}))
+        if config.vocab_size > base:  # (resizing draws rows we overwrite: inside fork_rng)
+            old = model.get_input_embeddings().weight.detach().clone()
+            model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
+            added = old.mean(0, keepdim=True).expand(config.vocab_size - base, -1)
+            with torch.no_grad():
+                model.get_input_embeddings().weight.copy_(torch.cat([old, added]))
+            model.tie_weights()
     return model.eval()
 
 

@@ -15,16 +15,14 @@ Special-token strings typed inside content are parsed as special tokens, as with
 tokenizer; the environments we ship never put them in content.
 
 Tool calls: an assistant message with ``tool_calls`` is its content followed by one
-``<|tool|>{name}:{arguments}`` per call (arguments = the call's JSON object text,
-verbatim), then ``<|end|>``; the tool answers in a tool message, ``<|tool|>{name}:...``:
+``<|tool_call|>{name}:{arguments}`` per call (arguments = the call's JSON object text,
+verbatim), then ``<|end|>``:
 
-    <|assistant|><|tool|>calc:{"expr":"12+34"}<|end|><|tool|>calc:46<|end|>
+    <|assistant|><|tool_call|>calc:{"expr":"12+34"}<|end|>
 
 Short on purpose (the tiny model has 256 positions) and parseable without a schema:
-inside an assistant message ``<|tool|>`` (one special token, the tool role's own: no new
-token, so the vocabulary and the tiny model's initial weights stay as they were) starts
-a call, the name runs to the first ``:``, the arguments to the next ``<|tool|>`` or the
-end. ``format_tool_call`` writes one call as the
+``<|tool_call|>`` is one special token, the name runs to the first ``:``, the arguments
+to the next ``<|tool_call|>`` or the end. ``format_tool_call`` writes one call as the
 model would; ``split_tool_calls`` reads a completion back (``Renderer.parse_tool_calls``
 for this template). Tool-call ids never reach the model: the harness derives them.
 
@@ -49,10 +47,12 @@ BOS = "<|bos|>"
 EOS = "<|eos|>"
 UNK = "<|unk|>"
 END = "<|end|>"
+TOOL_CALL = "<|tool_call|>"
 ROLE_TOKENS = {role: f"<|{role}|>" for role in ("system", "user", "assistant", "tool")}
-TOOL_CALL = ROLE_TOKENS["tool"]  # starts a call inside an assistant message
 # Order fixes the ids: pad must be 0 so zero-filled padding is pad.
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS.values(), END)
+# Special tokens added later take ids after the alphabet, so no earlier id moves.
+LATER_SPECIAL_TOKENS = (TOOL_CALL,)
 
 # string.punctuation is exactly `.,:;!?'"-_()[]{}<>/\|=+*#@&%$^~` plus the backtick.
 ALPHABET = string.ascii_letters + string.digits + " \n" + string.punctuation
@@ -65,7 +65,7 @@ CHAT_TEMPLATE = (
     "<|assistant|>{{ message['content'] or '' }}"
     "{%- for call in message['tool_calls'] -%}"
     "{%- set fn = call['function'] if call.get('function') else call -%}"
-    "<|tool|>{{ fn['name'] }}:"
+    "<|tool_call|>{{ fn['name'] }}:"
     "{%- if fn['arguments'] is string -%}{{ fn['arguments'] }}"
     "{%- else -%}{{ fn['arguments'] | tojson }}{%- endif -%}"
     "{%- endfor -%}"
@@ -103,7 +103,7 @@ def format_tool_call(name: str, arguments: dict[str, Any] | str) -> str:
 def split_tool_calls(text: str) -> tuple[str, list[ParsedToolCall]]:
     """(content, calls) of a completion in the char template's format.
 
-    The content is the text before the first ``<|tool|>`` (all of it when there is
+    The content is the text before the first ``<|tool_call|>`` (all of it when there is
     none); each call must be ``name:{JSON object}``, else ``ToolCallSyntaxError`` says
     which call and why.
     """
@@ -124,8 +124,9 @@ def split_tool_calls(text: str) -> tuple[str, list[ParsedToolCall]]:
 
 
 def build_vocab() -> dict[str, int]:
-    """Special tokens first (pad = 0), then one id per alphabet character."""
-    return {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *ALPHABET))}
+    """Special tokens first (pad = 0), then one id per alphabet character, then the
+    special tokens added later."""
+    return {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *ALPHABET, *LATER_SPECIAL_TOKENS))}
 
 
 def build_raw_tokenizer() -> Tokenizer:
@@ -137,7 +138,8 @@ def build_raw_tokenizer() -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     # Fuse concatenates tokens; the default decoder would join them with spaces.
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    specials = (*SPECIAL_TOKENS, *LATER_SPECIAL_TOKENS)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return tok
 
 
@@ -151,7 +153,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         bos_token=BOS,
         eos_token=EOS,
         unk_token=UNK,
-        additional_special_tokens=[*ROLE_TOKENS.values(), END],
+        additional_special_tokens=[*ROLE_TOKENS.values(), END, *LATER_SPECIAL_TOKENS],
         # Cleanup would turn "a ." into "a." and break decode(encode(s)) == s.
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 30,

@@ -4,7 +4,7 @@ Conversation (char tokens are precious: the tiny model has 256 positions)::
 
     system:    Use calc.
     user:      12+34                    (a+b; a, b in [low, high], default 10..99)
-    assistant: <|tool|>calc:{"expr":"12+34"}   turn 1: a structured tool call
+    assistant: <|tool_call|>calc:{"expr":"12+34"}   turn 1: a structured tool call
     tool:      46                       answers the call (tool_call_id; the harness names
                                         it calc), rendered <|tool|>calc:46<|end|>
     assistant: 46                       turn 2: the answer; the episode ends (max_turns 2)
