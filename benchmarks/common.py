@@ -22,3 +22,16 @@ def save(name: str, results: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+async def close_all(events: Any, bus: Any, roles: list[Any]) -> None:
+    """A benchmark's teardown: its event iterator, its bus connection, then its role
+    processes (terminated, then waited for, at most 30 s each)."""
+    import asyncio
+
+    await events.aclose()
+    await bus.close()
+    for r in roles:
+        r.terminate()
+    for r in roles:
+        await asyncio.to_thread(r.wait, 30)

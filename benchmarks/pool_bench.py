@@ -30,7 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, save
+from benchmarks.common import RESULTS, close_all, save
 from bus.reader import LogReader
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
@@ -142,12 +142,7 @@ async def measure(
         keeper.stop.set()
         if pooling is not None:
             await asyncio.wait([pooling], timeout=10)
-        await traces_in.aclose()  # type: ignore[attr-defined]
-        await bus.close()
-        for r in roles:
-            r.terminate()
-        for r in roles:
-            await asyncio.to_thread(r.wait, 30)
+        await close_all(traces_in, bus, roles)
     traces = [e.trace for e in done]
     # rollouts per replica: a producer instance ends with its process's pid
     by_replica = Counter(next((n for k, n in names.items() if e.producer.endswith(k)), "?") for e in done)  # fmt: skip

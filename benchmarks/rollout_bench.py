@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import save
+from benchmarks.common import close_all, save
 from bus.reader import LogReader
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
@@ -74,12 +74,7 @@ async def measure(
         traces = await collect(groups * group_size)
         wall = time.perf_counter() - t0
     finally:
-        await traces_in.aclose()  # type: ignore[attr-defined]
-        await bus.close()
-        for r in roles:
-            r.terminate()
-        for r in roles:
-            await asyncio.to_thread(r.wait, 30)
+        await close_all(traces_in, bus, roles)
     tokens = sum(int(m.ids().size - 1) for t in traces for m in t.messages if m.role == "assistant")
     t = [x.timings for x in traces]
     total = statistics.fmean(x["total_s"] for x in t)
