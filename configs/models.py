@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from configs.orchestrator import OrchestratorConfig, orchestrator_problems
+from configs.orchestrator import OrchestratorConfig, orchestrator_problems, pool_bounds
 
 # Run ids become NATS subject tokens and stream names (`RL_<run>`), where dots,
 # spaces and wildcards are not allowed.
@@ -147,7 +147,7 @@ class InferenceConfig(_Section):
     @property
     def pool(self) -> tuple[int, int]:
         """(min, max) policy replicas; equal for a static pool."""
-        return _pool(self.replicas, self.min_replicas, self.max_replicas)
+        return pool_bounds(self.replicas, self.min_replicas, self.max_replicas)
 
     @model_validator(mode="after")
     def _attempt_within_request(self) -> InferenceConfig:
@@ -169,12 +169,6 @@ class InferenceConfig(_Section):
                 f"`inference.min_replicas`..`inference.max_replicas` ({low}..{high})"
             )
         return self
-
-
-def _pool(replicas: int, low: int | None, high: int | None) -> tuple[int, int]:
-    """A pool's (min, max): unset bounds default to ``replicas`` (as ``EnvConfig.pool``)."""
-    lo = replicas if low is None else low
-    return lo, max(lo, replicas) if high is None else high
 
 
 class EnvServerConfig(_Section):

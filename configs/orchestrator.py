@@ -51,6 +51,13 @@ class EnvSftConfig(_Section):
     tool_names: list[str] | None = None  # None = every tool
 
 
+def pool_bounds(replicas: int, low: int | None, high: int | None) -> tuple[int, int]:
+    """A pool's (min, max) replicas (an env's servers, the policy's inference): an unset
+    bound defaults to ``replicas``, so a pool with neither set is static."""
+    lo = replicas if low is None else low
+    return lo, max(lo, replicas) if high is None else high
+
+
 class FilterConfig(_Section):
     """A rollout filter (`[[orchestrator.train.env.filters]]`, `roles.lib.envs.filters`)."""
 
@@ -105,9 +112,7 @@ class EnvConfig(_Section):
     @property
     def pool(self) -> tuple[int, int]:
         """(min, max) replicas of the env's server pool; equal for a static pool."""
-        low = self.replicas if self.min_replicas is None else self.min_replicas
-        high = max(low, self.replicas) if self.max_replicas is None else self.max_replicas
-        return low, high
+        return pool_bounds(self.replicas, self.min_replicas, self.max_replicas)
 
     @property
     def key(self) -> str:

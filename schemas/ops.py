@@ -27,6 +27,11 @@ class DeadLettered(Event, frozen=True, tag="dead_lettered/1"):
     payload: bytes
     headers: dict[str, str] = msgspec.field(default_factory=dict)
 
+    @property
+    def headline(self) -> str:
+        """``<error_type>: <the error's first line>`` (a traceback follows it, if any)."""
+        return f"{self.error_type}: {(self.error.strip().splitlines() or [''])[0]}"
+
 
 class RoleHeartbeat(Record, frozen=True):
     """The value of a role's key in the role registry (a KV bucket, not the stream)."""

@@ -215,13 +215,10 @@ class Decider:
 
     # -- eval ---------------------------------------------------------------------------
 
-    def is_eval_version(self, v: int) -> bool:
-        return self.cfg.evaluates(v)
-
     def evaluate(self) -> None:
         s, e = self.state, self.cfg.orchestrator.eval
         v = s.trainer_version
-        if self.is_eval_version(v) and v not in s.eval_rounds:
+        if self.cfg.evaluates(v) and v not in s.eval_rounds:
             envs = [
                 env for env in self.cfg.orchestrator.train.env if not e.envs or env.id in e.envs
             ]
@@ -283,9 +280,7 @@ class Decider:
             )
         elif s.trainer_version >= self.cfg.max_steps:
             final = s.eval_rounds.get(self.cfg.max_steps)
-            if not self.is_eval_version(self.cfg.max_steps) or (
-                final is not None and final.reported
-            ):
+            if not self.cfg.evaluates(self.cfg.max_steps) or (final is not None and final.reported):
                 reason, detail = "max_steps", f"trained {self.cfg.max_steps} steps"
         if reason is None:
             return False
@@ -307,10 +302,9 @@ def env_error_detail(state: OrchestratorState) -> str:
     failures = state.env_failures
     envs = sorted({f.subject.rsplit(".", 1)[-1] for f in failures})
     last = failures[-1]
-    first_line = (last.error.strip().splitlines() or [""])[0]
     return (
         f"{len(failures)} task(s) of env {', '.join(envs)} dead-lettered by the env server: "
-        f"{last.error_type}: {first_line} (the traceback: `rlbus events {last.run} "
+        f"{last.headline} (the traceback: `rlbus events {last.run} "
         "--topic dead.lettered --json`)"
     )
 

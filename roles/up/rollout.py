@@ -390,8 +390,7 @@ async def _collect(
         async for event in reader.events((TraceCompleted, EvalCompleted, DeadLettered)):
             if isinstance(event, DeadLettered):
                 if event.causation_id in wanted:
-                    first = (event.error.strip().splitlines() or [""])[0]
-                    result.env_error = f"{event.error_type}: {first}"
+                    result.env_error = event.headline
                     done.set()
                 continue
             if event.request_id not in wanted:
