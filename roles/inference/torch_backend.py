@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,10 +54,10 @@ from roles.inference.backend import (
     admit_generate,
     admit_score,
     check_finite,
-    on_cuda,
     serving_dtype,
 )
 from roles.inference.batcher import Batcher
+from roles.inference.torch_setup import configure_torch_threads, default_stop_ids, limit_gpu_memory
 from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
 from roles.lib.model.weights import (
     WeightsDigestMismatch,
@@ -72,37 +71,6 @@ from schemas.arrays import pack_f32, pack_i32
 
 Request = GenerateRequest | ScoreRequest
 Reply = GenerateResult | ScoreResult | InferenceFailed
-
-THREADS_ENV = "RLBUS_TORCH_THREADS"
-
-
-def configure_torch_threads() -> int:
-    """Set torch's intra-op threads from ``RLBUS_TORCH_THREADS`` (default 1)."""
-    n = int(os.environ.get(THREADS_ENV, "1"))
-    if n > 0 and torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-    return torch.get_num_threads()
-
-
-def limit_gpu_memory(device: str, fraction: float | None) -> None:
-    """Cap this process's CUDA caching allocator at ``fraction`` of the device's memory
-    (``inference.gpu_memory_fraction``), so a trainer on the same GPU keeps the rest.
-    A no-op off CUDA or without a fraction."""
-    if fraction is None or not on_cuda(device):
-        return
-    # An index-less "cuda" is the current device (None), as the model's .to("cuda") is.
-    torch.cuda.set_per_process_memory_fraction(float(fraction), torch.device(device).index)
-
-
-def default_stop_ids(tokenizer: Any) -> list[int]:
-    """The renderer's stop tokens (``<|end|>`` and eos), or eos for a template-less model."""
-    try:
-        from roles.lib.model.render import Renderer
-
-        return list(Renderer(tokenizer).stop_token_ids)
-    except Exception:  # noqa: BLE001 - no chat template: eos is all we know
-        eos = getattr(tokenizer, "eos_token_id", None)
-        return [eos] if eos is not None else []
 
 
 @dataclass

@@ -124,7 +124,7 @@ class VllmBackend:
             raise ImportError(VLLM_MISSING) from e
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-        from roles.inference.torch_backend import default_stop_ids
+        from roles.inference.torch_setup import default_stop_ids
         from roles.lib.model.loading import load_tokenizer
 
         tokenizer = load_tokenizer(model_path)
