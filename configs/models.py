@@ -126,6 +126,9 @@ class InferenceConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = Field(default=64, ge=1)
     batch_window_ms: float = Field(default=5.0, ge=0)  # how long to wait to fill a batch
+    # Torch backend: admit requests into the running decode loop as rows finish, and
+    # answer each row when it ends (false: a batch runs to completion, as before).
+    continuous_batching: bool = True
     request_timeout_s: float = Field(default=60.0, gt=0)
     # Seconds one attempt of a request waits before it is sent again (the queue group hands
     # it to a live replica: one that died holding it costs this, not request_timeout_s).
@@ -249,6 +252,25 @@ class MonitorConfig(_Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
 
+class Placement(_Section):
+    """Where one role process runs: the CPUs it may use and its torch/BLAS threads."""
+
+    cpus: list[Annotated[int, Field(ge=0)]] | None = None  # None: the plan's (or every) CPU
+    threads: int | None = Field(default=None, ge=1)  # None: the plan's
+
+
+class CpusConfig(_Section):
+    """How `rlbus up` places role processes on the machine's CPUs (`roles.up.cpu_plan`)."""
+
+    # "auto": the compute roles (trainer ranks, inference replicas) get disjoint CPU
+    # slices and as many threads as their slice has; the light roles get what is left
+    # (every CPU when nothing is). "off": no affinity, one torch thread per role.
+    plan: Literal["auto", "off"] = "auto"
+    # Overrides by role kind ("trainer", "inference", "env", ...) or process name
+    # ("inference-policy-1", "env-reverse-text"); the name wins over the kind.
+    roles: dict[str, Placement] = Field(default_factory=dict)
+
+
 class RunConfig(_Section):
     """A whole run: the one object every role is started with."""
 
@@ -262,6 +284,7 @@ class RunConfig(_Section):
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    cpus: CpusConfig = Field(default_factory=CpusConfig)
 
     def evaluates(self, version: int) -> bool:
         """Whether the orchestrator evaluates policy ``version`` (at start, every

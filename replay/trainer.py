@@ -11,7 +11,8 @@ directory is gone: ``replay.portable.locate_model_dir``), ``batch.assembled`` th
 and every step's deterministic metrics and weights digest are compared bit for bit with
 the recorded ``metrics.reported.trainer`` and ``weights.published``. Replay runs on the
 CPU whatever the run used (GPU kernels are not bit-exact), with the run's intra-op
-thread count (``RLBUS_TORCH_THREADS``, default 1).
+thread count (the trainer records it in its metrics, ``threads``: the CPU plan of
+``rlbus up`` may have given it more than one).
 
 The config in force for a batch is that of the newest ``run.started`` before it in the
 log; a later one (``resumed=True``) changes the config from that point on. A fork uses
@@ -34,8 +35,10 @@ steps trained of those to train (``rlbus replay`` draws both).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,8 @@ from schemas import (
     WeightsPublished,
     derive_id,
 )
+
+THREADS_ENV = "RLBUS_TORCH_THREADS"  # roles.trainer.core.torch_threads reads it
 
 
 class ReplayError(Exception):
@@ -91,6 +96,14 @@ class TrainerLog:
     def config(self, step: int = 1, overrides: Sequence[str] = ()) -> RunConfig:
         """The config in force for ``step`` (plus ``overrides``), forced onto the CPU."""
         return self.config_of(self.start_for(step), overrides)
+
+    @property
+    def threads(self) -> int | None:
+        """The trainer's intra-op threads per rank as recorded (the CPU plan's), None for
+        a run recorded before trainers reported them (they ran on one)."""
+        first = self.recorded.get(min(self.recorded, default=0))
+        threads = first.metrics.get("threads") if first is not None else None
+        return int(threads) if threads else None
 
     @property
     def world_size(self) -> int | None:
@@ -174,12 +187,30 @@ class ReplayResult:
 StepCallback = Callable[[StepRecord, list[Mismatch]], None]
 
 
-def make_core(cfg: RunConfig, model_dir: Path) -> Any:
-    """A fresh trainer on the CPU, on ``trainer.world_size`` ranks (gloo) like the run;
-    the caller closes it. Torch loads here, not at import."""
+def make_core(cfg: RunConfig, model_dir: Path, threads: int | None = None) -> Any:
+    """A fresh trainer on the CPU, on ``trainer.world_size`` ranks (gloo) like the run,
+    each with the run's ``threads`` (float sums depend on the split; None: the
+    environment's ``RLBUS_TORCH_THREADS``); the caller closes it. Torch loads here."""
     from roles.trainer.group import make_trainer, start_ranks
 
-    return make_trainer(cfg, model_dir, start_ranks(cfg, model_dir, "cpu"), device="cpu")
+    with _torch_threads(threads):  # read by the core and inherited by rank processes
+        return make_trainer(cfg, model_dir, start_ranks(cfg, model_dir, "cpu"), device="cpu")
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    if threads is None:
+        yield
+        return
+    before = os.environ.get(THREADS_ENV)
+    os.environ[THREADS_ENV] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[THREADS_ENV]
+        else:
+            os.environ[THREADS_ENV] = before
 
 
 def replay_steps(
@@ -243,7 +274,7 @@ def replay_run(
     on_progress: Progress | None = None,
 ) -> ReplayResult:
     """The whole check: a fresh core, every recorded step compared."""
-    core = make_core(log.config(1), model_dir)
+    core = make_core(log.config(1), model_dir, log.threads)
     try:
         return replay_steps(
             core, log.batches, log.recorded, until, on_step, config_for=log.config,
@@ -285,7 +316,7 @@ def run_fork(
     if not 0 <= from_step <= len(log.batches):
         raise ReplayError(f"--from {from_step} is outside the run's steps 0..{len(log.batches)}")
     cfg = log.config(from_step + 1, overrides)
-    core = make_core(log.config(1), model_dir)
+    core = make_core(log.config(1), model_dir, log.threads)
     try:
         return _fork(log, core, cfg, from_step, until, on_step, on_fork_step, on_progress)
     finally:

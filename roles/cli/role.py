@@ -57,7 +57,9 @@ def _start(
     from bus.auth import CREDS_ENV
     from bus.log import configure
     from roles.runtime.context import role_context
+    from roles.up.cpu_plan import apply_cpus
 
+    apply_cpus()  # $RLBUS_CPUS (the launcher's CPU plan), before torch starts threads
     if creds:
         os.environ[CREDS_ENV] = creds  # this process's connections (bus.runtime)
 

@@ -332,6 +332,7 @@ class TrainerCore:
             "samples": float(len(samples)),
             "micro_batches": float(len(mbs)),
             "world_size": float(self.world_size),  # replay trains on as many ranks
+            "threads": float(self.threads),  # ... with as many intra-op threads each
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "step_s": elapsed,
         }

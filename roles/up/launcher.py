@@ -10,7 +10,8 @@ running there), on the port of the run's last launch when that is free, and rest
 it there if it dies,
 builds the tiny model if that is the configured policy, writes the resolved config to
 ``runs/<run>/config.toml``, and starts each role with the same ``rlbus role ...``
-command a user would type, logging to ``runs/<run>/logs/<role>.log``: each train env's
+command a user would type, placed on the machine's CPUs by the ``[cpus]`` plan
+(``roles/up/cpu_plan.py``), logging to ``runs/<run>/logs/<role>.log``: each train env's
 pool of env servers and the policy's inference replicas at their ``replicas``, resized
 while the run goes when elastic (``roles/up/pools.py``). A role that dies
 is restarted (it resumes from its durable consumer; the log makes that safe). When the
@@ -33,6 +34,7 @@ from bus.server import EmbeddedServer
 from configs import POLICY, RunConfig, dump_toml
 from configs.paths import RunPaths
 from roles.runtime.context import policy_model_dir
+from roles.up.cpu_plan import Slot, available_cpus, cpu_plan
 from roles.up.pools import env_replica, inference_replica, run_pools
 from roles.up.processes import RoleProcess, role_env, role_process
 from roles.up.run_guard import (
@@ -49,8 +51,9 @@ from roles.up.run_guard import (
 from roles.up.supervisor import supervise
 
 
-def role_specs(cfg: RunConfig, paths: RunPaths, url: str) -> list[RoleProcess]:
-    """Every role process the config needs at the start (each pool at its ``replicas``)."""
+def role_commands(cfg: RunConfig) -> list[tuple[str, list[str]]]:
+    """(process name, ``rlbus role`` arguments) of every role process the config needs at
+    the start (each pool at its ``replicas``)."""
     o = cfg.orchestrator
     specs: list[tuple[str, list[str]]] = [
         ("orchestrator", ["orchestrator"]),
@@ -71,7 +74,37 @@ def role_specs(cfg: RunConfig, paths: RunPaths, url: str) -> list[RoleProcess]:
         specs.append((f"algorithm-{a}", ["algorithm", "--name", a]))
     if cfg.monitor.sinks:
         specs.append(("monitor", ["monitor"]))
-    return [role_process(name, args, paths, url) for name, args in specs]
+    return specs
+
+
+def process_names(cfg: RunConfig) -> list[str]:
+    """Every role process the run may have: those started, and each pool's replicas up
+    to its maximum (the CPU plan keeps room for them)."""
+    names = [name for name, _ in role_commands(cfg)]
+    names += [inference_replica(i) for i in range(cfg.inference.replicas, cfg.inference.pool[1])]
+    for env in cfg.orchestrator.train.env:
+        names += [env_replica(env.id, i) for i in range(env.replicas, env.pool[1])]
+    return names
+
+
+def role_specs(
+    cfg: RunConfig, paths: RunPaths, url: str, plan: dict[str, Slot] | None = None
+) -> list[RoleProcess]:
+    """Every role process the config needs at the start, placed by the CPU ``plan``
+    (default: this run's on this machine)."""
+    plan = run_cpu_plan(cfg) if plan is None else plan
+    return [placed(role_process(name, args, paths, url), plan) for name, args in role_commands(cfg)]
+
+
+def run_cpu_plan(cfg: RunConfig) -> dict[str, Slot]:
+    """This run's CPU plan on this machine (``roles.up.cpu_plan``)."""
+    return cpu_plan(cfg, process_names(cfg), available_cpus())
+
+
+def placed(r: RoleProcess, plan: dict[str, Slot]) -> RoleProcess:
+    """``r`` with its plan slot's environment (a name outside the plan: one thread)."""
+    r.env |= plan.get(r.name, Slot(None, 1)).env()
+    return r
 
 
 def role_devices(cfg: RunConfig, roles: list[RoleProcess]) -> dict[str, str]:
@@ -140,12 +173,18 @@ def _launch_locked(
             asyncio.run(_check_given_server(url, run, mode))
         paths.config.write_text(dump_toml(cfg))
         policy_model_dir(cfg, run)  # build the tiny model once, before roles race to it
-        roles = role_specs(cfg, paths, url)
+        plan = run_cpu_plan(cfg)
+        roles = role_specs(cfg, paths, url, plan)
         devices = role_devices(cfg, roles)
         print("devices: " + ", ".join(f"{name} {dev}" for name, dev in devices.items()), flush=True)
+        print(
+            "cpus: " + ", ".join(f"{r.name} {plan[r.name].describe()}" for r in roles), flush=True
+        )
         if len(servers) > 1:
             print(f"nats cluster: {len(servers)} nodes, {cfg.bus.resolved_replicas()} replicas", flush=True)  # fmt: skip
-        pools = run_pools(cfg, roles, lambda name, args: role_process(name, args, paths, url))
+        pools = run_pools(
+            cfg, roles, lambda name, args: placed(role_process(name, args, paths, url), plan)
+        )
         return asyncio.run(supervise(cfg, paths, url, roles, live_view, servers, pools))
 
 

@@ -19,7 +19,9 @@ it can check cheaply (no torch, no model load, no network), each problem naming 
   (``"cuda"``, ``"cuda:1"``), name one torch sees (``"auto"`` falls back to the CPU and
   is not checked); this imports torch, and only then;
 - each ``monitor.sinks`` entry has its library installed, and online W&B has a key;
-- ``bus.data_dir`` is writable and has ``MIN_FREE_BYTES`` free.
+- ``bus.data_dir`` is writable and has ``MIN_FREE_BYTES`` free;
+- each ``cpus.roles`` key names a role kind or process of the run, and its CPUs are ones
+  this process may run on (``roles.up.cpu_plan``).
 
 Checked elsewhere, and not repeated here: key typos, value ranges and cross-field
 references (the config validators, at load); a ``-c`` name that is neither a file nor a
@@ -63,6 +65,7 @@ def check(cfg: RunConfig, *, devices: bool = True) -> None:
         *(device_problems(cfg) if devices else []),
         *sink_problems(cfg),
         *data_dir_problems(cfg),
+        *cpu_problems(cfg),
     ]
     if problems:
         raise ConfigError("; ".join(problems))
@@ -255,3 +258,11 @@ def _nearest_existing(path: Path) -> Path:
 def _one_line(e: BaseException) -> str:
     """An exception's message with its line breaks folded (an ImportError's can have some)."""
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def cpu_problems(cfg: RunConfig) -> list[str]:
+    """``cpus.roles`` keys that name no role of the run, or CPUs this machine lacks."""
+    from roles.up.cpu_plan import available_cpus, plan_problems
+    from roles.up.launcher import process_names
+
+    return plan_problems(cfg, process_names(cfg), available_cpus())
