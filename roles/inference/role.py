@@ -133,6 +133,7 @@ async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
         local_files_only=cfg.model.local_files_only,
         max_batch_size=inf.max_batch_size,
         batch_window_ms=inf.batch_window_ms,
+        continuous=inf.continuous_batching,
         gpu_memory_fraction=inf.gpu_memory_fraction,
         served_dtype=inf.dtype,
     )

@@ -1,12 +1,18 @@
 """The transformers/torch inference backend: batched generation and scoring on CPU or a GPU.
 
-``TorchEngine`` is synchronous and owns the model: it runs one batch of generate and
-score requests (``run_batch``), and swaps weights (``load_state``). ``TorchBackend`` is
-the async ``Backend`` around it: a ``Batcher`` collects concurrent requests and runs
-each batch in a worker thread; weight swaps take the batcher's lock, so they land
-between batches.
+``TorchEngine`` is synchronous and owns the model: it answers a batch of generate and
+score requests (``run_batch``), offers the steps of decoding one at a time
+(``admit_row``, ``prefill``, ``sample_rows``, ``step``) and swaps weights
+(``load_state``). ``TorchBackend`` is the async ``Backend`` around it, in one of two modes:
 
-How a generate batch runs (``TorchEngine._generate``):
+- ``continuous=True`` (default): a ``ContinuousBatcher`` (``roles.inference.continuous``)
+  runs one decode loop that requests join between iterations and leave as they finish;
+  a weights swap stops admissions and lands once the live rows have finished;
+- ``continuous=False``: a static ``Batcher`` collects concurrent requests and runs each
+  batch to completion in a worker thread; weight swaps take the batcher's lock, so they
+  land between batches.
+
+How a generate batch runs (``TorchEngine._generate``; the continuous loop takes the same steps):
 
 - prompts are left-padded into one [B, L] tensor with an attention mask; position ids
   count real tokens only (``cumsum(mask) - 1``), so a padded row sees exactly the
@@ -39,10 +45,10 @@ small CPU and oversubscribed BLAS threads make every one of them slower.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +56,10 @@ import numpy as np
 import torch
 
 from roles.inference import sampling
-from roles.inference.backend import (
-    admit_generate,
-    admit_score,
-    check_finite,
-    serving_dtype,
-)
+from roles.inference.backend import admit_generate, admit_score, check_finite, serving_dtype
 from roles.inference.batcher import Batcher
+from roles.inference.continuous import ContinuousBatcher
+from roles.inference.kv_cache import Running
 from roles.inference.torch_setup import configure_torch_threads, default_stop_ids, limit_gpu_memory
 from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
 from roles.lib.model.weights import (
@@ -73,7 +76,7 @@ Request = GenerateRequest | ScoreRequest
 Reply = GenerateResult | ScoreResult | InferenceFailed
 
 
-@dataclass
+@dataclasses.dataclass
 class EngineStats:
     """Cumulative counters, written by the worker thread, read by metrics."""
 
@@ -86,7 +89,7 @@ class EngineStats:
     compute_s: float = 0.0
 
 
-@dataclass
+@dataclasses.dataclass
 class _Row:
     """One admitted generate request while its batch runs."""
 
@@ -96,8 +99,8 @@ class _Row:
     max_new: int
     stop: frozenset[int]
     generator: torch.Generator | None
-    out_ids: list[int]
-    out_lps: list[float]
+    out_ids: list[int] = dataclasses.field(default_factory=list)
+    out_lps: list[float] = dataclasses.field(default_factory=list)
     stop_strings: tuple[str, ...] = ()
     finish: str | None = None
 
@@ -130,6 +133,7 @@ class TorchEngine:
         # Most HF causal LMs accept logits_to_keep: project only the positions we read,
         # not [B, L, vocab] (which dominates memory for real vocabularies).
         self._keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._keep_last = {"logits_to_keep": 1} if self._keep_arg else {}
 
     @classmethod
     def from_path(
@@ -217,117 +221,124 @@ class TorchEngine:
     # -- generate -----------------------------------------------------------------------
 
     def _generate(self, reqs: list[GenerateRequest], queue_s: list[float]) -> list[Reply]:
-        start = time.perf_counter()
-        version = self.policy_version
-        replies: list[Reply | None] = [None] * len(reqs)
-        rows: list[_Row] = []
-        for i, req in enumerate(reqs):
-            admitted = admit_generate(
-                req, vocab_size=self.vocab_size, max_model_len=self.max_model_len
-            )
-            if isinstance(admitted, InferenceFailed):
-                replies[i] = admitted
-                continue
-            prompt, budget = admitted
-            row = _Row(
-                index=i,
-                req=req,
-                prompt=prompt,
-                max_new=budget,
-                stop=self.stop_token_ids | frozenset(req.stop_token_ids),
-                generator=sampling.make_generator(req.seed, self.device)
-                if req.sampling.temperature > 0
-                else None,
-                out_ids=[],
-                out_lps=[],
-                stop_strings=tuple(x for x in req.sampling.stop if x),
-            )
-            if row.stop_strings and self.tokenizer is None:
-                replies[i] = InferenceFailed(
-                    request_id=req.request_id,
-                    kind="bad_request",
-                    message="stop strings need a tokenizer; send stop_token_ids",
-                )
-                continue
-            if budget == 0:
-                row.finish = "length"
-            rows.append(row)
-        active = [r for r in rows if r.finish is None]
-        if active:
+        start, version = time.perf_counter(), self.policy_version
+        rows = [self.admit_row(req, i) for i, req in enumerate(reqs)]
+        if active := [r for r in rows if isinstance(r, _Row) and r.finish is None]:
             self._decode(active)
         compute_s = time.perf_counter() - start
-        self.stats.generate_requests += len(rows)
         self.stats.compute_s += compute_s
-        for r in rows:
-            self.stats.prompt_tokens += len(r.prompt)
-            self.stats.completion_tokens += len(r.out_ids)
-            replies[r.index] = GenerateResult(
-                request_id=r.req.request_id,
-                completion_ids=pack_i32(r.out_ids),
-                logprobs=pack_f32(r.out_lps),
-                finish_reason=r.finish or "length",
-                policy_version=version,
-                prompt_tokens=len(r.prompt),
-                queue_s=queue_s[r.index],
-                compute_s=compute_s,
+        return [
+            self.result(r, version, queue_s[r.index], compute_s) if isinstance(r, _Row) else r
+            for r in rows
+        ]
+
+    def admit_row(self, req: GenerateRequest, index: int = 0) -> _Row | InferenceFailed:
+        """The row of a servable request (finished at once when its budget is 0), else why
+        it cannot be served."""
+        admitted = admit_generate(req, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        if isinstance(admitted, InferenceFailed):
+            return admitted
+        (prompt, budget), s = admitted, req.sampling
+        row = _Row(
+            index=index,
+            req=req,
+            prompt=prompt,
+            max_new=budget,
+            stop=self.stop_token_ids | frozenset(req.stop_token_ids),
+            generator=sampling.make_generator(req.seed, self.device) if s.temperature > 0 else None,
+            stop_strings=tuple(x for x in s.stop if x),
+        )
+        if row.stop_strings and self.tokenizer is None:
+            return InferenceFailed(
+                request_id=req.request_id,
+                kind="bad_request",
+                message="stop strings need a tokenizer; send stop_token_ids",
             )
-        return [r for r in replies if r is not None]
+        if budget == 0:
+            row.finish = "length"
+        return row
+
+    def result(self, r: _Row, version: int, queue_s: float, compute_s: float) -> GenerateResult:
+        """A finished row's answer (and its share of the counters)."""
+        self.stats.generate_requests += 1
+        self.stats.prompt_tokens += len(r.prompt)
+        self.stats.completion_tokens += len(r.out_ids)
+        return GenerateResult(
+            request_id=r.req.request_id,
+            completion_ids=pack_i32(r.out_ids),
+            logprobs=pack_f32(r.out_lps),
+            finish_reason=r.finish or "length",
+            policy_version=version,
+            prompt_tokens=len(r.prompt),
+            queue_s=queue_s,
+            compute_s=compute_s,
+        )
 
     def _decode(self, rows: list[_Row]) -> None:
         """Prefill, then decode token by token until every row has finished."""
-        dev = self.device
+        params = self.row_params(rows)
+        logits, run = self.prefill(rows)
+        live = list(rows)  # the rows in the tensors, in order
+        compact = hasattr(run.cache, "batch_select_indices")
+        while True:
+            tok = self.sample_rows(live, logits, params)
+            keep_rows = [b for b, r in enumerate(live) if r.finish is None]
+            if not keep_rows:
+                return
+            if compact and len(keep_rows) < len(live):
+                # Finished rows leave the batch: their cache rows, mask and params go too.
+                sel = torch.tensor(keep_rows, device=self.device)
+                run.select(sel)
+                live = [live[b] for b in keep_rows]
+                tok, params = tok[sel], params.select(sel)
+            logits = self.step(run, tok)
+
+    def row_params(self, rows: Sequence[_Row]) -> sampling.RowParams:
+        """The sampling parameters of ``rows``, one tensor entry per row."""
+        s = [r.req.sampling for r in rows]
+        return sampling.RowParams.of(
+            [x.temperature for x in s], [x.top_k for x in s], [x.top_p for x in s], self.device
+        )
+
+    def prefill(self, rows: list[_Row]) -> tuple[torch.Tensor, Running]:
+        """One forward over the left-padded prompts: each row's next-token logits [B, V]
+        (float32) and the running batch (cache, mask, next positions)."""
         width = max(len(r.prompt) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for b, r in enumerate(rows):
             ids[b, width - len(r.prompt) :] = torch.tensor(r.prompt)
             mask[b, width - len(r.prompt) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        params = sampling.RowParams.of(
-            [r.req.sampling.temperature for r in rows],
-            [r.req.sampling.top_k for r in rows],
-            [r.req.sampling.top_p for r in rows],
-            device=dev,
-        )
-        keep = {"logits_to_keep": 1} if self._keep_arg else {}
-        out = self._forward(ids, mask, pos, use_cache=True, **keep)
-        cache = out.past_key_values
+        out = self._forward(ids, mask, pos, use_cache=True, **self._keep_last)
         # float32 before sampling's log-softmax (a no-op for a float32 model: the CPU path).
-        logits = out.logits[:, -1, :].float()
-        next_pos = pos[:, -1:] + 1
-        live = list(rows)  # the rows in the tensors, in order
-        compact = hasattr(cache, "batch_select_indices")
-        while True:
-            tok, lps = sampling.sample(logits, params, [r.generator for r in live])
-            tok_list, lp_list = tok.tolist(), lps.tolist()
-            for b, r in enumerate(live):
-                if r.finish is not None:  # kept computing (no compaction): output ignored
-                    continue
-                t = tok_list[b]
-                r.out_ids.append(t)
-                r.out_lps.append(lp_list[b])
-                if t in r.stop or self._hit_stop_string(r):
-                    r.finish = "stop"
-                elif len(r.out_ids) >= r.max_new:
-                    r.finish = "length"
-            keep_rows = [b for b, r in enumerate(live) if r.finish is None]
-            if not keep_rows:
-                return
-            if compact and len(keep_rows) < len(live):
-                # Finished rows leave the batch: their cache rows, mask and params go too.
-                sel = torch.tensor(keep_rows, device=dev)
-                cache.batch_select_indices(sel)
-                live = [live[b] for b in keep_rows]
-                tok, mask, next_pos = tok[sel], mask[sel], next_pos[sel]
-                params = params.select(sel)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = self._forward(
-                tok[:, None], mask, next_pos, past_key_values=cache, use_cache=True, **keep
-            )
-            cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()
-            next_pos = next_pos + 1
+        return out.logits[:, -1, :].float(), Running(out.past_key_values, mask, pos[:, -1:] + 1)
+
+    def step(self, run: Running, tok: torch.Tensor) -> torch.Tensor:
+        """Feed each row its sampled token [B]; the next logits [B, V] (float32)."""
+        run.grow()
+        kw = {"past_key_values": run.cache, "use_cache": True, **self._keep_last}
+        out = self._forward(tok[:, None], run.mask, run.next_pos, **kw)
+        run.cache, run.next_pos = out.past_key_values, run.next_pos + 1
+        return out.logits[:, -1, :].float()
+
+    def sample_rows(
+        self, live: list[_Row], logits: torch.Tensor, params: sampling.RowParams
+    ) -> torch.Tensor:
+        """Sample each row's next token [B], append it and its logprob, and mark the rows
+        it finishes (a stop token or string, or the budget)."""
+        tok, lps = sampling.sample(logits, params, [r.generator for r in live])
+        for r, t, lp in zip(live, tok.tolist(), lps.tolist(), strict=True):
+            if r.finish is not None:  # kept computing (no compaction): output ignored
+                continue
+            r.out_ids.append(t)
+            r.out_lps.append(lp)
+            if t in r.stop or self._hit_stop_string(r):
+                r.finish = "stop"
+            elif len(r.out_ids) >= r.max_new:
+                r.finish = "length"
+        return tok
 
     def _hit_stop_string(self, row: _Row) -> bool:
         """Whether the completion's text now contains one of the row's stop strings.
@@ -400,11 +411,19 @@ class TorchBackend:
     name = "torch"
 
     def __init__(
-        self, engine: TorchEngine, *, max_batch_size: int = 64, batch_window_ms: float = 5.0
+        self,
+        engine: TorchEngine,
+        *,
+        max_batch_size: int = 64,
+        batch_window_ms: float = 5.0,
+        continuous: bool = True,
     ) -> None:
         self.engine = engine
-        self.batcher: Batcher[Request, Reply] = Batcher(
-            engine.run_batch, max_batch_size=max_batch_size, batch_window_ms=batch_window_ms
+        size, window = max_batch_size, batch_window_ms
+        self.batcher: Batcher[Request, Reply] | ContinuousBatcher = (
+            ContinuousBatcher(engine, max_batch_size=size, batch_window_ms=window)
+            if continuous
+            else Batcher(engine.run_batch, max_batch_size=size, batch_window_ms=window)
         )
 
     @classmethod
@@ -420,6 +439,7 @@ class TorchBackend:
         stop_token_ids: Sequence[int] | None = None,
         gpu_memory_fraction: float | None = None,
         served_dtype: str = "auto",
+        continuous: bool = True,
     ) -> TorchBackend:
         """Load the model (slow: call it in a thread from async code)."""
         engine = TorchEngine.from_path(
@@ -431,7 +451,12 @@ class TorchBackend:
             gpu_memory_fraction=gpu_memory_fraction,
             served_dtype=served_dtype,
         )
-        return cls(engine, max_batch_size=max_batch_size, batch_window_ms=batch_window_ms)
+        return cls(
+            engine,
+            max_batch_size=max_batch_size,
+            batch_window_ms=batch_window_ms,
+            continuous=continuous,
+        )
 
     @property
     def policy_version(self) -> int:
@@ -450,19 +475,14 @@ class TorchBackend:
     async def load_weights(self, data: bytes, digest: str, version: int) -> None:
         # Verify and shape-check outside the lock: batches keep running meanwhile.
         await asyncio.to_thread(self.engine.check_state, data, digest)
-        async with self.batcher.lock:  # between batches, never inside one
+        b = self.batcher  # between batches (continuous: once the live rows have finished)
+        async with b.exclusive() if isinstance(b, ContinuousBatcher) else b.lock:
             await asyncio.to_thread(self.engine.load_state, data, digest, version)
 
     def stats(self) -> dict[str, float]:
-        e, b = self.engine.stats, self.batcher.stats
+        b = self.batcher.stats  # continuous: batches are admission rounds (continuous.py)
         return {
-            "generate_requests": e.generate_requests,
-            "score_requests": e.score_requests,
-            "failed_requests": e.failed_requests,
-            "prompt_tokens": e.prompt_tokens,
-            "completion_tokens": e.completion_tokens,
-            "scored_tokens": e.scored_tokens,
-            "compute_s": e.compute_s,
+            **dataclasses.asdict(self.engine.stats),  # requests, tokens, compute_s
             "batches": b.batches,
             "batched_items": b.items,
             "largest_batch": b.largest_batch,

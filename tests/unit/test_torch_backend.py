@@ -242,8 +242,11 @@ def test_score_matches_full_forward(engine: TorchEngine, renderer: Renderer) -> 
 
 
 async def test_backend_batches_concurrent_requests(tiny_dir: Path, renderer: Renderer) -> None:
-    """Concurrent generate calls share batches, and each result reports its queue time."""
-    backend = TorchBackend.from_path(tiny_dir, device="cpu", batch_window_ms=50, max_batch_size=8)
+    """Static mode: concurrent generate calls share batches, and each result reports its
+    queue time."""
+    backend = TorchBackend.from_path(
+        tiny_dir, device="cpu", batch_window_ms=50, max_batch_size=8, continuous=False
+    )
     prompts = _prompts(renderer)
     reqs = [_gen(str(i), prompts[i % 5], temperature=0.0, max_completion_tokens=4) for i in range(12)]  # fmt: skip
     results = await asyncio.gather(*(backend.generate([r]) for r in reqs))
@@ -254,9 +257,15 @@ async def test_backend_batches_concurrent_requests(tiny_dir: Path, renderer: Ren
     assert all(r[0].queue_s >= 0 and r[0].compute_s > 0 for r in results)
 
 
-async def test_weights_swap_between_batches(tiny_dir: Path, renderer: Renderer) -> None:
-    """A swap requested mid-batch waits for it: that batch keeps the old version and outputs."""
-    backend = TorchBackend.from_path(tiny_dir, device="cpu", batch_window_ms=0)
+@pytest.mark.parametrize("continuous", [False, True])
+async def test_weights_swap_between_batches(
+    tiny_dir: Path, renderer: Renderer, continuous: bool
+) -> None:
+    """A swap requested mid-batch waits for it: that batch keeps the old version and outputs
+    (continuous: the swap waits for the live rows)."""
+    backend = TorchBackend.from_path(
+        tiny_dir, device="cpu", batch_window_ms=0, continuous=continuous
+    )
     new_model = load_model(tiny_dir)
     _scramble(new_model, seed=5)
     data = state_dict_to_bytes(new_model)
@@ -265,7 +274,10 @@ async def test_weights_swap_between_batches(tiny_dir: Path, renderer: Renderer) 
     (before,) = await backend.generate([req])
 
     running = asyncio.create_task(backend.generate([req] * 8))
-    while backend.batcher.stats.batches < 1 or not backend.batcher.lock.locked():
+    # Static: a batch is counted once it has run, so one batch counted and the lock held
+    # means the second is computing. Continuous: an admission is counted as it happens.
+    admitted = 2 if continuous else 1
+    while backend.batcher.stats.batches < admitted or not backend.batcher.lock.locked():
         await asyncio.sleep(0.001)  # the batch is now computing in its thread
     await backend.load_weights(data, digest(data), version=3)
     during = await running
