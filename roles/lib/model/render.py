@@ -13,6 +13,13 @@ Written for the character tokenizer; for other HF chat templates it renders one 
 as the difference between a conversation with and without it (so templates that inject
 a default system prompt do not repeat it), which covers the common templates.
 
+A template is a pure function of the messages, and the same messages come back all the
+time (a group's rollouts share their task's opening messages; every turn renders its
+message two or three ways), so one message's text is computed once per renderer
+(``message_text``, ``message_tokens``, ``split_scaffold``: a bounded cache keyed by the
+message's JSON) and the anchor's once:
+Jinja rendering was the env server's largest per-rollout cost.
+
 Tool calls. Messages are OpenAI-style: an assistant message may carry ``tool_calls``
 (``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]``), a tool
 message ``tool_call_id``; both go through the chat template as they are (HF templates
@@ -36,7 +43,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from roles.lib.model.tokenizer import (
@@ -56,6 +63,7 @@ _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _ANCHOR: Message = {"role": "user", "content": "x"}
 # Stands in for a message's content to find where the template puts the content.
 _SENTINEL = "\x00content\x00"
+_CACHE_SIZE = 4096  # rendered messages kept (cleared when full)
 
 
 def _suffix_after(full: str, base: str) -> str | None:
@@ -79,6 +87,8 @@ class Renderer:
         self.tool_format: str | None = (
             "char" if TOOL_CALL in vocab else "hermes" if _HERMES_OPEN in vocab else None
         )
+        self._anchor_text = self._template([_ANCHOR], False)
+        self._memo: dict[tuple[str, str], Any] = {}  # (what, message JSON) -> result
 
     # -- text level -----------------------------------------------------------------
 
@@ -121,11 +131,23 @@ class Renderer:
             raise ValueError("chat template's generation prompt does not extend the prompt")
         return suffix
 
+    def _cached(self, what: str, message: Message, compute: Callable[[], Any]) -> Any:
+        key = (what, json.dumps(message, sort_keys=True, default=str))
+        if key not in self._memo:
+            if len(self._memo) >= _CACHE_SIZE:
+                self._memo.clear()
+            self._memo[key] = compute()
+        return self._memo[key]
+
     def message_text(self, message: Message) -> str:
         """One message as the template writes it inside a conversation."""
-        base = self._template([_ANCHOR], False)
-        alone = _suffix_after(self._template([_ANCHOR, message], False), base)
-        return alone if alone is not None else self._template([message], False)
+
+        def compute() -> str:
+            alone = _suffix_after(self._template([_ANCHOR, message], False), self._anchor_text)
+            return alone if alone is not None else self._template([message], False)
+
+        text: str = self._cached("text", message, compute)
+        return text
 
     # -- token level ----------------------------------------------------------------
 
@@ -140,9 +162,18 @@ class Renderer:
 
     def message_tokens(self, message: Message) -> list[int]:
         """One message's tokens (scaffold + content) as they appear mid-conversation."""
-        return self._encode(self.message_text(message))
+        ids = self._cached(
+            "tokens", message, lambda: tuple(self._encode(self.message_text(message)))
+        )
+        return list(ids)
 
     def split_scaffold(self, message: Message) -> tuple[list[int], list[int], list[int]]:
+        """`message_tokens(message)` cut into (scaffold prefix, content, scaffold suffix)
+        (``_split_scaffold``, once per distinct message)."""
+        parts = self._cached("split", message, lambda: self._split_scaffold(message))
+        return list(parts[0]), list(parts[1]), list(parts[2])
+
+    def _split_scaffold(self, message: Message) -> tuple[list[int], list[int], list[int]]:
         """`message_tokens(message)` cut into (scaffold prefix, content, scaffold suffix).
 
         The content's span is found by rendering the message with a sentinel in place of
