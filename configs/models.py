@@ -127,8 +127,8 @@ class InferenceConfig(_Section):
     max_batch_size: int = Field(default=64, ge=1)
     batch_window_ms: float = Field(default=5.0, ge=0)  # how long to wait to fill a batch
     # Torch backend: admit requests into the running decode loop as rows finish, and
-    # answer each row when it ends (false: a batch runs to completion, as before).
-    continuous_batching: bool = True
+    # answer each row when it ends (false: each batch runs to completion).
+    continuous_batching: bool = False
     request_timeout_s: float = Field(default=60.0, gt=0)
     # Seconds one attempt of a request waits before it is sent again (the queue group hands
     # it to a live replica: one that died holding it costs this, not request_timeout_s).
@@ -263,8 +263,9 @@ class CpusConfig(_Section):
     """How `rlbus up` places role processes on the machine's CPUs (`roles.up.cpu_plan`)."""
 
     # "auto": the compute roles (trainer ranks, inference replicas) get disjoint CPU
-    # slices and as many threads as their slice has; the light roles get what is left
-    # (every CPU when nothing is). "off": no affinity, one torch thread per role.
+    # slices and as many threads as their slice has, the light roles a few CPUs of their
+    # own; with no CPU to spare for those, nothing is pinned. "off": no affinity, one
+    # torch thread per role.
     plan: Literal["auto", "off"] = "auto"
     # Overrides by role kind ("trainer", "inference", "env", ...) or process name
     # ("inference-policy-1", "env-reverse-text"); the name wins over the kind.

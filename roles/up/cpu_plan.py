@@ -10,12 +10,14 @@ wait for each other). So the launcher plans placement before it starts anything:
   the CPUs this process may use, in proportion to their ranks; each gets as many torch
   threads as its slice has CPUs (a trainer's slice is divided among its ranks);
 - the **light roles** (orchestrator, env servers, algorithm workers, the scripted
-  teacher, the monitor) run one thread each on the CPUs left over, or on every CPU when
-  none are left (two cores: inference on one, the trainer on the other, the light roles
-  wherever the scheduler finds room);
-- a machine with fewer CPUs than compute processes gets no affinity at all, one thread
-  per process: pinning two compute roles to one CPU would only take the scheduler's
-  freedom away;
+  teacher, the monitor) run one thread each on CPUs kept for them (one in four of those
+  the compute roles leave, at least one);
+- a machine with no CPU to spare beyond one per compute process gets no affinity at
+  all, one thread per process. Measured on 2 cores (``benchmarks/overlap_bench.py``,
+  set-ups ``now`` vs ``pinned``): pinning inference to one core and the trainer to the
+  other made the loop ~15% slower, because the light roles (~0.5 core: the env server,
+  nats-server, the orchestrator) then preempt a pinned role that cannot move to the
+  other core while it idles; the scheduler packs them better unpinned;
 - ``cpus.roles`` overrides any of it, by role kind (``trainer``, ``inference``, ``env``)
   or process name (``inference-policy-1``); the name wins.
 
@@ -25,7 +27,7 @@ libraries' own variables. The same variables place a role started by hand
 (``RLBUS_CPUS=3 RLBUS_TORCH_THREADS=1 rlbus role env ...``).
 
     plan = cpu_plan(cfg, ["trainer", "inference-policy-0", "env-reverse-text"], [0, 1])
-    plan["trainer"]            # Slot(cpus=(1,), threads=1)
+    plan["trainer"]            # Slot(cpus=None, threads=1): 2 cores, nothing pinned
     role.env |= plan["trainer"].env()
 """
 
@@ -86,10 +88,10 @@ def _auto(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slot]:
     ranks = cfg.trainer.world_size
     weights = {n: ranks if n == "trainer" else 1 for n in names if kind_of(n) in COMPUTE_KINDS}
     total = sum(weights.values())
-    if not weights or total > len(cpus):
-        return {}
+    if not weights or total >= len(cpus):
+        return {}  # no CPU would be left for the light roles: let the scheduler place all
     spare = len(cpus) - total
-    light = cpus[len(cpus) - spare // 4 :] if spare >= 4 else []  # a few for the light roles
+    light = cpus[len(cpus) - max(1, spare // 4) :]  # one CPU of 4 spare for the light roles
     compute = cpus[: len(cpus) - len(light)]
     plan: dict[str, Slot] = {}
     # Proportional shares; what rounding leaves goes to the trainer, then in name order.

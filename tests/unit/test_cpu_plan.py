@@ -16,12 +16,14 @@ from roles.up.preflight import cpu_problems
 DEFAULT = ["orchestrator", "trainer", "inference-policy-0", "env-reverse-text", "algorithm-grpo"]
 
 
-def test_two_cores_split_inference_and_trainer_and_float_the_light_roles() -> None:
-    plan = cpu_plan(load_config("default"), DEFAULT, [0, 1])
+def test_two_cores_pin_nothing_and_three_split_compute_from_light_roles() -> None:
+    # Two compute roles on two CPUs leave none for the light roles: nothing is pinned.
+    assert set(cpu_plan(load_config("default"), DEFAULT, [0, 1]).values()) == {Slot(None, 1)}
+    plan = cpu_plan(load_config("default"), DEFAULT, [0, 1, 2])
     assert plan["trainer"] == Slot((0,), 1)
     assert plan["inference-policy-0"] == Slot((1,), 1)
     for light in ("orchestrator", "env-reverse-text", "algorithm-grpo"):
-        assert plan[light] == Slot(None, 1)  # anywhere: nothing is left over to reserve
+        assert plan[light] == Slot((2,), 1)
 
 
 def test_many_cores_give_compute_roles_slices_and_keep_a_few_for_the_light_roles() -> None:
@@ -32,17 +34,17 @@ def test_many_cores_give_compute_roles_slices_and_keep_a_few_for_the_light_roles
     assert trainer.threads == len(trainer.cpus) and inference.threads == len(inference.cpus)
     light = plan["env-reverse-text"].cpus
     assert light is not None and not set(light) & (set(trainer.cpus) | set(inference.cpus))
-    assert len(trainer.cpus) + len(inference.cpus) + len(light) == 16
+    assert len(trainer.cpus) + len(inference.cpus) + len(light) == 16 and len(light) == 3
     assert plan["env-reverse-text"].threads == 1
 
 
 def test_trainer_ranks_share_their_slice_and_too_few_cores_pin_nothing() -> None:
     cfg = load_config("default", ["trainer.world_size=2"])
-    plan = cpu_plan(cfg, DEFAULT, list(range(6)))
+    plan = cpu_plan(cfg, DEFAULT, list(range(7)))  # 6 for compute, 1 for the light roles
     assert plan["trainer"].cpus is not None and len(plan["trainer"].cpus) == 4
     assert plan["trainer"].threads == 2  # 4 CPUs over 2 ranks
-    # 3 compute processes (2 ranks + inference) on 2 CPUs: no affinity at all.
-    assert set(cpu_plan(cfg, DEFAULT, [0, 1]).values()) == {Slot(None, 1)}
+    # 3 compute processes (2 ranks + inference) on 3 CPUs: no affinity at all.
+    assert set(cpu_plan(cfg, DEFAULT, [0, 1, 2]).values()) == {Slot(None, 1)}
 
 
 def test_elastic_pools_are_planned_at_their_maximum() -> None:
@@ -60,7 +62,7 @@ def test_overrides_by_kind_and_name_and_off() -> None:
         ["cpus.roles.inference.threads=2", "cpus.roles.trainer.cpus=[0,1]",
          "cpus.roles.env-reverse-text.cpus=[1]"],
     )  # fmt: skip
-    plan = cpu_plan(cfg, DEFAULT, [0, 1])
+    plan = cpu_plan(cfg, DEFAULT, [0, 1, 2])
     assert plan["inference-policy-0"] == Slot((1,), 2)
     assert plan["trainer"] == Slot((0, 1), 2)
     assert plan["env-reverse-text"] == Slot((1,), 1)
