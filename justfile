@@ -34,7 +34,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
+bench: bench-overlap bench-profile bench-batching bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -70,6 +70,21 @@ fmt:
 clean:
     rm -rf runs .pytest_cache .ruff_cache .mypy_cache .hypothesis
 
+# rlbus vs a one-process synchronous GRPO loop on the same work: completions/s and the ratio.
+[group('bench')]
+bench-overlap *ARGS:
+    {{python}} -m benchmarks.overlap_bench {{ARGS}}
+
+# Where a step's time goes: per-role CPU, threads, busy vs waiting, the critical path, a PNG timeline.
+[group('bench')]
+bench-profile *ARGS:
+    {{python}} -m benchmarks.loop_profile {{ARGS}}
+
+# The torch backend's static vs continuous batching on one engine, same requests.
+[group('bench')]
+bench-batching:
+    {{python}} -m benchmarks.batching_bench
+
 # The learning loop end to end, max_async_level 0 vs 1.
 [group('bench')]
 bench-loop:
@@ -95,7 +110,6 @@ bench-trace:
 bench-trainer:
     {{python}} -m benchmarks.trainer_bench
 
-# Attached-worker catch-up speed and the cost of the ce/ref_kl loss channels.
 # The fault suite's table: bad input, paused roles, kill -9 of every role and the server.
 [group('bench')]
 bench-faults:
@@ -106,6 +120,7 @@ bench-faults:
 bench-node-loss:
     {{python}} -m benchmarks.node_loss_bench
 
+# Attached-worker catch-up speed and the cost of the ce/ref_kl loss channels.
 [group('bench')]
 bench-algorithms:
     {{python}} -m benchmarks.algorithm_bench

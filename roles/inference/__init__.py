@@ -2,8 +2,10 @@
 
 - `backend`: the `Backend` contract (generate, score, load_weights, policy_version)
 - `sampling`: temperature/top-k/top-p with per-request seeded generators (pure)
-- `batcher`: gathers concurrent requests into batches run in a worker thread
-- `torch_backend`: transformers/torch engine (CPU, or one GPU) behind the batcher
+- `batcher`: gathers concurrent requests into static batches run in a worker thread
+- `continuous`: the continuous batcher (requests join a running decode loop);
+  `kv_cache`: merging, selecting and trimming the rows of its KV cache
+- `torch_backend`: transformers/torch engine (CPU, or one GPU) behind either batcher
 - `vllm_backend`: the same contract on vLLM (optional `vllm` extra, GPU)
 - `role`: `rlbus role inference --run R [--model policy]` (serves, follows weights)
 

@@ -3,11 +3,14 @@
 The inference role (``roles.inference.role``) only ever talks to a ``Backend``. Two
 implementations exist:
 
-- ``roles.inference.torch_backend.TorchBackend`` (default, CPU or one GPU): a
-  ``Batcher`` gathers concurrent requests for ``batch_window_ms`` (up to
-  ``max_batch_size``) and runs one static batch at a time in a worker thread with
-  Hugging Face transformers (left padding, KV cache). A weights swap takes the same
-  lock as a batch, so it lands strictly between two batches.
+- ``roles.inference.torch_backend.TorchBackend`` (default, CPU or one GPU), Hugging Face
+  transformers (left padding, KV cache) in a worker thread. By default a
+  ``ContinuousBatcher`` (``roles.inference.continuous``, ``inference.continuous_batching``)
+  admits requests into the running decode loop between iterations and answers each row
+  when it ends; a weights swap stops admissions and lands once the live rows have
+  finished. With ``continuous_batching = false`` a ``Batcher`` gathers concurrent
+  requests for ``batch_window_ms`` (up to ``max_batch_size``) and runs one static batch
+  at a time; a swap takes the same lock as a batch, so it lands between two batches.
 - ``roles.inference.vllm_backend.VllmBackend`` (``inference.backend = "vllm"``, needs
   the ``vllm`` extra and a GPU): vLLM does its own continuous batching, so ``generate``
   simply submits each request to the async engine. New weights are loaded through
