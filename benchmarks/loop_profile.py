@@ -183,12 +183,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         sampler = launch(root, args.config, args.steps, args.warm, args.overrides)
         events = asyncio.run(read_events(root))
         started = started_roles((root / "up.out").read_text(errors="replace").splitlines())
-    if not any(o.startswith("bus.url=") for o in args.overrides):
-        started.add("nats-server")  # the embedded one
-        swaps: dict[int, float] = {}
+        swaps: dict[int, float] = {}  # read before the temporary run directory goes
         for log in sorted((root / RUN / "logs").glob("inference-policy-*.log")):
             for version, t in swap_times(log.read_text(errors="replace").splitlines()).items():
                 swaps[version] = min(swaps.get(version, t), t)
+    if not any(o.startswith("bus.url=") for o in args.overrides):
+        started.add("nats-server")  # the embedded one
     metrics = events[MetricsReported]
     rows = step_rows(
         events[TaskRequested], events[TraceCompleted], events[SamplesScored],
