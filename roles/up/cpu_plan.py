@@ -12,12 +12,13 @@ wait for each other). So the launcher plans placement before it starts anything:
 - the **light roles** (orchestrator, env servers, algorithm workers, the scripted
   teacher, the monitor) run one thread each on CPUs kept for them (one in four of those
   the compute roles leave, at least one);
-- a machine with no CPU to spare beyond one per compute process gets no affinity at
-  all, one thread per process. Measured on 2 cores (``benchmarks/overlap_bench.py``,
-  set-ups ``now`` vs ``pinned``): pinning inference to one core and the trainer to the
-  other made the loop ~15% slower, because the light roles (~0.5 core: the env server,
-  nats-server, the orchestrator) then preempt a pinned role that cannot move to the
-  other core while it idles; the scheduler packs them better unpinned;
+- a machine with no CPU to spare beyond one per compute process (2 cores, one trainer
+  and one inference replica) gets no affinity at all, one thread per process. Measured
+  on 2 cores (``benchmarks/overlap_bench.py``, 9 interleaved pairs): pinning inference to
+  one core and the trainer to the other was 5% slower on average (0.199 vs 0.189 s per
+  step; it won 4 pairs by 2-10% and lost 5 by 3-32%): the light roles (~0.5 core: the
+  env server, nats-server, the orchestrator) then preempt a pinned role that cannot move
+  to the other core while it idles;
 - ``cpus.roles`` overrides any of it, by role kind (``trainer``, ``inference``, ``env``)
   or process name (``inference-policy-1``); the name wins.
 
