@@ -53,6 +53,7 @@ from bus.runtime import Bus
 from bus.subjects import Topic
 from configs import RunConfig, apply_overrides, resolve
 from replay.diff import Mismatch, StepRecord, diff_step, first_series_divergence
+from roles.lib.threads import THREADS_ENV
 from roles.trainer import retention
 from schemas import (
     BatchAssembled,
@@ -64,8 +65,6 @@ from schemas import (
     WeightsPublished,
     derive_id,
 )
-
-THREADS_ENV = "RLBUS_TORCH_THREADS"  # roles.trainer.core.torch_threads reads it
 
 
 class ReplayError(Exception):

@@ -1,7 +1,8 @@
 """Continuous batching for the torch engine: requests join and leave a running decode loop.
 
-``ContinuousBatcher`` is what ``TorchBackend(continuous=True)`` (the default) puts in
-front of its ``TorchEngine`` instead of the static ``Batcher``. Requests never wait for
+``ContinuousBatcher`` is what ``TorchBackend(continuous=True)``
+(``inference.continuous_batching``) puts in front of its ``TorchEngine`` instead of the
+static ``Batcher``. Requests never wait for
 a whole batch: a new one joins the running batch between two decode iterations as soon
 as a row is free, and a finished row is answered at once.
 

@@ -5,11 +5,11 @@ score requests (``run_batch``), offers the steps of decoding one at a time
 (``admit_row``, ``prefill``, ``sample_rows``, ``step``) and swaps weights
 (``load_state``). ``TorchBackend`` is the async ``Backend`` around it, in one of two modes:
 
-- ``continuous=True`` (default): a ``ContinuousBatcher`` (``roles.inference.continuous``)
-  runs one decode loop that requests join between iterations and leave as they finish;
+- ``continuous=True`` (``inference.continuous_batching``): a ``ContinuousBatcher``
+  (``roles.inference.continuous``) runs one decode loop that requests join between iterations and leave as they finish;
   a weights swap stops admissions and lands once the live rows have finished;
-- ``continuous=False``: a static ``Batcher`` collects concurrent requests and runs each
-  batch to completion in a worker thread; weight swaps take the batcher's lock, so they
+- ``continuous=False`` (the default): a static ``Batcher`` collects concurrent requests
+  and runs each batch to completion in a worker thread; weight swaps take the batcher's lock, so they
   land between batches.
 
 How a generate batch runs (``TorchEngine._generate``; the continuous loop takes the same steps):
@@ -416,7 +416,7 @@ class TorchBackend:
         *,
         max_batch_size: int = 64,
         batch_window_ms: float = 5.0,
-        continuous: bool = True,
+        continuous: bool = False,
     ) -> None:
         self.engine = engine
         size, window = max_batch_size, batch_window_ms
@@ -439,7 +439,7 @@ class TorchBackend:
         stop_token_ids: Sequence[int] | None = None,
         gpu_memory_fraction: float | None = None,
         served_dtype: str = "auto",
-        continuous: bool = True,
+        continuous: bool = False,
     ) -> TorchBackend:
         """Load the model (slow: call it in a thread from async code)."""
         engine = TorchEngine.from_path(

@@ -4,19 +4,17 @@ backend uses those too)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from roles.inference.backend import on_cuda
-
-THREADS_ENV = "RLBUS_TORCH_THREADS"
+from roles.lib.threads import torch_threads
 
 
 def configure_torch_threads() -> int:
     """Set torch's intra-op threads from ``RLBUS_TORCH_THREADS`` (default 1)."""
-    n = int(os.environ.get(THREADS_ENV, "1"))
+    n = torch_threads()
     if n > 0 and torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return torch.get_num_threads()

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from roles.inference.backend import admit_generate, admit_score, check_finite
-from roles.lib.model.weights import WeightsDigestMismatch
+from roles.lib.model.weights import WeightsDigestMismatch, write_atomic
 from roles.lib.model.weights import digest as weights_digest
 from schemas import GenerateRequest, GenerateResult, InferenceFailed, ScoreRequest, ScoreResult
 from schemas.arrays import pack_f32, pack_i32
@@ -281,7 +280,7 @@ class VllmBackend:
         if actual != digest:
             raise WeightsDigestMismatch(digest, actual)
         path = self._weights_dir / f"policy-v{version}.safetensors"
-        await asyncio.to_thread(_write_atomically, path, data)
+        await asyncio.to_thread(write_atomic, path, data)
         try:
             await asyncio.to_thread(_check_finite_file, path)
         except BaseException:
@@ -311,9 +310,3 @@ def _check_finite_file(path: Path) -> None:
 
     with safe_open(str(path), framework="pt", device="cpu") as f:
         check_finite((name, f.get_tensor(name)) for name in f.keys())
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    tmp.replace(path)

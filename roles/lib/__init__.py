@@ -5,4 +5,5 @@
 - ``model``: the tiny model, tokenizer, renderer and weights I/O
 - ``clients``: the inference client (request/reply on ``infer.<model>``)
 - ``plugins``: loading a user's class or function by ``module:name``
+- ``threads``: a role process's torch thread count (``$RLBUS_TORCH_THREADS``)
 """

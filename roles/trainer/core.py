@@ -51,6 +51,7 @@ from configs import RunConfig
 from configs.paths import CHECKPOINT_PREFIX, RunPaths
 from roles.lib.model.loading import load_model, resolve_device
 from roles.lib.model.weights import digest, load_state_bytes, state_dict_to_bytes
+from roles.lib.threads import torch_threads
 from roles.trainer.loss import PHASES, LossStats, loss_denominators, policy_loss
 from roles.trainer.packing import MicroBatch, collate, pack
 from schemas import BatchAssembled, stable_seed
@@ -101,10 +102,6 @@ def lr_at(cfg: RunConfig, step: int, phase: str = "rl") -> float:
     if t.lr_schedule == "linear":
         return t.lr * (1.0 - progress)
     return t.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def torch_threads() -> int:
-    return int(os.environ.get("RLBUS_TORCH_THREADS", "1"))
 
 
 class CheckpointMismatch(Exception):

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
@@ -73,7 +72,7 @@ from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
-from roles.lib.model.weights import digest
+from roles.lib.model.weights import digest, write_atomic
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from roles.trainer import retention
@@ -389,7 +388,7 @@ class TrainerRole(Role):
                 size=len(data), digest=stored,
             )  # fmt: skip
         path = self._weights_folder(via) / retention.file_name(version)
-        await asyncio.to_thread(_write_atomic, path, data)
+        await asyncio.to_thread(write_atomic, path, data)
         self.stored_weights[version] = via
         return ObjectRef(
             kind=via, location=str(path.resolve()), size=len(data), digest=weights_digest
@@ -481,16 +480,6 @@ class TrainerRole(Role):
                 await self._checkpoint()
         finally:
             await asyncio.to_thread(self.core.close, self.broken)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 async def main(ctx: RoleContext, nproc: int | None = None) -> None:

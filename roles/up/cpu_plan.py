@@ -38,9 +38,9 @@ import os
 from dataclasses import dataclass
 
 from configs.models import RunConfig
+from roles.lib.threads import THREADS_ENV
 
 CPUS_ENV = "RLBUS_CPUS"
-THREADS_ENV = "RLBUS_TORCH_THREADS"
 # Thread pools that would otherwise size themselves to every core of the machine.
 BLAS_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 COMPUTE_KINDS = ("trainer", "inference")

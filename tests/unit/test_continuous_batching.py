@@ -155,7 +155,9 @@ async def test_a_request_gets_the_same_tokens_alone_static_and_continuous(
     alone = [_alone(engine, r) for r in reqs]
     static = engine.run_batch(reqs, [0.0] * len(reqs))
     steps = _count_steps(engine, monkeypatch)
-    backend = TorchBackend(engine, max_batch_size=max_batch_size, batch_window_ms=0)
+    backend = TorchBackend(
+        engine, continuous=True, max_batch_size=max_batch_size, batch_window_ms=0
+    )
     first = [asyncio.create_task(backend.generate([r])) for r in reqs[::2]]
     await _until(lambda: steps() >= 3)
     rest = [asyncio.create_task(backend.generate([r])) for r in reqs[1::2]]
@@ -181,7 +183,7 @@ async def test_a_finished_row_is_answered_before_a_long_straggler(
 ) -> None:
     """Two rows in one batch: the short one's result arrives while the long one decodes
     (and the loop's busy time is counted meanwhile: pool autoscaling reads it)."""
-    backend = TorchBackend(engine, batch_window_ms=50)
+    backend = TorchBackend(engine, continuous=True, batch_window_ms=50)
     long = asyncio.create_task(backend.generate([_gen("long", prompts[1], max_completion_tokens=36)]))  # fmt: skip
     short = asyncio.create_task(backend.generate([_gen("short", prompts[2], max_completion_tokens=3)]))  # fmt: skip
     done, _ = await asyncio.wait({long, short}, return_when=asyncio.FIRST_COMPLETED)
@@ -200,7 +202,7 @@ async def test_a_request_submitted_mid_decode_joins_the_running_batch(
     """A request arriving while a long row decodes is admitted at once (not after it):
     its result, and a refusal's, arrive before the long row's, and equal what they get alone."""
     steps = _count_steps(engine, monkeypatch)
-    backend = TorchBackend(engine, batch_window_ms=0)
+    backend = TorchBackend(engine, continuous=True, batch_window_ms=0)
     long_req = _gen("long", prompts[0], temperature=1.0, seed=7, max_completion_tokens=40)
     short_req = _gen("short", prompts[4], temperature=1.0, seed=8, max_completion_tokens=4)
     long = asyncio.create_task(backend.generate([long_req]))
@@ -225,7 +227,7 @@ async def test_a_cache_that_cannot_be_merged_admits_only_into_an_empty_batch(
     gets no rows merged into a running batch: a request arriving mid-decode waits for it."""
     monkeypatch.setattr(continuous.kv_cache, "mergeable", lambda cache: False)
     steps = _count_steps(engine, monkeypatch)
-    backend = TorchBackend(engine, batch_window_ms=0)
+    backend = TorchBackend(engine, continuous=True, batch_window_ms=0)
     long_req = _gen("long", prompts[0], max_completion_tokens=20)
     short_req = _gen("short", prompts[4], max_completion_tokens=2)
     long = asyncio.create_task(backend.generate([long_req]))
@@ -255,7 +257,7 @@ async def test_a_weight_swap_waits_for_live_rows_and_queued_requests_wait_for_it
     queued_req = _gen("queued", prompts[2], max_completion_tokens=6)
     old_long = _alone(engine, long_req)
     steps = _count_steps(engine, monkeypatch)
-    backend = TorchBackend(engine, batch_window_ms=0)
+    backend = TorchBackend(engine, continuous=True, batch_window_ms=0)
     batcher = backend.batcher
     assert isinstance(batcher, ContinuousBatcher)
     long = asyncio.create_task(backend.generate([long_req]))
@@ -299,7 +301,7 @@ async def test_scores_stop_strings_and_refusals_answer_as_in_a_static_batch(
     ]
     score = ScoreRequest(request_id="s", token_ids=pack_i32(prompts[1] + free), start=4)
     expected = engine.run_batch([*reqs, score], [0.0] * (len(reqs) + 1))
-    backend = TorchBackend(engine, batch_window_ms=0)
+    backend = TorchBackend(engine, continuous=True, batch_window_ms=0)
     before = backend.stats()
     got = await asyncio.gather(backend.generate(reqs), backend.score([score]))
     await backend.close()
@@ -323,7 +325,7 @@ async def test_close_answers_queued_work_then_refuses(
     engine: TorchEngine, prompts: list[list[int]]
 ) -> None:
     """close() finishes every queued request (more than fit in one batch), then refuses."""
-    backend = TorchBackend(engine, max_batch_size=2, batch_window_ms=0)
+    backend = TorchBackend(engine, continuous=True, max_batch_size=2, batch_window_ms=0)
     reqs = [_gen(str(i), prompts[i], max_completion_tokens=4 + i) for i in range(6)]
     tasks = [asyncio.create_task(backend.generate([r])) for r in reqs]
     await asyncio.sleep(0)  # every request is queued

@@ -15,6 +15,8 @@ because `load_state_dict` copies into its existing (already tied) parameters.
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
@@ -95,3 +97,15 @@ def load_state_bytes(model: torch.nn.Module, b: bytes, expected_digest: str) -> 
             f"weights do not match the model: missing {sorted(missing)}, "
             f"unexpected {sorted(result.unexpected_keys)}"
         )
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a weights file so a reader sees the old file or the whole new one, never a
+    part (a temporary file beside it, synced, then renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
