@@ -69,11 +69,13 @@ def init_weights(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "vocab_size": base}))
         if config.vocab_size > base:  # (resizing draws rows we overwrite: inside fork_rng)
-            old = model.get_input_embeddings().weight.detach().clone()
+            weight: torch.Tensor = model.get_input_embeddings().weight  # type: ignore[assignment]
+            old = weight.detach().clone()
             model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
             added = old.mean(0, keepdim=True).expand(config.vocab_size - base, -1)
+            resized: torch.Tensor = model.get_input_embeddings().weight  # type: ignore[assignment]
             with torch.no_grad():
-                model.get_input_embeddings().weight.copy_(torch.cat([old, added]))
+                resized.copy_(torch.cat([old, added]))
             model.tie_weights()
     return model.eval()
 
