@@ -34,7 +34,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-overlap bench-profile bench-batching bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
+bench: bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -79,11 +79,6 @@ bench-overlap *ARGS:
 [group('bench')]
 bench-profile *ARGS:
     {{python}} -m benchmarks.loop_profile {{ARGS}}
-
-# The torch backend's static vs continuous batching on one engine, same requests.
-[group('bench')]
-bench-batching:
-    {{python}} -m benchmarks.batching_bench
 
 # The learning loop end to end, max_async_level 0 vs 1.
 [group('bench')]

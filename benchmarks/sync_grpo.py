@@ -13,8 +13,9 @@ bus I/O, the pure function underneath is called):
 - rollouts: the env server's ``rollout_group`` (``run_rollout`` per completion: the env's
   opening messages rendered by ``Renderer.render_prompt``, the rubric's reward, the
   env's rollout filters), its ``outputs_for`` making the ``TraceCompleted`` events;
-- generation: ``TorchEngine.run_batch`` behind the static ``Batcher`` (the torch
-  backend's non-continuous mode; ``inference.max_batch_size`` per batch);
+- generation: the torch backend (``TorchBackend``: the engine's decode loop, at most
+  ``inference.max_batch_size`` rows, no batch window: a step's requests are all queued
+  before the loop runs);
 - advantages and samples: the algorithm worker's ``ScoringCore`` (``score_group``, the
   registered grpo's ``from_rewards``), for every non-shadow algorithm of the config;
 - the batch: the orchestrator's fold, ``OrchestratorState.apply`` (merging several
@@ -26,7 +27,8 @@ bus I/O, the pure function underneath is called):
   seeds, k samples each) and the orchestrator's ``eval_metrics`` (avg@k).
 
 Weights. The engine is built around the trainer's own model object: generation reads the
-weights the last step wrote, so moving weights costs nothing. That is what any
+weights the last step wrote, so moving weights costs nothing (the engine is told the new
+version, which drops the prompt prefixes it kept: they were computed by the old weights). That is what any
 single-process loop would do, and it is the cheapest possible hand-off, so the
 comparison is conservative (rlbus pays for serialising, storing and loading every
 version). On CUDA it means inference in the trainer's float32, not rlbus's bfloat16.
@@ -39,7 +41,7 @@ as in a run. ``max_async_level``, staleness and the SFT warm start do not apply:
 step is phase "rl" at the policy's current version. The group counter restarts at 0, so
 a run resumed from a checkpoint draws other tasks than the run itself did after it.
 
-Timing. ``gen_s`` is the engine's time running batches (the Batcher's busy time);
+Timing. ``gen_s`` is the engine's time decoding (the decode loop's busy time);
 ``train_s`` is ``train_step``; ``score_s`` is the rest of the step: dispatch, prompt
 rendering, rubric, filters, advantages, samples, batch. Eval time is kept out of every
 throughput figure.
@@ -75,8 +77,8 @@ from configs.orchestrator import POLICY
 from roles.algorithm.builtin import flat
 from roles.algorithm.core import ScoringCore
 from roles.env_server.role import outputs_for, rollout_group
-from roles.inference.batcher import Batcher
-from roles.inference.torch_backend import TorchEngine
+from roles.inference.engine import TorchEngine
+from roles.inference.torch_backend import TorchBackend
 from roles.lib.envs.filters import build_filters
 from roles.lib.envs.harness import completion_tokens
 from roles.lib.envs.registry import make_env
@@ -152,15 +154,15 @@ class SyncGrpo:
         self.start_step = self.core.step
         tokenizer = load_tokenizer(model_dir, local_files_only=cfg.model.local_files_only)
         self.renderer = Renderer(tokenizer)
-        self.engine = TorchEngine(self.core.model, tokenizer, policy_version=self.core.step)
-        # Static batches (a sync loop asks everything at once: nothing joins mid-decode, so
-        # continuous batching has nothing to add), no window (every request of a step is
-        # queued before the first batch runs: waiting for more would only cost).
-        self.batcher: Batcher[GenerateRequest, GenerateResult | InferenceFailed] = Batcher(
-            self.engine.run_batch,  # type: ignore[arg-type]
+        self.engine = TorchEngine(
+            self.core.model,
+            tokenizer,
+            policy_version=self.core.step,
             max_batch_size=cfg.inference.max_batch_size,
-            batch_window_ms=0.0,
+            max_model_len=cfg.inference.max_model_len,
         )
+        # No window: every request of a step is queued before the loop first runs.
+        self.backend = TorchBackend(self.engine, batch_window_ms=0.0)
         entries = o.train.env
         self.envs = {e.key: make_env(e.id, dict(e.args)) for e in entries}
         self.env_ids = {e.key: e.id for e in entries}
@@ -194,12 +196,13 @@ class SyncGrpo:
             request_id=request_id, prompt_ids=pack_i32(prompt_ids), sampling=sampling,
             stop_token_ids=list(stop_token_ids), seed=seed, env=env, pin_version=pin_version,
         )  # fmt: skip
-        return await self.batcher.submit(req)
+        (reply,) = await self.backend.generate([req])
+        return reply
 
     async def run_groups(self, requests: Sequence[TaskRequested]) -> list[list[Trace]]:
         """Every request's group, rolled out concurrently so the engine batches them."""
         self.core.model.eval()
-        self.engine.policy_version = self.core.step
+        self.engine.policy_version = self.core.step  # (forgets prefixes of older weights)
         return list(
             await asyncio.gather(
                 *(
@@ -261,10 +264,10 @@ class SyncGrpo:
     async def step(self) -> dict[str, Any]:
         """One synchronous step: generate, score, train. Its record (module docstring)."""
         t0 = time.perf_counter()
-        busy0 = self.batcher.stats.busy_s
+        busy0 = self.backend.loop.stats.busy_s
         r = await self.rollouts()
         t1 = time.perf_counter()
-        gen_s = self.batcher.stats.busy_s - busy0
+        gen_s = self.backend.loop.stats.busy_s - busy0
         metrics = self.train(r.batch)
         t2 = time.perf_counter()
         first = {s.group_id: s for s in r.scored}  # every algorithm saw the same rewards
@@ -311,7 +314,7 @@ class SyncGrpo:
         return {"step": self.core.step, "eval_s": time.perf_counter() - t0, **values}
 
     async def close(self) -> None:
-        await self.batcher.close()
+        await self.backend.close()
         if self._scratch is not None:
             self._scratch.cleanup()
 

@@ -6,8 +6,9 @@ spellings is an error (we would otherwise have to guess which one the user meant
 `translate_deprecated` is pure: it returns a new dict and the warning messages, and
 the caller decides how to warn.
 
-To add a rename, append to `MOVED_TABLES` or `RENAMED_SAMPLING_KEYS`; a key that did
-nothing and is gone goes to `REMOVED_MODEL_KEYS` (dropped with a warning that says why).
+To add a rename, append to `MOVED_TABLES` or `RENAMED_SAMPLING_KEYS`; a key that is
+gone goes to `REMOVED_KEYS` (or, in every `[orchestrator.models.<key>]`, to
+`REMOVED_MODEL_KEYS`): dropped with a warning that says why, in a file or an override.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ MOVED_TABLES: tuple[tuple[Path, Path], ...] = (
 # Keys removed from every `[orchestrator.models.<key>]` table: key -> why.
 REMOVED_MODEL_KEYS: dict[str, str] = {
     "tokens": "every model answers with token ids and logprobs; the key never did anything",
+}
+
+# Keys removed at one path: path -> why.
+REMOVED_KEYS: dict[Path, str] = {
+    ("inference", "continuous_batching"): (
+        "the torch engine always admits requests into its running decode loop between "
+        "steps (roles/inference/engine.py); there is no static mode left to choose"
+    ),
 }
 
 # Keys renamed inside every sampling table (train, per-env, eval): old -> new.
@@ -109,6 +118,16 @@ def _is_sampling_table(path: Path) -> bool:
     )
 
 
+def removed_message(path: Path, why: str) -> str:
+    return f"`{dotted(path)}` is removed and ignored: {why}"
+
+
+def removed_key(path: Path) -> str | None:
+    """The warning for an override of a removed key (to be dropped), else None."""
+    why = REMOVED_KEYS.get(tuple(str(p) for p in path))
+    return removed_message(path, why) if why else None
+
+
 def translate_key(path: Path) -> tuple[Path, list[str]]:
     """Rewrite one dotted key path (an override's key); return (new path, messages).
 
@@ -141,13 +160,15 @@ def translate_deprecated(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         for old_key, new_key in RENAMED_SAMPLING_KEYS.items():
             if msg := _move(root, (*table, old_key), (*table, new_key)):
                 messages.append(msg)
+    for path, why in REMOVED_KEYS.items():
+        parent = _lookup(root, path[:-1])
+        if isinstance(parent, dict) and path[-1] in parent:
+            parent.pop(str(path[-1]))
+            messages.append(removed_message(path, why))
     models = _lookup(root, ("orchestrator", "models"))
     for key, table in (models or {}).items() if isinstance(models, dict) else ():
         for old_key, why in REMOVED_MODEL_KEYS.items():
             if isinstance(table, dict) and old_key in table:
                 table.pop(old_key)
-                messages.append(
-                    f"`{dotted(('orchestrator', 'models', key, old_key))}` is removed and "
-                    f"ignored: {why}"
-                )
+                messages.append(removed_message(("orchestrator", "models", key, old_key), why))
     return root, messages

@@ -22,7 +22,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from configs.deprecations import dotted, translate_deprecated, translate_key
+from configs.deprecations import dotted, removed_key, translate_deprecated, translate_key
 from configs.errors import ConfigDeprecationWarning, ConfigError
 from configs.models import RunConfig
 
@@ -91,6 +91,9 @@ def translate_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]
     messages: list[str] = []
     for item in overrides:
         keys, _ = parse_override(item)  # validates the shape
+        if gone := removed_key(tuple(keys)):
+            messages.append(gone)
+            continue
         new_keys, msgs = translate_key(tuple(keys))
         messages += msgs
         out.append(dotted(new_keys) + "=" + item.partition("=")[2] if msgs else item)

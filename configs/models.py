@@ -124,11 +124,19 @@ class InferenceConfig(_Section):
     # Dtype the weights are served in: "auto" = bfloat16 on CUDA (float16 if model.dtype
     # is float16), model.dtype elsewhere; float32 on CUDA trades speed for less mismatch.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Rows decoded at once (the torch engine's KV slots; vLLM's max_num_seqs is its own).
     max_batch_size: int = Field(default=64, ge=1)
-    batch_window_ms: float = Field(default=5.0, ge=0)  # how long to wait to fill a batch
-    # Torch backend: admit requests into the running decode loop as rows finish, and
-    # answer each row when it ends (false: each batch runs to completion).
-    continuous_batching: bool = False
+    # How long the first request to reach an idle engine waits for others to start with it.
+    batch_window_ms: float = Field(default=5.0, ge=0)
+    # Longest prompt + completion served (a KV slot's length); None: the model's
+    # max_position_embeddings. Longer prompts are refused as context_too_long.
+    max_model_len: int | None = Field(default=None, ge=2)
+    # Torch backend: GB of KV cache (max_batch_size slots of max_model_len tokens, fewer
+    # if they do not fit); None: on CUDA what gpu_memory_fraction leaves after the
+    # weights and a 10% reserve, on the CPU 2 GB. Too small for one slot: refused at start.
+    kv_cache_gb: float | None = Field(default=None, gt=0)
+    # Torch backend on CUDA: replay each decode step as a captured CUDA graph (false: eager).
+    cuda_graphs: bool = True
     request_timeout_s: float = Field(default=60.0, gt=0)
     # Seconds one attempt of a request waits before it is sent again (the queue group hands
     # it to a live replica: one that died holding it costs this, not request_timeout_s).

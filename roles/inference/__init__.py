@@ -1,11 +1,14 @@
 """The inference role: answers generate/score requests for one model over core NATS.
 
-- `backend`: the `Backend` contract (generate, score, load_weights, policy_version)
-- `sampling`: temperature/top-k/top-p with per-request seeded generators (pure)
-- `batcher`: gathers concurrent requests into static batches run in a worker thread
-- `continuous`: the continuous batcher (requests join a running decode loop);
-  `kv_cache`: merging, selecting and trimming the rows of its KV cache
-- `torch_backend`: transformers/torch engine (CPU, or one GPU) behind either batcher
+- `backend`: the `Backend` contract (generate, score, load_weights, policy_version) and
+  the rules every backend keeps (request checks, finite weights, throughput metrics)
+- `sampling`: temperature/top-k/top-p for all rows at once, counter-based per-request
+  randomness (pure)
+- `model_runner`: the decoder forward over a preallocated slot KV cache (Llama family)
+- `slots`: which request holds which KV slot, and where a prompt's prefix already is
+- `engine`: the torch engine: admission, prefix sharing, the fixed decode step (a CUDA
+  graph on the GPU), stops, scores, weight swaps
+- `torch_backend`: the async `Backend` over the engine (its decode loop in a worker thread)
 - `vllm_backend`: the same contract on vLLM (optional `vllm` extra, GPU)
 - `role`: `rlbus role inference --run R [--model policy]` (serves, follows weights)
 

@@ -3,14 +3,12 @@
 The inference role (``roles.inference.role``) only ever talks to a ``Backend``. Two
 implementations exist:
 
-- ``roles.inference.torch_backend.TorchBackend`` (default, CPU or one GPU), Hugging Face
-  transformers (left padding, KV cache) in a worker thread. By default a
-  ``ContinuousBatcher`` (``roles.inference.continuous``, ``inference.continuous_batching``)
-  admits requests into the running decode loop between iterations and answers each row
+- ``roles.inference.torch_backend.TorchBackend`` (default, CPU or one GPU): the torch
+  engine (``roles.inference.engine``: a preallocated KV slot per row, one fixed decode
+  step, a CUDA graph on the GPU) driven by a decode loop in a worker thread. Requests
+  join the running loop between two steps as slots free up, and each row is answered
   when it ends; a weights swap stops admissions and lands once the live rows have
-  finished. With ``continuous_batching = false`` a ``Batcher`` gathers concurrent
-  requests for ``batch_window_ms`` (up to ``max_batch_size``) and runs one static batch
-  at a time; a swap takes the same lock as a batch, so it lands between two batches.
+  finished.
 - ``roles.inference.vllm_backend.VllmBackend`` (``inference.backend = "vllm"``, needs
   the ``vllm`` extra and a GPU): vLLM does its own continuous batching, so ``generate``
   simply submits each request to the async engine. New weights are loaded through
@@ -81,7 +79,8 @@ class Backend(Protocol):
         ...
 
     async def load_weights(self, data: bytes, digest: str, version: int) -> None:
-        """Verify ``data`` against ``digest``, then swap it in between batches."""
+        """Verify ``data`` against ``digest``, then swap it in between two steps, once
+        the rows in flight have finished."""
         ...
 
     def stats(self) -> dict[str, float]:
@@ -201,3 +200,29 @@ def admit_score(
             req, "context_too_long", f"{len(ids)} tokens; the model takes at most {max_model_len}"
         )
     return ids
+
+
+# -- metrics (pure) ------------------------------------------------------------------------
+
+
+def throughput(prev: dict[str, float], cur: dict[str, float], dt: float) -> dict[str, float] | None:
+    """Rates over one interval from two cumulative ``Backend.stats()``; None when idle."""
+
+    def delta(key: str) -> float:
+        return cur.get(key, 0.0) - prev.get(key, 0.0)
+
+    requests = delta("generate_requests") + delta("score_requests")
+    if requests <= 0 or dt <= 0:
+        return None
+    values = {
+        "tokens_per_s": delta("completion_tokens") / dt,
+        "prompt_tokens_per_s": delta("prompt_tokens") / dt,
+        "requests_per_s": requests / dt,
+        "failed_requests": delta("failed_requests"),
+    }
+    if (batches := delta("batches")) > 0:
+        items = delta("batched_items")
+        values["batch_size_mean"] = items / batches
+        values["queue_s_mean"] = delta("queue_s") / max(items, 1.0)
+        values["busy_frac"] = delta("busy_s") / dt
+    return values

@@ -6,7 +6,7 @@
 Requests are core NATS request/reply on ``infer_subject(run, model)`` in the queue group
 ``infer_queue(model)``: every replica of a model joins the group and NATS spreads the
 requests. Each request is handled in its own task and handed to the backend, whose
-batcher turns concurrent requests into batches. Nothing here is stored on the stream:
+decode loop admits concurrent requests between two steps. Nothing here is stored on the stream:
 each trace records what inference answered (tokens, logprobs, policy version).
 
 Which weights: the policy loads ``model.path`` ("tiny" = the locally built tiny model
@@ -16,8 +16,8 @@ base ``model.path`` when unset) and never changes. The policy replica follows
 an ordered consumer (DeliverPolicy.LAST, NATS_NOTES #11) delivers new ones; the bytes
 come from the object store (``kind == "object"``) or a file (``kind == "path"`` on a
 shared filesystem, ``"shm"`` under /dev/shm on the trainer's host),
-the digest is verified, every tensor is checked finite, and the swap happens between
-batches. Announcements that pile up while a load runs collapse to the newest. A fetch
+the digest is verified, every tensor is checked finite, and the swap happens between two
+decode steps once the rows in flight have finished. Announcements that pile up while a load runs collapse to the newest. A fetch
 that fails for a transient reason (a timeout, a lost connection:
 ``TRANSIENT_FETCH_ERRORS``) is retried a few times with backoff (``weights.fetch_retry``),
 so one slow read does not leave a replica on old weights, the last version's included.
@@ -59,8 +59,7 @@ from bus.log import get_logger
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
-from roles.inference.backend import Backend, WeightsNotFinite, serving_dtype
-from roles.inference.batcher import throughput
+from roles.inference.backend import Backend, WeightsNotFinite, serving_dtype, throughput
 from roles.inference.pinning import EvalPinning, snapshot_weights
 from roles.inference.weights_io import (
     fetch_weights,
@@ -122,18 +121,21 @@ async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
             weights_dir=weights_dir,
             seed=cfg.seed,
             gpu_memory_utilization=inf.gpu_memory_fraction,
+            max_model_len=inf.max_model_len,
         )
     from roles.inference.torch_backend import TorchBackend
 
     return await asyncio.to_thread(
         TorchBackend.from_path,
         path,
+        batch_window_ms=inf.batch_window_ms,
         device=inf.device,
         dtype=cfg.model.dtype,
         local_files_only=cfg.model.local_files_only,
         max_batch_size=inf.max_batch_size,
-        batch_window_ms=inf.batch_window_ms,
-        continuous=inf.continuous_batching,
+        max_model_len=inf.max_model_len,
+        kv_cache_gb=inf.kv_cache_gb,
+        cuda_graphs=inf.cuda_graphs,
         gpu_memory_fraction=inf.gpu_memory_fraction,
         served_dtype=inf.dtype,
     )
@@ -221,7 +223,15 @@ class InferenceRole(Role):
             backend=self.backend.name,
             policy_version=self.backend.policy_version,
             max_model_len=self.backend.max_model_len,
+            **(engine := getattr(self.backend, "describe", dict)()),
         )
+        if engine.get("rows", 0) < engine.get("rows_asked", 0):
+            self.log.warning(
+                "inference.kv_cache_limits_rows",
+                rows=engine["rows"],
+                asked=engine["rows_asked"],
+                hint="raise inference.kv_cache_gb or lower inference.max_model_len",
+            )
 
     def subscriptions(self) -> list[Follow]:  # type: ignore[override]
         if not self.served.follows_weights:
@@ -286,7 +296,7 @@ class InferenceRole(Role):
     # -- weights ------------------------------------------------------------------------
 
     async def on_weights(self, event: WeightsPublished, delivery: Delivery) -> None:
-        """Note an announced version; ``_load_weights`` loads it between batches."""
+        """Note an announced version; ``_load_weights`` loads it between two decode steps."""
         pending = max(self._pending, default=-1)
         if event.event_id in self._rejected:
             return

@@ -1,8 +1,7 @@
-"""Token sampling on logits: temperature, top-k, top-p per row, seeded per request.
+"""Token sampling on logits for every row at once: temperature, top-k, top-p, seeded per row.
 
-Pure functions on tensors, shared by every torch-side consumer (the torch backend, its
-tests, and anyone who needs "the distribution inference sampled from" to recompute a
-logprob). The rules:
+Pure functions on tensors, shared by the torch engine's decode step, its tests, and anyone
+who needs "the distribution inference sampled from" to recompute a logprob. The rules:
 
 - each row has its own ``temperature`` (0 = greedy), ``top_k`` (0 = off) and ``top_p``
   (1 = off), applied in that order (as Hugging Face and vLLM do): scale by 1/T, keep the
@@ -12,12 +11,22 @@ logprob). The rules:
   renormalised distribution, i.e. the distribution actually sampled from. A greedy row
   reports the plain log-softmax of its logits (temperature 1, unfiltered): a point mass
   would make every logprob 0 and useless to the trainer;
-- randomness comes from one ``torch.Generator`` per request, seeded from the request's
-  seed, so a request's completion depends only on its seed and its logits, never on
-  which other requests share its batch or where its row sits (no global RNG).
+- randomness is counter-based: row r's draw at its completion token t is a pure hash of
+  (the request's seed, t) (``uniforms``: splitmix64, computed on the host with numpy for
+  every row at once), so a request's completion depends only on its seed and its logits,
+  never on which other requests share its batch, where its row sits or when it was
+  admitted; and the device step needs no per-row generator, no Python loop over rows and
+  no host sync, so it can be captured in a CUDA graph.
+
+How a row draws: one uniform ``u`` in [0, 1) per row and step (52 bits), then the inverse
+CDF: the first token whose cumulative probability (summed in float64 in vocabulary
+order) exceeds ``u`` times the row's total mass. One random number per row instead of
+one per vocabulary entry (an exponential race over a 151k vocabulary costs a dozen
+passes over [B, V] per step).
 
     p = RowParams.of(temperature=[0.0, 1.0], top_k=[0, 5], top_p=[1.0, 0.9])
-    ids, logprobs = sample(logits, p, [make_generator(1), make_generator(2)])
+    u = torch.from_numpy(uniforms(row_keys([1, 2]), np.array([0, 0], dtype=np.uint64)))
+    ids, logprobs = sample(logits, p, u[:, None], filtered=True)
 """
 
 from __future__ import annotations
@@ -25,19 +34,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-
-# Seeds are reduced into torch's accepted range (it takes unsigned 64-bit values).
-_SEED_MASK = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
 class RowParams:
-    """Sampling parameters of each row of a batch, as 1-D tensors of length B."""
+    """Sampling parameters of each row of a batch, as tensors with one entry per row."""
 
-    temperature: torch.Tensor  # float; 0 = greedy
-    top_k: torch.Tensor  # long; 0 = off
-    top_p: torch.Tensor  # float in (0, 1]; 1 = off
+    temperature: torch.Tensor  # float [B]; 0 = greedy
+    top_k: torch.Tensor  # long [B]; 0 = off
+    top_p: torch.Tensor  # float [B] in (0, 1]; 1 = off
+    inv_temperature: torch.Tensor  # float [B, 1]: 1 / temperature, 1 for greedy rows
+    greedy: torch.Tensor  # bool [B]
 
     @classmethod
     def of(
@@ -48,21 +57,31 @@ class RowParams:
         device: torch.device | str = "cpu",
     ) -> RowParams:
         n = len(temperature)
+        t = torch.tensor(list(temperature), dtype=torch.float32, device=device)
         return cls(
-            temperature=torch.tensor(list(temperature), dtype=torch.float32, device=device),
+            temperature=t,
             top_k=torch.tensor(list(top_k) if top_k is not None else [0] * n, device=device).long(),
             top_p=torch.tensor(
                 list(top_p) if top_p is not None else [1.0] * n, dtype=torch.float32, device=device
             ),
+            inv_temperature=torch.where(t > 0, 1.0 / t, 1.0)[:, None],
+            greedy=t <= 0,
         )
 
-    @property
-    def greedy(self) -> torch.Tensor:
-        return self.temperature <= 0
+    def head(self, b: int) -> RowParams:
+        """The parameters of rows ``[0, b)`` (views)."""
+        return RowParams(
+            self.temperature[:b],
+            self.top_k[:b],
+            self.top_p[:b],
+            self.inv_temperature[:b],
+            self.greedy[:b],
+        )
 
-    def select(self, rows: torch.Tensor) -> RowParams:
-        """The parameters of a subset of rows (finished rows leave the batch)."""
-        return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+    def put(self, rows: torch.Tensor, other: RowParams) -> None:
+        """Write ``other``'s rows into rows ``rows`` of these tensors (in place)."""
+        for name in ("temperature", "top_k", "top_p", "inv_temperature", "greedy"):
+            getattr(self, name)[rows] = getattr(other, name)
 
 
 def validate(temperature: float, top_k: int, top_p: float) -> str | None:
@@ -76,11 +95,15 @@ def validate(temperature: float, top_k: int, top_p: float) -> str | None:
     return None
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A request's own random stream (on the device its noise is drawn on)."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed & _SEED_MASK)
-    return g
+def filters(temperature: float, top_k: int, top_p: float) -> bool:
+    """Whether a row with these parameters needs the top-k/top-p filter (a sort)."""
+    return temperature > 0 and (top_k > 0 or top_p < 1)
+
+
+def plain_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """Log-probs [B, V] of rows that need no filter: ``log_softmax(logits / T)`` (T = 1
+    for greedy rows)."""
+    return (logits * params.inv_temperature).log_softmax(dim=-1)  # (float32: promoted)
 
 
 def filtered_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
@@ -88,11 +111,8 @@ def filtered_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
 
     Greedy rows get ``log_softmax(logits)`` (temperature 1, unfiltered).
     """
-    logits = logits.float()
+    scaled = logits * params.inv_temperature  # float32 whatever the logits' dtype
     vocab = logits.shape[-1]
-    greedy = params.greedy
-    temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-    scaled = logits / temperature[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(params.top_k > 0, params.top_k.clamp(max=vocab), vocab)
@@ -104,36 +124,50 @@ def filtered_logprobs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
     nucleus_on = (params.top_p < 1)[:, None]
     remove_sorted = remove_sorted | (nucleus_on & (mass_before >= params.top_p[:, None]))
+    remove_sorted = remove_sorted & ~params.greedy[:, None]
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
-    out = scaled.masked_fill(remove, float("-inf")).log_softmax(dim=-1)
-    return torch.where(greedy[:, None], logits.log_softmax(dim=-1), out)
+    return scaled.masked_fill(remove, float("-inf")).log_softmax(dim=-1)
+
+
+# -- counter-based randomness --------------------------------------------------------------
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 values (wrapping arithmetic, as numpy's uint64)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_keys(seeds: Sequence[int]) -> np.ndarray:
+    """Each request's stream key (uint64 [B]): its seed (any Python int), hashed."""
+    return _splitmix64(np.array([s & 0xFFFFFFFFFFFFFFFF for s in seeds], dtype=np.uint64))
+
+
+def uniforms(keys: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """One uniform draw in [0, 1 - 2^-52] per row (float64 [B]): splitmix64's output
+    number ``step + 1`` of the stream ``key`` (52 bits, not 53: then ``u * total`` stays
+    strictly below ``total`` after rounding, so the inverse CDF always lands on a token
+    of positive probability)."""
+    with np.errstate(over="ignore"):
+        z = _splitmix64(keys + (steps.astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+    return (z >> np.uint64(12)).astype(np.float64) * 2.0**-52
 
 
 def sample(
-    logits: torch.Tensor, params: RowParams, generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor, params: RowParams, u: torch.Tensor, *, filtered: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row: (ids [B] long, logprobs [B] float32).
 
-    Non-greedy rows draw with the exponential-race trick: argmax(p / E) with E ~ Exp(1)
-    i.i.d. picks token i with probability p_i. The noise of row r comes only from
-    ``generators[r]``, so the row's draw is independent of the rest of the batch.
-    Greedy rows take the argmax of the raw logits and need no generator.
+    ``u`` [B, 1] holds each row's uniform draw (``uniforms``); ``filtered`` says whether
+    any row uses top-k or top-p (``filters``): without, the sort is skipped. A row's token
+    is the first whose cumulative probability exceeds ``u`` times the row's mass (inverse
+    CDF); greedy rows take the argmax of their logits.
     """
-    logprobs = filtered_logprobs(logits, params)
-    greedy = params.greedy
-    ids = logits.float().argmax(dim=-1)
-    random_rows = (~greedy).nonzero().flatten().tolist()
-    if random_rows:
-        vocab = logits.shape[-1]
-        noise = torch.empty(len(random_rows), vocab, device=logits.device)
-        for j, row in enumerate(random_rows):
-            g = generators[row]
-            if g is None:
-                raise ValueError(f"row {row} samples (temperature > 0) but has no generator")
-            noise[j].exponential_(generator=g)
-        # exponential_ may return exactly 0; a tiny floor keeps p / E finite.
-        probs = logprobs[random_rows].exp()
-        drawn = (probs / noise.clamp_min(1e-30)).argmax(dim=-1)
-        ids[random_rows] = drawn
-    chosen = logprobs.gather(-1, ids[:, None]).squeeze(-1)
-    return ids, chosen
+    lp = filtered_logprobs(logits, params) if filtered else plain_logprobs(logits, params)
+    cdf = lp.exp().cumsum(dim=-1, dtype=torch.float64)
+    drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    ids = torch.where(params.greedy, logits.argmax(dim=-1), drawn.clamp_(max=lp.shape[-1] - 1))
+    return ids, lp.gather(-1, ids[:, None]).squeeze(1)

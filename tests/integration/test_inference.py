@@ -431,7 +431,7 @@ async def test_pin_hold_waits_for_grace_and_bounds_a_wait_for_a_newer_version() 
     """PinHold alone: `clear` returns at once with nothing pinned, after the grace once the
     last pinned request ended; `reach` gives up after max_s, and at once for that version
     afterwards."""
-    from roles.inference.batcher import PinHold
+    from roles.inference.pinning import PinHold
 
     hold = PinHold(grace_s=0.2, max_s=0.4)
     assert await hold.clear(0) < 0.05
@@ -450,7 +450,7 @@ async def test_pin_hold_waits_for_a_due_eval_and_gives_up_on_a_refused_version()
     gone (its eval requests may arrive after the next version is announced), at most
     expect_s for that first one; a request waiting for a version the replica refused is
     released at once."""
-    from roles.inference.batcher import PinHold
+    from roles.inference.pinning import PinHold
 
     hold = PinHold(grace_s=0.1, max_s=5.0)
     t = time.monotonic()

@@ -244,6 +244,24 @@ def test_deprecated_override_keys_translate_against_new_presets():
     assert cfg.orchestrator.train.env[0].sampling.max_completion_tokens == 5
 
 
+def test_a_removed_key_is_dropped_with_its_reason_in_a_file_and_in_an_override(tmp_path):
+    """`inference.continuous_batching` (the engine has one decode loop now) still loads:
+    dropped with a warning saying why, from a file and from an override alike."""
+    path = tmp_path / "old.toml"
+    path.write_text("[inference]\ncontinuous_batching = true\nmax_batch_size = 32\n")
+    with pytest.warns(ConfigDeprecationWarning) as record:
+        cfg = load_config(path)
+    assert [str(r.message) for r in record] == [
+        "`inference.continuous_batching` is removed and ignored: the torch engine always "
+        "admits requests into its running decode loop between steps "
+        "(roles/inference/engine.py); there is no static mode left to choose"
+    ]
+    assert cfg.inference.max_batch_size == 32
+    with pytest.warns(ConfigDeprecationWarning, match="continuous_batching` is removed"):
+        cfg = load_config("smoke", ["inference.continuous_batching=false"])
+    assert not hasattr(cfg.inference, "continuous_batching")
+
+
 @pytest.mark.parametrize(
     "raw",
     [

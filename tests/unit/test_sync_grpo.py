@@ -56,9 +56,8 @@ class Scripted:
         text = self.tok.decode(prompt).split("<|user|>")[1].split("<|end|>")[0]
         ids = self.tok.encode(self.answers(text)[k], add_special_tokens=False)
         ids.append(self.loop.renderer.end_token_id)
-        (scored,) = self.loop.engine.run_batch(
-            [ScoreRequest(request_id=request_id, token_ids=pack_i32(prompt + ids), start=len(prompt))],
-            [0.0],
+        (scored,) = self.loop.engine.score(
+            [ScoreRequest(request_id=request_id, token_ids=pack_i32(prompt + ids), start=len(prompt))]
         )  # fmt: skip
         assert isinstance(scored, ScoreResult)
         return GenerateResult(
