@@ -34,7 +34,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
+bench: bench-engine bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -79,6 +79,12 @@ bench-overlap *ARGS:
 [group('bench')]
 bench-profile *ARGS:
     {{python}} -m benchmarks.loop_profile {{ARGS}}
+
+# The torch engine against transformers' generate on the default, gpu and a Qwen3-shaped
+# model: tokens/s, ms per step, prefix sharing, ops per step (`--quick`; `--device cuda`).
+[group('bench')]
+bench-engine *ARGS:
+    {{python}} -m benchmarks.engine_bench {{ARGS}}
 
 # The learning loop end to end, max_async_level 0 vs 1.
 [group('bench')]

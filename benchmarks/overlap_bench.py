@@ -9,10 +9,12 @@ process with 2 threads that generates all completions, scores them, trains, repe
    model directory (``rlbus model export``); both sides start RL from it.
 2. rlbus RL runs from that model (``model.path``, no warm start, no eval: eval is not
    throughput), one per set-up (``SETUPS``): ``now`` (this version's defaults), and one
-   change each: ``pinned`` (inference on CPU 1, the trainer on CPU 0), ``continuous``
-   (continuous batching), ``trainer-2-threads``, ``keep-equal``
-   (``orchestrator.skip_zero_advantage_groups = false``: groups whose rewards are all
-   equal train with zero advantage instead of being regenerated).
+   change each: ``pinned`` (inference on CPU 1, the trainer on CPU 0),
+   ``trainer-2-threads``, ``keep-equal`` (``orchestrator.skip_zero_advantage_groups =
+   false``: groups whose rewards are all equal train with zero advantage instead of being
+   regenerated). With ``--baseline-tree DIR`` (another checkout, e.g. ``git worktree add
+   /tmp/before <commit>``), set-up ``before`` runs ``now`` with that tree's code, so a
+   change is measured against the code before it in the same interleaved rounds.
 3. The sync loop from the same model, same number of steps.
 
 Steady state only: rlbus from its 5th published version to its last; the sync loop from
@@ -23,12 +25,14 @@ generates), and the ratios to the sync loop, printed and saved to
 ``benchmarks/results/overlap.json``.
 
     python -m benchmarks.overlap_bench [--steps 80] [--setups now,pinned,keep-equal]
+    python -m benchmarks.overlap_bench --setups now --baseline-tree /tmp/before --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -50,16 +54,23 @@ SKIP_SYNC_STEPS = 2
 SETUPS: dict[str, list[str]] = {
     "now": [],  # this version's defaults
     "pinned": ["cpus.roles.inference.cpus=[1]", "cpus.roles.trainer.cpus=[0]"],
-    "continuous": ["inference.continuous_batching=true"],
     "trainer-2-threads": ["cpus.roles.trainer.threads=2"],
     "keep-equal": ["orchestrator.skip_zero_advantage_groups=false"],
 }
 
 
-def up(root: Path, run: str, overrides: list[str]) -> None:
+def up(root: Path, run: str, overrides: list[str], tree: Path | None = None) -> None:
+    """``rlbus up`` of ``run``; with ``tree``, that checkout's code (its directory first on
+    the path of the launcher and of every role it starts)."""
     cmd = [sys.executable, "-m", "roles.cli", "up", "--no-view", "--fresh", "--run", run,
            f"bus.data_dir={root}", *overrides]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    env = None
+    if tree is not None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
+        }
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=tree, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"rlbus up {run} failed:\n{out.stdout[-3000:]}\n{out.stderr[-2000:]}")
 
@@ -112,11 +123,18 @@ async def rates(root: Path, run: str) -> dict[str, float]:
     }
 
 
-def bus_run(root: Path, model: Path, name: str, steps: int) -> dict[str, float]:
+def bus_run(
+    root: Path, model: Path, name: str, steps: int, tree: Path | None = None
+) -> dict[str, float]:
     run = f"bus-{name}"
     base = [f"model.path={model}", "orchestrator.warmup.steps=0", "orchestrator.eval.interval=0",
             f"max_steps={steps + SKIP_VERSIONS}"]  # fmt: skip
-    up(root, run, base + SETUPS[name])
+    up(
+        root,
+        run,
+        base + SETUPS["now" if name == "before" else name],
+        tree if name == "before" else None,
+    )
     return asyncio.run(rates(root, run))
 
 
@@ -149,8 +167,12 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: round(statistics.median(r[k] for r in runs), 4) for k in keys}
 
 
-def main(steps: int, setups: list[str], root: Path | None, rounds: int) -> dict[str, Any]:
+def main(
+    steps: int, setups: list[str], root: Path | None, rounds: int, tree: Path | None = None
+) -> dict[str, Any]:
     root = root or Path(tempfile.mkdtemp(prefix="rlbus-overlap-"))
+    if tree is not None:
+        setups = [*setups, "before"]
     model = warm_model(root)
     print(f"warm-started model: {model}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ["sync", *setups]}
@@ -158,7 +180,7 @@ def main(steps: int, setups: list[str], root: Path | None, rounds: int) -> dict[
         runs["sync"].append(sync_run(model, steps))
         print(f"round {i + 1}: sync loop {runs['sync'][-1]}", flush=True)
         for name in setups:
-            runs[name].append(bus_run(root, model, name, steps))
+            runs[name].append(bus_run(root, model, name, steps, tree))
             print(f"round {i + 1}: rlbus {name} {runs[name][-1]}", flush=True)
     results: dict[str, Any] = {"steps": steps, "rounds": rounds, "runs": runs}
     sync = results["sync"] = median_of(runs["sync"])
@@ -173,6 +195,13 @@ def main(steps: int, setups: list[str], root: Path | None, rounds: int) -> dict[
             f"  {'rlbus ' + name:<26} {r['generated_per_s']:>7} / {r['trained_per_s']:<7}"
             f" {ratio:<17} {r['s_per_step']:.3f} s/step"
         )
+    if tree is not None and "now" in setups:
+        now, before = results["rlbus_now"], results["rlbus_before"]
+        results["now_vs_before"] = {
+            k: round(now[k] / before[k], 3) for k in ("generated_per_s", "trained_per_s")
+        }
+        results["baseline_tree"] = str(tree)
+        lines.append(f"  now / before (same rounds): {results['now_vs_before']}")
     print(f"\ncompletions/s generated / trained, ratio to the sync loop (median of {rounds}):")
     print("\n".join(lines))
     save("overlap", results)
@@ -187,5 +216,7 @@ if __name__ == "__main__":
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--root", type=Path, default=None, help="reuse this directory (its warm model)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved repeats (median)")
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="another checkout: set-up 'before' runs 'now' with its code")  # fmt: skip
     a = ap.parse_args()
-    main(a.steps, a.setups.split(","), a.root, a.rounds)
+    main(a.steps, a.setups.split(","), a.root, a.rounds, a.baseline_tree)
