@@ -65,13 +65,16 @@ import numpy as np
 import torch
 
 from roles.inference import sampling
-from roles.inference.backend import admit_generate, admit_score, check_finite, serving_dtype
-from roles.inference.model_runner import (
+from roles.inference.backend import admit_generate, admit_score, check_finite
+from roles.inference.capacity import (
+    CPU_KV_BYTES,
     ROW_BLOCK,
-    DecoderRunner,
     kv_bytes_per_token,
+    plan_slots,
     round_up,
+    serving_dtype,
 )
+from roles.inference.model_runner import DecoderRunner
 from roles.inference.slots import SlotTable
 from roles.inference.torch_setup import configure_torch_threads, default_stop_ids, limit_gpu_memory
 from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
@@ -87,33 +90,9 @@ from schemas.arrays import pack_f32, pack_i32
 
 Reply = GenerateResult | ScoreResult | InferenceFailed
 
-CPU_KV_BYTES = 2 << 30  # the CPU's default KV budget
 GPU_RESERVE = 0.10  # share of inference's GPU memory kept for activations and graphs
 PREFILL_TOKENS = 8192  # most (padded) tokens one prefill pass takes
 GRAPH_COLUMNS = 64  # CUDA graphs: length buckets are multiples of this (``bucket``)
-
-
-class KVCacheTooSmall(ValueError):
-    """The KV budget holds fewer than ``ROW_BLOCK`` slots of ``max_len`` positions."""
-
-
-def plan_slots(max_batch_size: int, max_len: int, bytes_per_token: int, budget: int) -> int:
-    """How many rows may be live at once: ``max_batch_size``, or fewer when the budget
-    does not hold that many slots of ``max_len`` positions (slots come in multiples of
-    ``ROW_BLOCK``, the step's row padding); ``KVCacheTooSmall`` if it holds not one block."""
-    per_slot = max_len * bytes_per_token
-    fit = budget // per_slot
-    rows = min(max_batch_size, fit)
-    if round_up(rows, ROW_BLOCK) > fit:
-        rows = fit // ROW_BLOCK * ROW_BLOCK
-    if rows < 1:
-        raise KVCacheTooSmall(
-            f"the KV cache budget ({budget / 2**30:.3f} GiB) holds fewer than {ROW_BLOCK} "
-            f"sequences of {max_len} tokens ({per_slot / 2**30:.3f} GiB each): raise "
-            "`inference.kv_cache_gb` (or `inference.gpu_memory_fraction`), or lower "
-            "`inference.max_model_len`"
-        )
-    return rows
 
 
 def bucket(n: int, smallest: int, largest: int) -> int:
@@ -208,7 +187,7 @@ class TorchEngine:
         dtype = next(model.parameters()).dtype
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_token = kv_bytes_per_token(cfg.num_hidden_layers, n_kv, head_dim, dtype)
+        per_token = kv_bytes_per_token(cfg.num_hidden_layers, n_kv, head_dim, dtype.itemsize)
         budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_budget(self.device)
         self.asked_rows = max_batch_size
         self.max_rows = plan_slots(max_batch_size, round_up(self.max_len), per_token, budget)

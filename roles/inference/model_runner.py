@@ -55,25 +55,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# model_type values whose decoder layers this runner computes exactly (the test suite
-# checks llama and qwen3 against transformers' own forward).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-# Attention always spans a multiple of this many cache columns (the cache is that wide
-# too): the CPU's SDPA kernel and vectorised softmax round a row differently when its
-# length is not a multiple of their blocks, and a row's numbers must not depend on how
-# long the other rows of its batch are.
-COLUMN_BLOCK = 16
-
-
-# Every matrix product runs over a multiple of this many rows: the CPU's GEMM computes
-# a row with other instructions when the row count is not a multiple of 4 (below 4 on
-# one thread, 5-7 and 9-11 on two), which moves its result in the last bits.
-ROW_BLOCK = 4
-
-
-def round_up(n: int, block: int = COLUMN_BLOCK) -> int:
-    return -(-n // block) * block
+from roles.inference.capacity import (
+    ROW_BLOCK,
+    SUPPORTED_MODEL_TYPES,
+    kv_bytes_per_token,
+    round_up,
+)
 
 
 class UnsupportedModel(ValueError):
@@ -233,7 +220,9 @@ class DecoderRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(len(self.layers), self.n_kv, self.head_dim, self.dtype)
+        return kv_bytes_per_token(
+            len(self.layers), self.n_kv, self.head_dim, self.cache.element_size()
+        )
 
     # -- pieces ---------------------------------------------------------------------------
 
@@ -414,8 +403,3 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     )
     out = torch.matmul(scores.to(v.dtype).view(r, kv, g * t, -1), v)  # [R, KV, G*T, D]
     return out.view(r, kv, g, t, d).permute(0, 3, 1, 2, 4)
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one token holds in the cache."""
-    return 2 * layers * kv_heads * head_dim * (torch.finfo(dtype).bits // 8)

@@ -59,7 +59,8 @@ from bus.log import get_logger
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_subject
 from configs import POLICY, ConfigError, RunConfig
-from roles.inference.backend import Backend, WeightsNotFinite, serving_dtype, throughput
+from roles.inference.backend import Backend, WeightsNotFinite, throughput
+from roles.inference.capacity import serving_dtype
 from roles.inference.pinning import EvalPinning, snapshot_weights
 from roles.inference.weights_io import (
     fetch_weights,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from roles.inference.backend import on_cuda
+from roles.inference.capacity import on_cuda
 from roles.lib.threads import torch_threads
 
 

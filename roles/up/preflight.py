@@ -14,7 +14,12 @@ it can check cheaply (no torch, no model load, no network), each problem naming 
   (what the env server does first);
 - each algorithm name (``orchestrator.algorithms``, ``orchestrator.warmup.algorithms``)
   names an algorithm: a built-in or an importable ``module:Class``;
-- ``inference.backend = "vllm"`` has vllm installed;
+- ``inference.backend = "vllm"`` has vllm installed; with the torch backend, every model
+  it serves is one the engine runs (``roles.inference.capacity``: its ``model_type``) and
+  the KV cache holds at least 4 sequences of ``inference.max_model_len`` (or the model's
+  length) in ``inference.kv_cache_gb``, or on the CPU in its default 2 GB (on a GPU
+  without ``kv_cache_gb`` the budget is the GPU's free memory, known only there; with
+  ``device = "auto"`` a GPU is asked for only for a model other than the tiny one);
 - ``trainer.device`` and ``inference.device``, when they name a CUDA device
   (``"cuda"``, ``"cuda:1"``), name one torch sees (``"auto"`` falls back to the CPU and
   is not checked); this imports torch, and only then;
@@ -40,13 +45,18 @@ prints the config and says on stderr that ``rlbus up`` would refuse it here.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from configs import ConfigError, RunConfig
 from roles.lib.model import REPO_ID
+
+if TYPE_CHECKING:
+    from roles.inference.capacity import ModelShape
 
 TINY = "tiny"  # model.path of the tiny model, built under the run directory
 MIN_FREE_BYTES = 1 << 30  # a run writes logs, checkpoints and its JetStream store
@@ -62,6 +72,7 @@ def check(cfg: RunConfig, *, devices: bool = True) -> None:
         *env_problems(cfg),
         *algorithm_problems(cfg),
         *backend_problems(cfg),
+        *engine_problems(cfg),
         *(device_problems(cfg) if devices else []),
         *sink_problems(cfg),
         *data_dir_problems(cfg),
@@ -179,6 +190,65 @@ def backend_problems(cfg: RunConfig) -> list[str]:
     if cfg.inference.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         return ['`inference.backend` = "vllm", but vllm is not installed (pip install rlbus[vllm])']
     return []
+
+
+def engine_problems(cfg: RunConfig) -> list[str]:
+    """The torch engine: each served model's architecture, and the KV budget (docstring)."""
+    from roles.inference import capacity
+
+    inf = cfg.inference
+    if inf.backend != "torch":
+        return []
+    problems = []
+    for key, path in model_paths(cfg):
+        shape = _model_shape(cfg, path)
+        if shape is None:
+            continue  # (a directory without a readable config: model_problems says so)
+        if (why := shape.unsupported()) is not None:
+            problems.append(f"`{key}`: {why}")
+            continue
+        device = inf.device
+        if device == "auto":
+            device = "cpu" if path == TINY or not _gpu_seen() else "cuda"
+        if inf.kv_cache_gb is None and capacity.on_cuda(device):
+            continue
+        budget = int(inf.kv_cache_gb * GIB) if inf.kv_cache_gb else capacity.CPU_KV_BYTES
+        dtype = capacity.serving_dtype(cfg.model.dtype, device, inf.dtype)
+        max_len = capacity.round_up(
+            min(shape.max_positions, inf.max_model_len or shape.max_positions)
+        )
+        per_token = shape.kv_bytes_per_token(capacity.DTYPE_BYTES.get(dtype, 4))
+        try:
+            capacity.plan_slots(inf.max_batch_size, max_len, per_token, budget)
+        except capacity.KVCacheTooSmall as e:
+            problems.append(f"`inference.kv_cache_gb` ({key}): {e}")
+    return problems
+
+
+def _model_shape(cfg: RunConfig, path: str) -> ModelShape | None:
+    """The shape of the model at ``path`` (the tiny one: from ``model.tiny``)."""
+    from roles.inference.capacity import ModelShape
+
+    if path == TINY:
+        t = cfg.model.tiny
+        return ModelShape("llama", t.num_layers, t.num_heads, t.hidden_size // t.num_heads,
+                          t.max_position_embeddings)  # fmt: skip
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file() and REPO_ID.match(path):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+        config = Path(cached) if isinstance(cached, str) else config
+    try:
+        return ModelShape.of(json.loads(config.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _gpu_seen() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def device_problems(cfg: RunConfig) -> list[str]:

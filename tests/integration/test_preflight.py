@@ -43,6 +43,7 @@ def assert_refused(out: subprocess.CompletedProcess[str], data: Path, key: str) 
         ("model.path=/no/such/model", "model.path"),
         ("orchestrator.train.env.0.id=nope", "orchestrator.train.env.0.id"),
         ("orchestrator.algorithms.0.name=nope", "orchestrator.algorithms.0.name"),
+        ("inference.kv_cache_gb=0.00001", "inference.kv_cache_gb"),
     ],
 )
 def test_up_refuses_a_bad_config_before_any_role_starts(
@@ -140,3 +141,42 @@ def test_online_wandb_without_a_key_is_refused_up_front(
         preflight.check(cfg)
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     preflight.check(cfg)  # with a key it starts
+
+
+def model_dir(tmp_path: Path, **config: object) -> Path:
+    """A model directory with ``config.json`` (and an empty weights file)."""
+    import json
+
+    path = tmp_path / "m"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_a_model_the_engine_does_not_run_is_refused_pointing_at_vllm(tmp_path: Path) -> None:
+    """The torch engine runs the Llama family; another architecture is refused at once,
+    naming the backend that would serve it (vLLM's backend is not judged here)."""
+    path = model_dir(tmp_path, model_type="gpt2", num_attention_heads=2, num_hidden_layers=1,
+                     hidden_size=32, max_position_embeddings=64)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^`model.path`: the torch engine runs llama, .* this one is 'gpt2': serve it with inference.backend = 'vllm'$"):  # fmt: skip
+        preflight.check(smoke(tmp_path, f"model.path={path}"))
+
+
+def test_a_kv_cache_too_small_for_the_models_length_is_refused_naming_the_keys(
+    tmp_path: Path,
+) -> None:
+    """A Qwen3-0.6B-shaped model with its 40,960 positions does not fit 4 sequences in the
+    CPU's default 2 GB: refused, naming `inference.kv_cache_gb` and `inference.max_model_len`;
+    a shorter max_model_len fits."""
+    path = model_dir(tmp_path, model_type="qwen3", num_attention_heads=16, num_key_value_heads=8,
+                     head_dim=128, num_hidden_layers=28, hidden_size=1024,
+                     max_position_embeddings=40960)  # fmt: skip
+    cfg = smoke(tmp_path, f"model.path={path}", 'inference.device="cpu"')
+    with pytest.raises(ConfigError, match=r"`inference.kv_cache_gb` \(model.path\): .*holds fewer than 4 sequences of 40960 tokens.*`inference.max_model_len`"):  # fmt: skip
+        preflight.check(cfg)
+    preflight.check(
+        smoke(
+            tmp_path, f"model.path={path}", 'inference.device="cpu"', "inference.max_model_len=1024"
+        )
+    )

@@ -24,7 +24,8 @@ from transformers import (
 )
 
 from roles.inference import sampling
-from roles.inference.engine import KVCacheTooSmall, TorchEngine, plan_slots
+from roles.inference.capacity import KVCacheTooSmall, plan_slots
+from roles.inference.engine import TorchEngine
 from roles.inference.model_runner import DecoderRunner, UnsupportedModel
 from roles.lib.model.loading import load_model, load_tokenizer
 from roles.lib.model.render import Renderer

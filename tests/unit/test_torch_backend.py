@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from roles.inference.backend import serving_dtype
+from roles.inference.capacity import serving_dtype
 from roles.inference.engine import TorchEngine
 from roles.inference.torch_backend import BatcherClosed, TorchBackend
 from roles.lib.model.loading import load_model, load_tokenizer
