@@ -78,6 +78,11 @@ class BusConfig(_Section):
 class TinyModelConfig(_Section):
     """Shape of the tiny model built locally when `model.path = "tiny"`."""
 
+    # "char": Llama-style over the character tokenizer; "qwen3" / "llama": the family's
+    # architecture with a BPE tokenizer and chat template (roles.lib.model.families).
+    arch: Literal["char", "qwen3", "llama"] = "char"
+    # BPE vocabulary of a family arch (None: 768); the char tokenizer's is its alphabet.
+    vocab_size: int | None = Field(default=None, ge=300)
     hidden_size: int = Field(default=128, ge=1)
     num_layers: int = Field(default=2, ge=1)
     num_heads: int = Field(default=4, ge=1)
@@ -92,6 +97,11 @@ class TinyModelConfig(_Section):
                 f"`model.tiny.hidden_size` ({self.hidden_size}) must be divisible by "
                 f"`model.tiny.num_heads` ({self.num_heads})"
             )
+        if self.arch == "char" and self.vocab_size is not None:
+            raise ValueError("`model.tiny.vocab_size` is for arch qwen3 or llama (char: fixed)")
+        if self.arch != "char" and self.num_heads % 2:
+            raise ValueError(f"`model.tiny.num_heads` ({self.num_heads}) must be even for "
+                             f"arch {self.arch!r} (two query heads per key/value head)")  # fmt: skip
         return self
 
 
@@ -102,6 +112,11 @@ class ModelConfig(_Section):
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     local_files_only: bool = True  # never reach the network for weights or tokenizer
+    # Chat rendering (roles.lib.model.render): "auto" picks the family's renderer from the
+    # tokenizer's special tokens (Qwen3, Llama 3), else "rlbus"; or any renderer name of
+    # the `renderers` package ("qwen3", "llama-3", "glm-4.5", ...). Checked by `rlbus up`
+    # on probe conversations before any role starts.
+    renderer: str = "auto"
 
 
 class InferenceConfig(_Section):

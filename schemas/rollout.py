@@ -112,6 +112,9 @@ class Message(Record, frozen=True):
     # A reply that did not parse (``Trace.turn_errors`` says why): its tokens never train,
     # the rest of the rollout does.
     masked: bool = False
+    # The reasoning a reply wrote (Qwen3's <think> block), as its renderer parsed it; its
+    # tokens stay in token_ids as sampled. None: the format has no reasoning.
+    reasoning: str | None = None
 
     def ids(self) -> np.ndarray:
         return arrays.i32(self.token_ids)
@@ -127,7 +130,7 @@ class Branch(Record, frozen=True):
 
 class TraceError(Record, frozen=True):
     # docs/running.md, "Errors": inference_timeout, inference_error, no_responders,
-    # context_too_long, bad_reply, no_actor_turn, task_error (rollout errors), parse_error
+    # context_too_long, bad_reply, no_actor_turn, render_error, task_error (rollout errors), parse_error
     # (a turn error), env_exception (a bug in env code: the task is dead-lettered).
     kind: str
     message: str

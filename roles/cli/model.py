@@ -1,4 +1,4 @@
-"""``rlbus model ...``: build the tiny local model (no hub needed)."""
+"""``rlbus model ...``: build a local model (no hub needed), export a run's policy."""
 
 from __future__ import annotations
 
@@ -22,17 +22,33 @@ def init(
     config: str = typer.Option(
         "default", "--config", "-c", help="Preset or TOML whose [model.tiny] sizes to use."
     ),
+    arch: str = typer.Option(
+        "tiny",
+        "--arch",
+        help="tiny (character tokenizer, Llama-style), or a family with a BPE tokenizer "
+        "and chat template: qwen3, llama.",
+    ),
+    size: str = typer.Option("tiny", "--size", help="A family model's size: tiny or small."),
 ) -> None:
-    """Build the tiny Llama-style model and character tokenizer in Hugging Face layout."""
+    """Build a model in Hugging Face layout: the tiny char model, or a Qwen3 / Llama
+    model with random weights, a BPE tokenizer trained here and the family's chat
+    template (use it as `model.path`)."""
     from configs import load_config
     from configs.paths import resolve_data_dir
-    from roles.lib.model.tiny import init_model
+    from roles.lib.model.families import FAMILIES, SIZES, build_family_model
+    from roles.lib.model.tiny import init_model, summarize
 
+    if arch != "tiny" and arch not in FAMILIES:
+        raise typer.BadParameter(f"expected tiny or one of {sorted(FAMILIES)}", param_hint="--arch")
+    if size not in SIZES:
+        raise typer.BadParameter(f"expected one of {sorted(SIZES)}", param_hint="--size")
     cfg = load_config(config)
-    out = out or resolve_data_dir(configured=cfg.bus.data_dir) / "model" / "tiny"
-    tiny = cfg.model.tiny.model_dump()
-    tiny.pop("init_seed", None)
-    summary = init_model(out, seed=seed, **tiny)
+    out = out or resolve_data_dir(configured=cfg.bus.data_dir) / "model" / arch
+    if arch == "tiny":
+        tiny = cfg.model.tiny.model_dump(exclude={"init_seed", "arch", "vocab_size"})
+        summary = init_model(out, seed=seed, **tiny)
+    else:
+        summary = summarize(build_family_model(out, arch, size=size, seed=seed), seed)
     typer.echo(json.dumps(summary, indent=2, default=str))
 
 
@@ -47,7 +63,8 @@ def export(
 ) -> None:
     """Write a run's checkpoint as a loadable model directory (Hugging Face layout).
 
-    The config and tokenizer files come from the run's initial model, the weights from
+    The config and tokenizer files come from the run's initial model (the tiny model it
+    built, or its ``model.path``), the weights from
     the checkpoint: use it as `[orchestrator.models.<key>] path` (a reference for opd, a
     teacher) or as `model.path` of a new run.
     """
@@ -60,10 +77,12 @@ def export(
     if not paths.dir.is_dir():
         no_run(run, f"no run directory {paths.dir}", local_runs(data_dir))
     initial = paths.initial_model
+    if not (initial / "config.json").exists() and (paths.dir / "config.toml").exists():
+        from configs import load_config
+
+        initial = Path(load_config(str(paths.dir / "config.toml")).model.path)  # model.path
     if not (initial / "config.json").exists():
-        raise typer.BadParameter(
-            f"no initial model at {initial} (was {run!r} run with the tiny model?)"
-        )
+        raise typer.BadParameter(f"no initial model at {initial} (the run's model.path)")
     ckpt = latest_checkpoint(paths.dir) if step is None else paths.checkpoint(step)
     if ckpt is None or not (ckpt / "model.safetensors").exists():
         raise typer.BadParameter(f"no checkpoint {'' if step is None else step} under {paths.dir}")

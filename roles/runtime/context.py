@@ -77,14 +77,14 @@ class RoleContext:
         return policy_model_dir(self.cfg, self.run)
 
     def load_renderer(self) -> Any:
-        """A Renderer over the run model's tokenizer (the tiny model is built if absent)."""
+        """The run model's renderer (``model.renderer``; the tiny model is built if absent)."""
         from roles.lib.model.loading import load_tokenizer
-        from roles.lib.model.render import Renderer
+        from roles.lib.model.render import make_renderer
 
         tokenizer = load_tokenizer(
             self.model_dir(), local_files_only=self.cfg.model.local_files_only
         )
-        return Renderer(tokenizer)
+        return make_renderer(tokenizer, self.cfg.model.renderer)
 
     async def connect(self, producer: str | None = None) -> Bus:
         bus = await Bus.connect(

@@ -13,7 +13,6 @@ has). Its tokens carry logprob 0 (it is deterministic) and policy version 0.
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -23,20 +22,6 @@ from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from schemas import GenerateRequest, GenerateResult, InferenceFailed, ScoreRequest
 from schemas.arrays import i32, pack_f32, pack_i32
-
-_TURN = re.compile(r"<\|(system|user|assistant|tool)\|>(.*?)<\|end\|>", re.S)
-
-
-def parse_conversation(prompt: str) -> list[dict[str, str]]:
-    """Messages back from a rendered prompt (the char tokenizer's chat template)."""
-    messages = []
-    for role, body in _TURN.findall(prompt):
-        if role == "tool" and ":" in body:
-            name, _, body = body.partition(":")
-            messages.append({"role": role, "name": name, "content": body})
-        else:
-            messages.append({"role": role, "content": body})
-    return messages
 
 
 class Teacher(Role):
@@ -50,11 +35,11 @@ class Teacher(Role):
 
     async def setup(self) -> None:
         from roles.lib.model.loading import load_tokenizer
-        from roles.lib.model.render import Renderer
+        from roles.lib.model.render import make_renderer
 
         # The teacher speaks the policy's tokenizer: its tokens are what the policy trains on.
         self.tokenizer = load_tokenizer(self.ctx.model_dir())
-        self.renderer = Renderer(self.tokenizer)
+        self.renderer = make_renderer(self.tokenizer, self.ctx.cfg.model.renderer)
         self.sub = await rpc.serve(
             self.bus.nc, infer_subject(self.run, self.model), infer_queue(self.model),
             [GenerateRequest, ScoreRequest], self.answer,
@@ -94,9 +79,9 @@ class Teacher(Role):
                 message="the teacher needs the request's env",
             )
         t0 = time.perf_counter()
-        prompt = self.tokenizer.decode(i32(req.prompt_ids).tolist(), skip_special_tokens=False)
         try:
-            text = self.env(req.env).solve(parse_conversation(prompt))
+            messages = self.renderer.read_conversation(i32(req.prompt_ids).tolist())
+            text = self.env(req.env).solve(messages)
         except Exception as e:  # noqa: BLE001 - a teacher that cannot answer says so, per request
             return InferenceFailed(
                 request_id=req.request_id, kind="internal", message=f"{type(e).__name__}: {e}"
@@ -118,4 +103,4 @@ async def main(ctx: RoleContext, model: str = "teacher") -> None:
     await serve_role(Teacher(bus, ctx, model))
 
 
-__all__ = ["Teacher", "main", "parse_conversation"]
+__all__ = ["Teacher", "main"]

@@ -15,7 +15,6 @@ from roles.lib.envs.harness import run_rollout
 from roles.lib.envs.registry import make_env
 from roles.lib.model.render import Renderer
 from roles.lib.model.tokenizer import build_tokenizer
-from roles.teacher.role import parse_conversation
 from schemas import GenerateResult, SamplingParams, TaskRef, derive_id
 from schemas.arrays import i32, mask, pack_f32, pack_i32
 
@@ -225,7 +224,7 @@ class TeacherGenerate:
         if self.script:
             text = self.script.pop(0)
         else:
-            seen = parse_conversation(TOK.decode(list(prompt_ids), skip_special_tokens=False))
+            seen = R.read_conversation(list(prompt_ids))
             text = make_env(env, {}).solve(seen)
         ids = TOK.encode(text, add_special_tokens=False) + [R.end_token_id]
         return GenerateResult(request_id=request_id, completion_ids=pack_i32(ids),

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from roles.lib.envs.base import Environment, Harness, Rubric
-from roles.lib.envs.harness import completion_tokens, run_rollout, split_initial_prompt
+from roles.lib.envs.harness import completion_tokens, run_rollout
 from roles.lib.envs.registry import make_env
 from roles.lib.model.render import Renderer
 from roles.lib.model.tokenizer import build_tokenizer
@@ -307,10 +307,10 @@ def test_split_initial_prompt_with_template_extras() -> None:
             return [len(m["content"])] * 2
 
     msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "bbb"}]
-    assert split_initial_prompt(FakeRenderer(), msgs, [1, 1, 3, 3, 9]) == ([[1, 1], [3, 3]], [9])
-    assert split_initial_prompt(FakeRenderer(), msgs, [7, 1, 1, 3, 3, 9]) == (
+    assert Renderer.split_initial_prompt(FakeRenderer(), msgs, [1, 1, 3, 3, 9]) == ([[1, 1], [3, 3]], [9])
+    assert Renderer.split_initial_prompt(FakeRenderer(), msgs, [7, 1, 1, 3, 3, 9]) == (
         [[7, 1, 1], [3, 3]],
         [9],
     )
-    pieces, gen = split_initial_prompt(FakeRenderer(), msgs, [5, 5, 5])
+    pieces, gen = Renderer.split_initial_prompt(FakeRenderer(), msgs, [5, 5, 5])
     assert sum(pieces, []) + gen == [5, 5, 5]

@@ -7,14 +7,11 @@ import pytest
 from roles.lib.envs.registry import make_env
 from roles.lib.model.render import Renderer
 from roles.lib.model.tokenizer import build_tokenizer
-from roles.teacher.role import parse_conversation
 
 TOK = build_tokenizer()
 R = Renderer(TOK)
 
 
-def prompt_text(messages: list[dict[str, str]]) -> str:
-    return TOK.decode(R.render_prompt(messages), skip_special_tokens=False)
 
 
 @pytest.mark.parametrize("env_id", ["reverse-text", "alphabet-sort", "tool-calc"])
@@ -27,7 +24,7 @@ def test_teacher_solves_every_turn_from_the_prompt_alone(env_id: str) -> None:
         messages = env.initial_messages(task)
         state = env.init_state(task)
         for _ in range(env.max_turns):
-            seen = parse_conversation(prompt_text(messages))
+            seen = R.read_conversation(R.render_prompt(messages))
             assert [(m["role"], m["content"], m.get("name")) for m in seen] == [
                 (m["role"], m["content"], m.get("name")) for m in messages
             ]

@@ -193,9 +193,7 @@ class TeacherScript:
         self.env = make_env("tool-calc", {})
 
     async def __call__(self, model, request_id, prompt_ids, sampling, stop_token_ids, seed, *, env=None):  # type: ignore[no-untyped-def]  # fmt: skip
-        from roles.teacher.role import parse_conversation
-
-        seen = parse_conversation(TOK.decode(list(prompt_ids), skip_special_tokens=False))
+        seen = R.read_conversation(list(prompt_ids))
         out = ids(self.env.solve(seen)) + [END]
         return GenerateResult(request_id=request_id, completion_ids=pack_i32(out),
                               logprobs=pack_f32([0.0] * len(out)), finish_reason="stop", policy_version=0)  # fmt: skip

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from roles.lib.envs.base import EnvCodeError, Messages
-from roles.lib.model.tokenizer import ToolCallSyntaxError
+from roles.lib.model.render import Reply
 from schemas import Message, ToolCall, derive_id
 
 
@@ -29,28 +29,24 @@ def chat_message(m: Message) -> dict[str, Any]:
         out["tool_calls"] = chat_calls(m.tool_calls)
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning is not None:
+        out["reasoning_content"] = m.reasoning
     return out
 
 
-def parse_reply(
-    renderer: Any, text: str, rollout_id: str, turn: int
-) -> tuple[str, list[ToolCall], str | None]:
-    """(content, tool calls, parse error) of one reply's text.
+def reply_calls(reply: Reply, rollout_id: str, turn: int) -> tuple[str, list[ToolCall], str | None]:
+    """(content, tool calls, parse error) of one reply (``Renderer.parse_reply``'s).
 
     A reply that starts a call that does not parse keeps its raw text as content, no
     calls, and the reason; call ids derive from the rollout, the turn and the call's
     position, so a rerun rollout names its calls the same.
     """
-    try:
-        content, parsed = renderer.parse_tool_calls(text)
-    except ToolCallSyntaxError as e:
-        return text, [], str(e)
     calls = [
         ToolCall(id=derive_id(rollout_id, "turn", turn, "call", k), name=c.name,
                  arguments=c.arguments)
-        for k, c in enumerate(parsed)
+        for k, c in enumerate(reply.calls)
     ]  # fmt: skip
-    return content, calls, None
+    return reply.content, calls, reply.error
 
 
 def resolve_tool_names(new: Messages, calls: dict[str, ToolCall]) -> Messages:

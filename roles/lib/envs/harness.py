@@ -1,15 +1,16 @@
 """One rollout, token in / token out: an env, a task and a ``generate`` coroutine -> a ``Trace``.
 
-The prompt of the first turn is ``Renderer.render_prompt(opening messages)``; every later
-prompt is ``Renderer.continue_prompt(previous prompt, completion, env's new messages)``,
-so no turn is ever re-tokenised from text. Every token the model saw is attributed to
+The prompt of the first turn is ``renderer.first_turn(opening messages)``; every later
+prompt is ``renderer.next_turn(previous prompt, completion, env's new messages)``: the
+previous prompt and completion as they were, then the new messages in the template's
+framing (``roles.lib.model.render``), so no turn is ever re-tokenised from text. Every token the model saw is attributed to
 exactly one message of the trace:
 
 - an opening message (system, user) gets its own rendered tokens;
 - an assistant message gets the generation-prompt tokens (``<|assistant|>``), then the
-  sampled completion (``sampled`` = 1, with its logprobs), then, if the completion was cut
-  off and the conversation goes on, the ``<|end|>`` that closes it in the next prompt
-  (not sampled);
+  sampled completion (``sampled`` = 1, with its logprobs), then, if the conversation
+  goes on, what closes it in the next prompt (not sampled): ``<|end|>`` when it was cut
+  off, the newline Qwen3's template writes after ``<|im_end|>``;
 - an env message (user/tool feedback) gets its rendered tokens;
 - messages after the last generation (an env's closing remark) get no tokens: the model
   never saw them.
@@ -27,9 +28,10 @@ So for every branch, concatenating its messages' ``token_ids`` is the full seque
 model saw last (final prompt + final completion), and ``token_ids``/``sampled``/
 ``logprobs`` have equal lengths per message.
 
-Tool calls. Each completion's text is read back by ``Renderer.parse_tool_calls`` into
-(content, calls); every call gets the id ``derive_id(rollout_id, "turn", turn, "call",
-k)``, is recorded in ``Message.tool_calls`` and reaches the env in the chat dict's
+Tool calls. Each completion is read back by ``renderer.parse_reply`` into (content,
+reasoning, calls); the reasoning (``Message.reasoning``) reaches the env as the chat
+dict's ``reasoning_content``; every call gets the id ``derive_id(rollout_id, "turn",
+turn, "call", k)``, is recorded in ``Message.tool_calls`` and reaches the env in the chat dict's
 ``tool_calls`` (OpenAI-style). A tool message the env writes records its
 ``tool_call_id``, and gets its call's ``name`` when the env gave none (before it is
 rendered, so the model sees the name the template writes, and SFT by tool name works).
@@ -73,11 +75,12 @@ from roles.lib.envs.chat import (
     chat_calls,
     check_messages,
     check_response,
-    parse_reply,
+    reply_calls,
     resolve_tool_names,
     state_columns,
 )
 from roles.lib.envs.seats import Cast, cast
+from roles.lib.model.render import TemplateError
 from schemas import (
     Branch,
     GenerateResult,
@@ -198,48 +201,8 @@ _MESSAGE_FIELDS = {
     "tool_calls",
     "tool_call_id",
     "masked",
+    "reasoning",
 }
-
-
-def scaffolded(renderer: Any, message: dict[str, Any]) -> tuple[list[int], tuple[int, int] | None]:
-    """(``message_tokens(message)``, [start, end) of its content tokens, or None).
-
-    The tokens are always exactly ``message_tokens`` (what ``continue_prompt`` puts in
-    the next prompt); the span is None when the chat template does not write the content
-    verbatim (it trims or escapes it) or the split disagrees with ``message_tokens``.
-    """
-    tokens = list(renderer.message_tokens(message))
-    try:
-        prefix, content, suffix = renderer.split_scaffold(message)
-    except ValueError:
-        return tokens, None
-    if [*prefix, *content, *suffix] != tokens:
-        return tokens, None
-    return tokens, (len(prefix), len(prefix) + len(content))
-
-
-def split_initial_prompt(
-    renderer: Any, messages: Messages, prompt: Sequence[int]
-) -> tuple[list[list[int]], list[int]]:
-    """(tokens of each opening message, generation-prompt tokens) of the first prompt.
-
-    For templates that add tokens of their own (a default system prompt, a bos), the
-    extra leading tokens go to the first message, so the pieces always concatenate to
-    exactly ``prompt``.
-    """
-    prompt = list(prompt)
-    gp = list(renderer.generation_prompt_ids)
-    if gp and prompt[-len(gp) :] == gp:
-        body, gen = prompt[: -len(gp)], gp
-    else:
-        body, gen = prompt, []
-    pieces = [list(renderer.message_tokens(m)) for m in messages]
-    if sum(pieces, []) == body:
-        return pieces, gen
-    tail = sum(pieces[1:], [])
-    if len(tail) <= len(body) and body[len(body) - len(tail) :] == tail:
-        return [body[: len(body) - len(tail)], *pieces[1:]], gen
-    return [body] + [[] for _ in pieces[1:]], gen
 
 
 async def run_rollout(
@@ -315,13 +278,10 @@ async def run_rollout(
         roles = cast(env, seating, model, seed if group_seed is None else group_seed, sample_index)
         chat = check_messages(name, "initial_messages", env_call(env.initial_messages, data))
         state = env_call(env.init_state, data)
-        prompt = list(renderer.render_prompt(chat, env.tools))
-        pieces, gen_prefix = split_initial_prompt(renderer, chat, prompt)
-        for m, toks in zip(chat, pieces, strict=True):
-            rendered, span = scaffolded(renderer, m)
-            # A piece that also holds template extras (split_initial_prompt's fallback)
-            # has no exact span: its offsets would be off by the extras.
-            b.add_env(m, toks, span if toks == rendered else None)
+        turn = renderer.first_turn(chat, env.tools)
+        prompt, gen_prefix = turn.prompt, turn.gen
+        for m, (toks, span) in zip(chat, turn.pieces, strict=True):
+            b.add_env(m, toks, span)
         while True:
             request_id = derive_id(rollout_id, "turn", num_turns)
             member = env_call(env.speaker, num_turns)
@@ -357,13 +317,9 @@ async def run_rollout(
             if turn_model == POLICY:  # staleness is about the trained policy's tokens only
                 versions.append(result.policy_version)
             truncated = truncated or result.finish_reason == "length"
-            text = renderer.parse_completion(completion)
             # Only an env with tools reads calls: elsewhere a stray call marker is text.
-            content, turn_calls, parse_error = (
-                parse_reply(renderer, text, rollout_id, num_turns)
-                if env.tools
-                else (text, [], None)
-            )
+            reply = renderer.parse_reply(completion, prompt, bool(env.tools))
+            content, turn_calls, parse_error = reply_calls(reply, rollout_id, num_turns)
             last = b.add(
                 "assistant",
                 content,
@@ -376,14 +332,17 @@ async def run_rollout(
                 member=member,
                 finish_reason=result.finish_reason,
                 tool_calls=turn_calls,
+                reasoning=reply.reasoning,
             )
             if parse_error is not None:
                 mask_turn(last, parse_error)
             calls.update((c.id, c) for c in turn_calls)
-            reply: dict[str, Any] = {"role": "assistant", "content": content}
+            said: dict[str, Any] = {"role": "assistant", "content": content}
+            if reply.reasoning is not None:
+                said["reasoning_content"] = reply.reasoning
             if turn_calls:
-                reply["tool_calls"] = chat_calls(turn_calls)
-            chat.append(reply)
+                said["tool_calls"] = chat_calls(turn_calls)
+            chat.append(said)
             num_turns += 1
             if num_turns >= turns:
                 break
@@ -399,14 +358,15 @@ async def run_rollout(
                     b.add_env(m, [])
                 chat.extend(new)
                 break
-            closed = renderer.close_completion(completion)
-            b.append_unsampled(last, closed[len(completion) :])
-            for m in new:
-                toks, span = scaffolded(renderer, m)
+            try:
+                turn = renderer.next_turn(prompt, completion, new, env.tools)
+            except TemplateError as e:
+                raise _Failure("render_error", str(e)) from e
+            b.append_unsampled(last, turn.close)
+            for m, (toks, span) in zip(new, turn.pieces, strict=True):
                 b.add_env(m, toks, span)
             chat.extend(new)
-            prompt = list(renderer.continue_prompt(prompt, completion, new))
-            gen_prefix = list(renderer.generation_prompt_ids)
+            prompt, gen_prefix = turn.prompt, turn.gen
         if roles.trains and not actor_turns:
             raise _Failure(
                 "no_actor_turn",

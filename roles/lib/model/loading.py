@@ -111,15 +111,22 @@ def ensure_tiny_model(
     The build goes to a temporary sibling directory that is renamed into place, so a
     crash mid-build never leaves a half-written model that later runs would trust.
     """
+    from roles.lib.model.families import build_family_model
     from roles.lib.model.tiny import build_tiny_model
 
+    sizes = dict(tiny_cfg_kwargs or {})
+    arch = sizes.pop("arch", "char")
+    vocab_size = sizes.pop("vocab_size", None)
     target = RunPaths.at(run_dir).initial_model
     if all((target / name).exists() for name in _DONE_MARKERS):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".initial-", dir=target.parent))
     try:
-        build_tiny_model(tmp, seed=seed, **(tiny_cfg_kwargs or {}))
+        if arch == "char":
+            build_tiny_model(tmp, seed=seed, **sizes)
+        else:
+            build_family_model(tmp, arch, seed=seed, vocab_size=vocab_size, **sizes)
         if all((target / name).exists() for name in _DONE_MARKERS):
             return target  # another process finished first (same seed, same bytes): keep theirs
         if target.exists():  # a stale partial directory from an older crash

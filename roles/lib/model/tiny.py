@@ -127,9 +127,14 @@ def init_model(out_dir: str | Path, seed: int = 0, **sizes: Any) -> dict[str, An
     The digest is of `state_dict_to_bytes`, i.e. the same digest the trainer would
     publish for these weights, so version 0 of a run can be checked against it.
     """
+    return summarize(build_tiny_model(out_dir, seed=seed, **sizes), seed)
+
+
+def summarize(path: Path, seed: int) -> dict[str, Any]:
+    """What ``rlbus model init`` prints of a built model: its path, seed, size and the
+    digest of its weights."""
     from roles.lib.model.loading import load_model
 
-    path = build_tiny_model(out_dir, seed=seed, **sizes)
     model = load_model(path)
     return {
         "path": str(path),
