@@ -296,13 +296,20 @@ class SyncGrpo:
     async def evaluate(self) -> dict[str, Any]:
         """avg@k of the current weights on the run's eval tasks (``rlbus eval``'s requests,
         the orchestrator's ``eval_metrics``)."""
-        from roles.up.rollout import build_requests, eval_envs, plan_requests, split_size
+        from roles.up.rollout import (
+            build_requests,
+            eval_envs,
+            eval_tasks,
+            plan_requests,
+            split_size,
+        )
 
         e = self.cfg.orchestrator.eval
         t0 = time.perf_counter()
         requests = []
         for env in eval_envs(self.cfg):
-            plan = plan_requests(self.cfg, env, "eval", e.num_tasks * e.k, e.k, POLICY)
+            tasks = eval_tasks(self.cfg, env)
+            plan = plan_requests(self.cfg, env, "eval", tasks * e.k, e.k, POLICY)
             size = split_size(plan)
             plan.groups = min(plan.groups, size)
             requests += build_requests(

@@ -6,7 +6,8 @@ spellings is an error (we would otherwise have to guess which one the user meant
 `translate_deprecated` is pure: it returns a new dict and the warning messages, and
 the caller decides how to warn.
 
-To add a rename, append to `MOVED_TABLES` or `RENAMED_SAMPLING_KEYS`; a key that is
+To add a rename, append to `MOVED_TABLES` or `RENAMED_SAMPLING_KEYS` (a list of names
+that became a list of tables: `TABLED_LISTS`); a key that is
 gone goes to `REMOVED_KEYS` (or, in every `[orchestrator.models.<key>]`, to
 `REMOVED_MODEL_KEYS`): dropped with a warning that says why, in a file or an override.
 """
@@ -37,6 +38,13 @@ REMOVED_KEYS: dict[Path, str] = {
         "the torch engine always admits requests into its running decode loop between "
         "steps (roles/inference/engine.py); there is no static mode left to choose"
     ),
+}
+
+# Lists of names that became lists of tables, each name under one key: old path ->
+# (new path, the key). `[orchestrator.eval] envs = ["a"]` is `[[orchestrator.eval.env]]
+# id = "a"`: an eval env entry has more to say than its id (configs/orchestrator.py).
+TABLED_LISTS: dict[Path, tuple[Path, str]] = {
+    ("orchestrator", "eval", "envs"): (("orchestrator", "eval", "env"), "id"),
 }
 
 # Keys renamed inside every sampling table (train, per-env, eval): old -> new.
@@ -128,6 +136,26 @@ def removed_key(path: Path) -> str | None:
     return removed_message(path, why) if why else None
 
 
+def tabled(value: Any, key: str) -> Any:
+    """A list of names as the list of tables it became (anything else as it is, for
+    validation to name)."""
+    if isinstance(value, list):
+        return [{key: x} for x in value]
+    return value
+
+
+def translate_tabled(path: Path, value: Any) -> tuple[Path, Any, str] | None:
+    """An override of a `TABLED_LISTS` key (the list, or one element by index) as
+    (new path, new value, message); None for any other key."""
+    p = tuple(str(x) for x in path)
+    for old, (new, key) in TABLED_LISTS.items():
+        if p == old:
+            return new, tabled(value, key), deprecation_message(old, new)
+        if len(p) == len(old) + 1 and p[:-1] == old and p[-1].isdigit():
+            return (*new, p[-1], key), value, deprecation_message(old, new)
+    return None
+
+
 def translate_key(path: Path) -> tuple[Path, list[str]]:
     """Rewrite one dotted key path (an override's key); return (new path, messages).
 
@@ -159,6 +187,12 @@ def translate_deprecated(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     for table in _sampling_tables(root):
         for old_key, new_key in RENAMED_SAMPLING_KEYS.items():
             if msg := _move(root, (*table, old_key), (*table, new_key)):
+                messages.append(msg)
+    for old, (new, key) in TABLED_LISTS.items():
+        parent = _lookup(root, old[:-1])
+        if isinstance(parent, dict) and old[-1] in parent:
+            parent[str(old[-1])] = tabled(parent[str(old[-1])], key)
+            if msg := _move(root, old, new):
                 messages.append(msg)
     for path, why in REMOVED_KEYS.items():
         parent = _lookup(root, path[:-1])

@@ -22,9 +22,16 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from configs.deprecations import dotted, removed_key, translate_deprecated, translate_key
+from configs.deprecations import (
+    dotted,
+    removed_key,
+    translate_deprecated,
+    translate_key,
+    translate_tabled,
+)
 from configs.errors import ConfigDeprecationWarning, ConfigError
 from configs.models import RunConfig
+from configs.toml_emit import toml_value
 
 DEFAULT_PRESET = "default"
 
@@ -90,9 +97,14 @@ def translate_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]
     out: list[str] = []
     messages: list[str] = []
     for item in overrides:
-        keys, _ = parse_override(item)  # validates the shape
+        keys, value = parse_override(item)  # validates the shape
         if gone := removed_key(tuple(keys)):
             messages.append(gone)
+            continue
+        if (reshaped := translate_tabled(tuple(keys), value)) is not None:
+            new_path, new_value, msg = reshaped
+            messages.append(msg)
+            out.append(f"{dotted(new_path)}={toml_value(new_value)}")
             continue
         new_keys, msgs = translate_key(tuple(keys))
         messages += msgs

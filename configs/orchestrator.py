@@ -1,16 +1,18 @@
 """The `[orchestrator]` section: what to roll out, with which algorithms, how async.
 
 Sampling, environments, algorithms, auxiliary model endpoints (teacher, reference),
-eval and the SFT warm start. `orchestrator_problems` holds the cross-field rules
-(actor and env algorithm references, unique ids); `RunConfig` calls it so its
-messages can name full dotted paths.
+eval (its envs: train envs, or eval-only ones that are never trained on; resolved by
+`OrchestratorConfig.eval_targets`) and the SFT warm start. `orchestrator_problems` holds
+the cross-field rules (actor and env algorithm references, unique ids); `RunConfig` calls
+it so its messages can name full dotted paths.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -115,6 +117,11 @@ class EnvConfig(_Section):
         return pool_bounds(self.replicas, self.min_replicas, self.max_replicas)
 
     @property
+    def servers(self) -> int:
+        """Server processes `rlbus up` starts for the env (`replicas`)."""
+        return self.replicas
+
+    @property
     def key(self) -> str:
         """The env's token on subjects and consumer names (``bus.subjects.token_for``)."""
         from bus.subjects import token_for  # a pure string function; keeps configs light
@@ -141,7 +148,11 @@ class TrainConfig(_Section):
         return self
 
 
-def _with_merged_sampling(env: EnvConfig, base: SamplingConfig) -> EnvConfig:
+# A config entry with a sampling table that inherits the keys it leaves out.
+_Entry = TypeVar("_Entry", "EnvConfig", "EvalEnvConfig")
+
+
+def _with_merged_sampling(env: _Entry, base: SamplingConfig) -> _Entry:
     if env.sampling is None:
         return env
     explicit = {name: getattr(env.sampling, name) for name in env.sampling.model_fields_set}
@@ -175,6 +186,40 @@ class ModelEndpointConfig(_Section):
     subject_model: str | None = None  # inference model name it answers on; defaults to the key
 
 
+class EvalEnvConfig(_Section):
+    """One env evaluated during the run (`[[orchestrator.eval.env]]`): a train env, by its
+    id, or any other registered env, which the run then evaluates and never trains on."""
+
+    id: str = Field(min_length=1)
+    num_tasks: int | None = Field(default=None, ge=1)  # None: `orchestrator.eval.num_tasks`
+    # Keys left out inherit `orchestrator.eval.sampling` (merged at load, see EvalConfig).
+    sampling: EvalSamplingConfig | None = None
+    # None: a train env's own `args` / `max_turns`; an eval-only env's: none.
+    args: dict[str, Any] | None = None
+    max_turns: int | None = Field(default=None, ge=1)
+    # An eval-only env's server pool, started by `rlbus up` (a train env's eval requests go
+    # to its train pool, so setting these on a train env is an error).
+    replicas: int | None = Field(default=None, ge=1)  # None: 1
+    max_concurrent: int | None = Field(default=None, ge=1)  # None: `env_server.groups_in_flight`
+
+    @property
+    def servers(self) -> int:
+        """Server processes of an eval-only env (`replicas`, else 1)."""
+        return self.replicas or 1
+
+    @property
+    def pool(self) -> tuple[int, int]:
+        """(min, max) replicas of an eval-only env's server pool: static."""
+        return self.servers, self.servers
+
+    @property
+    def key(self) -> str:
+        """The env's token on subjects and consumer names (``bus.subjects.token_for``)."""
+        from bus.subjects import token_for
+
+        return token_for(self.id)
+
+
 class EvalConfig(_Section):
     """Periodic evaluation on held-out tasks."""
 
@@ -182,11 +227,33 @@ class EvalConfig(_Section):
     num_tasks: int = Field(default=32, ge=1)
     k: int = Field(default=1, ge=1)  # samples per task
     sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
-    envs: list[str] = []  # train env ids to evaluate; empty = all
+    # The envs evaluated: empty = every train env; otherwise exactly these (a train env by
+    # its id, or an eval-only env). Was `envs = [ids]` (configs/deprecations.py).
+    env: list[EvalEnvConfig] = []
     at_start: bool = True  # also evaluate policy version 0
     # Multi-agent envs with a learner seat: the seat the learner plays in eval (None: the
     # env's own `learner_seat` rule, e.g. "rotate": both sides, balanced).
     learner_seat: str | None = None
+
+    @model_validator(mode="after")
+    def _inherit_sampling(self) -> EvalConfig:
+        # As TrainConfig's: every consumer (and run.started) sees the merged tables.
+        self.env = [_with_merged_sampling(env, self.sampling) for env in self.env]
+        return self
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    """One env a run evaluates, resolved (``OrchestratorConfig.eval_targets``): what its
+    eval requests carry. ``train`` is the train entry (None: an eval-only env)."""
+
+    id: str
+    key: str
+    num_tasks: int
+    sampling: EvalSamplingConfig
+    args: dict[str, Any]
+    max_turns: int | None
+    train: EnvConfig | None
 
 
 class WarmupConfig(_Section):
@@ -242,6 +309,55 @@ class OrchestratorConfig(_Section):
         envs = self.train.env
         return next((e for e in envs if e.id == id_or_key), None) or next(
             (e for e in envs if e.key == id_or_key), None
+        )
+
+    def eval_targets(self) -> list[EvalTarget]:
+        """The envs this run evaluates, in order, resolved: `eval.env` (empty: every
+        train env with the eval defaults), each taking what it leaves unset from
+        `eval` and from its train entry, if it has one."""
+        e = self.eval
+        entries = e.env or [EvalEnvConfig(id=env.id) for env in self.train.env]
+        out = []
+        for entry in entries:
+            train = self.env(entry.id)
+            out.append(
+                EvalTarget(
+                    id=entry.id,
+                    key=entry.key,
+                    num_tasks=entry.num_tasks or e.num_tasks,
+                    sampling=entry.sampling or e.sampling,
+                    args=dict(
+                        entry.args if entry.args is not None else train.args if train else {}
+                    ),
+                    max_turns=entry.max_turns or (train.max_turns if train else None),
+                    train=train,
+                )
+            )
+        return out
+
+    def eval_target(self, id_or_key: str) -> EvalTarget | None:
+        """The evaluated env with this id, or with this subject key (None: not evaluated)."""
+        targets = self.eval_targets()
+        return next((t for t in targets if t.id == id_or_key), None) or next(
+            (t for t in targets if t.key == id_or_key), None
+        )
+
+    def eval_only_envs(self) -> list[EvalEnvConfig]:
+        """`eval.env` entries that name no train env: the run starts servers for them when
+        it evaluates at all (`eval.interval` > 0), and never trains on them."""
+        if self.eval.interval == 0:
+            return []
+        return [e for e in self.eval.env if self.env(e.id) is None]
+
+    def served_env(self, id_or_key: str) -> EnvConfig | EvalEnvConfig | None:
+        """The entry an env server of this env is configured by: its train entry, else
+        its eval-only entry (None: neither; `rlbus rollout` of any env)."""
+        found = self.env(id_or_key)
+        if found is not None:
+            return found
+        only = [e for e in self.eval.env if self.env(e.id) is None]
+        return next((e for e in only if e.id == id_or_key), None) or next(
+            (e for e in only if e.key == id_or_key), None
         )
 
     def algorithm(self, algorithm_id: str) -> AlgorithmConfig | None:
@@ -340,15 +456,46 @@ def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
                 f"`orchestrator.models.{key}.policy_version` is a snapshot of the policy: it "
                 'needs kind = "reference" and no `path`'
             )
-    for name in o.eval.envs:
-        if name not in env_ids:
-            problems.append(
-                f"`orchestrator.eval.envs` names {name!r}, which is not an id in "
-                f"`orchestrator.train.env` (declared: {env_ids})"
-            )
+    problems += _eval_env_problems(o, env_ids)
     if o.warmup.steps > 0 and o.warmup.actor not in o.models:
         problems.append(
             f"`orchestrator.warmup.actor` = {o.warmup.actor!r} must be a key of "
             f"`orchestrator.models` when `orchestrator.warmup.steps` > 0 (declared: {keys or 'none'})"
         )
+    return problems
+
+
+def _eval_env_problems(o: OrchestratorConfig, train_ids: list[str]) -> list[str]:
+    """`orchestrator.eval.env`: unique ids and keys (an eval-only env's key names its
+    servers' consumer), and no pool settings on a train env (its eval
+    requests go to the train env's own pool). Whether an id names an env at all is
+    checked where envs can be built (`roles.up.preflight.eval_env_problems`)."""
+    problems = []
+    entries = o.eval.env
+    for dup in _duplicates([e.id for e in entries]):
+        problems.append(f"`orchestrator.eval.env`: id {dup!r} is listed more than once")
+    keys = [e.key for e in entries]
+    for dup in _duplicates(keys):
+        ids = sorted({e.id for e in entries if e.key == dup})
+        if len(ids) > 1:
+            problems.append(
+                f"`orchestrator.eval.env`: ids {ids} share the subject key {dup!r}; "
+                "evaluate one of them"
+            )
+    train_keys = {e.key: e.id for e in o.train.env}
+    for i, entry in enumerate(entries):
+        where = f"orchestrator.eval.env.{i}"
+        if entry.id in train_ids:
+            pooled = [k for k in ("replicas", "max_concurrent") if getattr(entry, k) is not None]
+            for key in pooled:
+                problems.append(
+                    f"`{where}.{key}`: {entry.id!r} is a train env, whose eval is served "
+                    f"by its train pool (set `orchestrator.train.env.{train_ids.index(entry.id)}"
+                    f".{key}` instead)"
+                )
+        elif entry.key in train_keys:
+            problems.append(
+                f"`{where}.id` = {entry.id!r} has the subject key of train env "
+                f"{train_keys[entry.key]!r}; name that train env by its id"
+            )
     return problems

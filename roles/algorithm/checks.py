@@ -92,9 +92,10 @@ def seat_problems(cfg: RunConfig) -> list[str]:
 
     o, out = cfg.orchestrator, []
     pin = o.eval.learner_seat
+    evaluated = {t.id for t in o.eval_targets()}
     for i, spec in enumerate(o.train.env):
         seating = seating_of(spec)
-        pinned = pin is not None and (not o.eval.envs or spec.id in o.eval.envs)
+        pinned = pin is not None and spec.id in evaluated
         if seating is None and not pinned:
             continue
         try:
@@ -109,7 +110,7 @@ def seat_problems(cfg: RunConfig) -> list[str]:
             out.append(
                 f"`orchestrator.eval.learner_seat` = {pin!r} is set, but evaluated env "
                 f"{spec.id!r} declares no members (list only multi-agent envs in "
-                "`orchestrator.eval.envs`, or remove the key)"
+                "`orchestrator.eval.env`, or remove the key)"
             )
         elif pin != ROTATE and (pin not in env.seats or pin in spec.members):
             out.append(

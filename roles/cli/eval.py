@@ -8,12 +8,14 @@ of one or more envs.
     rlbus eval -m ./my-hf-model -c default --env reverse-text --out report.json
     rlbus eval --env reverse-text --env alphabet-sort -n 64 -k 4 --json
     rlbus eval -m teacher orchestrator.eval.sampling.temperature=1.0
+    rlbus eval --run demo --resume               # an interrupted eval of run demo, continued
 
 It evaluates the way a run's own eval does: ``k`` samples of each of the first ``n``
 tasks of each env's eval split (at most the split's size), with the orchestrator's eval
 seeds and sampling (``orchestrator.eval.*``), scored by the orchestrator's
-``eval_metrics``. The defaults come from the config: envs ``orchestrator.eval.envs``
-(empty: the train envs), ``n`` = ``num_tasks``, ``k`` = ``k``. The config is ``-c``,
+``eval_metrics``. The defaults come from the config: envs ``orchestrator.eval.env``
+(empty: the train envs; each with its own task count and sampling), ``n`` = each env's
+``num_tasks``, ``k`` = ``k``. The config is ``-c``,
 else the config of the run the model comes from (``--run R``, or the run of a
 checkpoint), else the smoke preset.
 
@@ -41,6 +43,13 @@ and so do the figures, as ``metrics.reported.eval-adhoc`` (``rlbus sql``: the
 ``rollouts`` and ``metrics`` tables). The JSON report is written to ``--out`` or
 ``<run dir>/eval-<UTC time>.json``; stdout gets a table (or the JSON with ``--json``).
 pass@k is ``-`` (null) when an env's rewards are not all 0 or 1, as in a run's eval.
+
+Each task's answer is written to the eval's journal as it comes (``journal_path``: next
+to ``--out``, else ``<run dir>/eval.tasks.jsonl``; ``roles.up.eval_journal`` says what it
+is keyed on), and ``--resume`` continues an interrupted eval of ``--run`` from it: only
+the tasks without an answer are asked (again under their first request ids), and the
+report is the one an uninterrupted eval gives. A resume with other settings exits 2 with
+one line naming the first setting that differs.
 Exit 0; 1 when a started role died or the wait timed out; 2 for a bad option, config,
 model or env. Registered in the app by ``roles.cli`` (``app.command("eval")(evaluate)``).
 """
@@ -101,12 +110,21 @@ def evaluate(
         None, "--out", "-o", help="JSON report file (default: <run dir>/eval-<time>.json)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the JSON report."),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Continue the run's interrupted eval: ask only the tasks its "
+        "journal has no answer of (same settings needed).",
+    ),
 ) -> None:
     """avg@k ± stderr and pass@k on the eval split of envs: a live run's policy, a model
     directory or a run's checkpoint."""
     from configs.paths import RunPaths
-    from roles.up.rollout import eval_envs, plan_requests
+    from roles.up.eval_journal import EvalJournal, JournalMismatch, eval_settings
+    from roles.up.rollout import eval_envs, eval_tasks, plan_requests
 
+    if resume and run is None:
+        fail("error: --resume needs --run RUN, the run of the interrupted eval")
     cfg = run_config(config, run, overrides or [])
     source = model_source(cfg, model, checkpoint)
     if source.dir is not None and config is None and source.config is not None:
@@ -116,24 +134,35 @@ def evaluate(
         run or (cfg.run if source.dir is None else None)
         or time.strftime("eval-%Y%m%d-%H%M%S", time.gmtime())
     )  # fmt: skip
-    n = cfg.orchestrator.eval.num_tasks if tasks is None else tasks
     k = cfg.orchestrator.eval.k if k is None else k
-    if n < 1 or k < 1:
+    if (tasks is not None and tasks < 1) or k < 1:
         fail("error: -n and -k must be >= 1")
     paths = RunPaths.of(cfg)
-    if source.dir is not None and paths.dir.exists():
+    if source.dir is not None and paths.dir.exists() and not resume:
         fail(f"error: a model directory is evaluated in a run of its own; run {cfg.run!r} exists")
     names = list(dict.fromkeys(envs or eval_envs(cfg)))
-    plans = [plan_requests(cfg, env, "eval", n * k, k, source.key) for env in names]
+    # -n, else each env's own count (its `orchestrator.eval.env` entry's, else num_tasks).
+    plans = [
+        plan_requests(cfg, env, "eval", (tasks or eval_tasks(cfg, env)) * k, k, source.key)
+        for env in names
+    ]
     sizes = split_sizes(plans)
     plans = [replace(p, groups=min(p.groups, size)) for p, size in zip(plans, sizes, strict=True)]
+    settings = eval_settings(plans, k, source.label)
+    where = journal_path(out, paths.dir)
+    try:
+        journal = (EvalJournal.resume if resume else EvalJournal.start)(where, settings)
+    except JournalMismatch as e:
+        fail(f"error: --resume: {e}")
+    if resume:
+        typer.echo(f"resuming: {len(journal.answers)} task(s) answered in {where}", err=True)
     if source.dir is not None:
         cfg.model.path = str(served_dir(source, paths.dir / "model", cfg.model.path))
 
     def figures(result: RolloutResult) -> list[Any]:
         return [eval_event(cfg.run, result, k)]
 
-    result = collect(cfg, plans, sizes, nats_url, timeout, "eval", figures)
+    result = collect(cfg, plans, sizes, nats_url, timeout, "eval", figures, journal)
     if not result.role_died:
         report = eval_report(cfg, plans, result, k, source)
         path = out or paths.dir / time.strftime("eval-%Y%m%d-%H%M%S.json", time.gmtime())
@@ -147,6 +176,15 @@ def evaluate(
         sync_before_query(cfg.run, paths.data_dir, nats_url, named=False)
         typer.echo(f"lake: {paths.lake}  (rlbus sql --run {cfg.run} ...)", err=True)
     raise typer.Exit(result.code)
+
+
+def journal_path(out: Path | None, run_dir: Path) -> Path:
+    """Where an eval records each task's answer as it comes (``roles.up.eval_journal``):
+    next to ``--out`` (``report.json`` -> ``report.tasks.jsonl``), else the run's
+    ``eval.tasks.jsonl``; ``--resume`` reads it back."""
+    if out is None:
+        return run_dir / "eval.tasks.jsonl"
+    return out.with_name(out.stem + ".tasks.jsonl")
 
 
 def run_config(config: str | None, run: str | None, overrides: list[str]) -> RunConfig:
@@ -289,14 +327,17 @@ def served_dir(source: ModelSource, models: Path, base_path: str) -> Path:
 
 
 def eval_event(run: str, result: RolloutResult, k: int) -> Any:
-    """The figures as ``metrics.reported.eval-adhoc`` (step = the version asked at)."""
+    """The figures as ``metrics.reported.eval-adhoc`` (step = the version asked at). Its
+    id derives from the answers' request ids, so a resume of a finished eval
+    (``--resume``, nothing left to ask) republishes the same event, which is dropped."""
     from roles.orchestrator.eval_stats import eval_metrics
-    from schemas import MetricsReported
+    from schemas import MetricsReported, derive_id
 
     values = eval_metrics(list(result.results), k, result.policy_version)
     return MetricsReported(
-        run=run, role=REPORT_ROLE, step=result.policy_version,
-        policy_version=result.policy_version, values=values,
+        run=run, event_id=derive_id(REPORT_ROLE, *sorted(r.request_id for r in result.results)),
+        role=REPORT_ROLE, step=result.policy_version, policy_version=result.policy_version,
+        values=values,
     )  # fmt: skip
 
 

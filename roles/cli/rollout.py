@@ -38,6 +38,7 @@ from roles.cli.common import fail
 
 if TYPE_CHECKING:
     from configs import RunConfig
+    from roles.up.eval_journal import EvalJournal
     from roles.up.rollout import Plan, Report, RolloutResult
 
 
@@ -108,13 +109,16 @@ def collect(
     timeout_s: float,
     label: str,
     report: Report | None = None,
+    journal: EvalJournal | None = None,
 ) -> RolloutResult:
     """Write the run's config, reach its server (starting one on its store if none runs),
     ask for ``plans``' rollouts and collect them, with progress, and publish what
-    ``report`` makes of them (``run_rollouts``); Ctrl-C exits 130."""
+    ``report`` makes of them (``run_rollouts``; an eval's answers also to its
+    ``journal``); Ctrl-C exits 130, a resume whose run moved on exits 2."""
     from bus.server import reachable_server
     from configs.paths import RunPaths
     from roles.cli.progress import progress
+    from roles.up.eval_journal import JournalMismatch
     from roles.up.rollout import build_requests, run_rollouts, write_config
 
     paths = RunPaths.of(cfg)
@@ -145,10 +149,13 @@ def collect(
                         note,
                         update,
                         report,
+                        journal,
                     )  # fmt: skip
                 )
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
+        except JournalMismatch as e:
+            fail(f"error: --resume: {e}")
 
 
 # -- output -------------------------------------------------------------------------------

@@ -424,20 +424,23 @@ def bug_report(bug: EnvCodeError, limit: int = 3800) -> str:
 
 
 def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
-    """The env's args from ``orchestrator.train.env`` (empty if the env is not listed)."""
-    entry = ctx.cfg.orchestrator.env(env_id)
-    return dict(entry.args) if entry is not None else {}
+    """The env's args from ``orchestrator.train.env``, else from its eval-only entry in
+    ``orchestrator.eval.env`` (empty if the env is not listed)."""
+    entry = ctx.cfg.orchestrator.served_env(env_id)
+    return dict(entry.args or {}) if entry is not None else {}
 
 
 def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
     """``EnvServer``'s keyword arguments from the run's config: the env's args and
-    filters, the groups in flight (the env's ``max_concurrent``, else
+    filters (a train env's; an eval-only env has none: eval traces are never filtered),
+    the groups in flight (the env's ``max_concurrent``, else
     ``env_server.groups_in_flight``), the heartbeat interval."""
-    entry = ctx.cfg.orchestrator.env(env_id)
+    entry = ctx.cfg.orchestrator.served_env(env_id)
     concurrency = entry.max_concurrent if entry is not None else None
+    train = ctx.cfg.orchestrator.env(env_id)
     return {
         "default_args": config_args(ctx, env_id),
-        "filters": build_filters(entry.filters) if entry is not None else [],
+        "filters": build_filters(train.filters) if train is not None else [],
         "concurrency": concurrency or ctx.cfg.env_server.groups_in_flight,
         "heartbeat_interval_s": ctx.cfg.bus.heartbeat_interval_s,
     }

@@ -219,11 +219,10 @@ class Decider:
         s, e = self.state, self.cfg.orchestrator.eval
         v = s.trainer_version
         if self.cfg.evaluates(v) and v not in s.eval_rounds:
-            envs = [
-                env for env in self.cfg.orchestrator.train.env if not e.envs or env.id in e.envs
-            ]
-            for env in envs:
-                for i in range(e.num_tasks):
+            # Train envs and eval-only ones alike (`eval_targets`), each with its own
+            # task count and sampling; an eval-only env is never dispatched for training.
+            for env in self.cfg.orchestrator.eval_targets():
+                for i in range(env.num_tasks):
                     self.emit(
                         TaskRequested(
                             run=self.run,
@@ -232,17 +231,17 @@ class Decider:
                             task=TaskRef(index=i, split="eval"),
                             group_id=derive_id(self.run, "eval-group", v, env.id, i),
                             group_size=e.k,
-                            sampling=sampling_params(e.sampling),
+                            sampling=sampling_params(env.sampling),
                             model=self.cfg.orchestrator.actor,
                             step=s.assembled,
                             policy_version=v,
                             seed=stable_seed(
-                                sampling_seed(self.cfg, e.sampling), "eval", env.id, i
+                                sampling_seed(self.cfg, env.sampling), "eval", env.id, i
                             ),
                             max_turns=env.max_turns,
                             args=dict(env.args),
                             phase="eval",
-                            seating=seating_of(env, e.learner_seat),
+                            seating=seating_of(env.train, e.learner_seat) if env.train else None,
                         )  # fmt: skip
                     )
         for version, round_ in sorted(s.eval_rounds.items()):

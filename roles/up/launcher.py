@@ -12,7 +12,8 @@ builds the tiny model if that is the configured policy, writes the resolved conf
 ``runs/<run>/config.toml``, and starts each role with the same ``rlbus role ...``
 command a user would type, placed on the machine's CPUs by the ``[cpus]`` plan
 (``roles/up/cpu_plan.py``), logging to ``runs/<run>/logs/<role>.log``: each train env's
-pool of env servers and the policy's inference replicas at their ``replicas``, resized
+pool of env servers (and each eval-only env's, ``orchestrator.eval.env``) and the
+policy's inference replicas at their ``replicas``, resized
 while the run goes when elastic (``roles/up/pools.py``). A role that dies
 is restarted (it resumes from its durable consumer; the log makes that safe). When the
 orchestrator publishes ``run.stopped`` (or on Ctrl-C) every role gets SIGTERM and drains;
@@ -35,7 +36,7 @@ from configs import POLICY, RunConfig, dump_toml
 from configs.paths import RunPaths
 from roles.runtime.context import policy_model_dir
 from roles.up.cpu_plan import Slot, available_cpus, cpu_plan
-from roles.up.pools import env_replica, inference_replica, run_pools
+from roles.up.pools import env_replica, inference_replica, run_pools, served_envs
 from roles.up.processes import RoleProcess, role_env, role_process
 from roles.up.run_guard import (
     LOCK_FILE,
@@ -64,8 +65,10 @@ def role_commands(cfg: RunConfig) -> list[tuple[str, list[str]]]:
     for key, model in o.models.items():
         kind = "teacher" if model.kind == "teacher" else "inference"
         specs.append((f"{kind}-{key}", [kind, "--model", key]))
-    for env in o.train.env:
-        for i in range(env.replicas):  # a pool: `env-<id>`, `env-<id>-1`, ...
+    # Each train env's pool, then each eval-only env's (`orchestrator.eval.env` entries
+    # that name no train env: only evaluated, so only started when the run evaluates).
+    for env in served_envs(cfg):
+        for i in range(env.servers):  # a pool: `env-<id>`, `env-<id>-1`, ...
             specs.append((env_replica(env.id, i), ["env", "--env", env.id]))
     algorithms = [a.id for a in o.algorithms]
     if o.warmup.steps > 0:
@@ -82,7 +85,7 @@ def process_names(cfg: RunConfig) -> list[str]:
     to its maximum (the CPU plan keeps room for them)."""
     names = [name for name, _ in role_commands(cfg)]
     names += [inference_replica(i) for i in range(cfg.inference.replicas, cfg.inference.pool[1])]
-    for env in cfg.orchestrator.train.env:
+    for env in cfg.orchestrator.train.env:  # (an eval-only env's pool is static)
         names += [env_replica(env.id, i) for i in range(env.replicas, env.pool[1])]
     return names
 

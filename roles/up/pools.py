@@ -1,5 +1,5 @@
-"""Role pools of ``rlbus up``: each train env's env servers and the policy's inference
-replicas, static or elastic.
+"""Role pools of ``rlbus up``: each train env's env servers (and each eval-only env's,
+static) and the policy's inference replicas, static or elastic.
 
 A pool is ``min..max`` replicas of one role (``EnvConfig.pool``, ``InferenceConfig.pool``);
 equal bounds make it static. The launcher reads every pool's load each
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from bus.registry import is_alive, list_roles
 from bus.subjects import durable_name
-from configs import POLICY, RunConfig
+from configs import POLICY, EnvConfig, EvalEnvConfig, RunConfig
 from roles.up.processes import RoleProcess
 from roles.up.role_errors import exit_text
 
@@ -224,13 +224,13 @@ def run_pools(
     by_name = {r.name: r for r in roles}
     s = cfg.env_server
     pools = []
-    for env in cfg.orchestrator.train.env:
+    for env in served_envs(cfg):
         low, high = env.pool
         pools.append(
             Pool(
                 env_replica(env.id, 0),
                 PoolRule(low, high, s.scale_up_after_s, s.scale_down_idle_s),
-                members={i: by_name[env_replica(env.id, i)] for i in range(env.replicas)},
+                members={i: by_name[env_replica(env.id, i)] for i in range(env.servers)},
                 make=_env_maker(make, env.id),
                 consumer=durable_name("env", env.key),
                 concurrency=env.max_concurrent or s.groups_in_flight,
@@ -247,6 +247,13 @@ def run_pools(
         )
     )
     return pools
+
+
+def served_envs(cfg: RunConfig) -> list[EnvConfig | EvalEnvConfig]:
+    """The envs ``rlbus up`` starts servers for: each train env, then each eval-only env
+    (a static pool of its ``replicas``; none when the run does not evaluate)."""
+    o = cfg.orchestrator
+    return [*o.train.env, *o.eval_only_envs()]
 
 
 def _env_maker(
@@ -409,9 +416,9 @@ async def consumer_backlog(bus: Bus, durable: str) -> tuple[int, int] | None:
 
 
 async def env_backlogs(bus: Bus, cfg: RunConfig) -> dict[str, tuple[int, int]]:
-    """Each train env's consumer -> (waiting, in flight), for those that exist."""
+    """Each served env's consumer -> (waiting, in flight), for those that exist."""
     out = {}
-    for env in cfg.orchestrator.train.env:
+    for env in served_envs(cfg):
         consumer = durable_name("env", env.key)
         if (backlog := await consumer_backlog(bus, consumer)) is not None:
             out[consumer] = backlog
@@ -430,10 +437,10 @@ def pool_rows(
 ) -> list[tuple[str, str, str, str]]:
     """(pool, replicas alive, bounds, backlog) of a run, from its registry ``beats`` and
     its env consumers' ``backlogs`` (durable -> (waiting, in flight)): each train env's
-    env servers, and each model's inference replicas."""
+    env servers, each eval-only env's, and each model's inference replicas."""
     alive = [hb for hb in beats if is_alive(hb, interval_s, now_ns)]
     rows = []
-    for env in cfg.orchestrator.train.env:
+    for env in served_envs(cfg):
         consumer = durable_name("env", env.key)
         n = sum(1 for hb in alive if hb.role == "env" and hb.consumer == consumer)
         low, high = env.pool

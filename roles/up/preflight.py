@@ -20,6 +20,11 @@ it can check cheaply (no torch, no model load, no network), each problem naming 
   length) in ``inference.kv_cache_gb``, or on the CPU in its default 2 GB (on a GPU
   without ``kv_cache_gb`` the budget is the GPU's free memory, known only there; with
   ``device = "auto"`` a GPU is asked for only for a model other than the tiny one);
+- ``model.renderer`` renders ``model.path``'s chat template exactly: on probe
+  conversations (user turns, a system prompt, a tool call and its result) each next
+  prompt built by extending the last one is the template's own rendering
+  (``roles.lib.model.render.check_template``); this loads the tokenizer (transformers),
+  for a model other than the tiny one;
 - ``trainer.device`` and ``inference.device``, when they name a CUDA device
   (``"cuda"``, ``"cuda:1"``), name one torch sees (``"auto"`` falls back to the CPU and
   is not checked); this imports torch, and only then;
@@ -50,7 +55,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from configs import ConfigError, RunConfig
 from roles.lib.model import REPO_ID
@@ -70,9 +75,11 @@ def check(cfg: RunConfig, *, devices: bool = True) -> None:
     problems = [
         *model_problems(cfg),
         *env_problems(cfg),
+        *eval_env_problems(cfg),
         *algorithm_problems(cfg),
         *backend_problems(cfg),
         *engine_problems(cfg),
+        *template_problems(cfg),
         *(device_problems(cfg) if devices else []),
         *sink_problems(cfg),
         *data_dir_problems(cfg),
@@ -142,22 +149,25 @@ def env_problems(cfg: RunConfig) -> list[str]:
     """Each train env built with its args, as its env server will build it first, and its
     rollout filters built from their options."""
     from roles.lib.envs.filters import filter_problems
+
+    envs = cfg.orchestrator.train.env
+    found = (_env_problem(f"orchestrator.train.env.{i}", e.id, e.args) for i, e in enumerate(envs))
+    return [p for p in found if p] + filter_problems(envs)
+
+
+def _env_problem(where: str, env_id: str, args: dict[str, Any] | None) -> str | None:
+    """Why the env at config key ``where`` does not build with ``args``, or None."""
     from roles.lib.envs.registry import UnknownEnv, make_env
 
-    problems = []
-    for i, env in enumerate(cfg.orchestrator.train.env):
-        where = f"orchestrator.train.env.{i}"
-        try:
-            make_env(env.id, dict(env.args))
-        except UnknownEnv as e:
-            problems.append(f"`{where}.id`: {_one_line(e)}")
-        except ValueError as e:  # make_env's own: args the env's constructor does not take
-            problems.append(f"`{where}.args`: {_one_line(e)}")
-        except Exception as e:  # noqa: BLE001 - user env code: any failure is a config problem
-            problems.append(
-                f"`{where}`: env {env.id!r} fails to build: {type(e).__name__}: {_one_line(e)}"
-            )
-    return problems + filter_problems(cfg.orchestrator.train.env)
+    try:
+        make_env(env_id, dict(args or {}))
+    except UnknownEnv as e:
+        return f"`{where}.id`: {_one_line(e)}"
+    except ValueError as e:  # make_env's own: args the env's constructor does not take
+        return f"`{where}.args`: {_one_line(e)}"
+    except Exception as e:  # noqa: BLE001 - user env code: any failure is a config problem
+        return f"`{where}`: env {env_id!r} fails to build: {type(e).__name__}: {_one_line(e)}"
+    return None
 
 
 def algorithm_names(cfg: RunConfig) -> Iterator[tuple[str, str]]:
@@ -225,14 +235,52 @@ def engine_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def template_problems(cfg: RunConfig) -> list[str]:
+    """The policy's chat template, rendered by ``model.renderer`` (docstring)."""
+    path, arch = cfg.model.path, cfg.model.tiny.arch
+    if path == TINY and cfg.model.renderer == "auto":
+        return []  # a template built here, with its renderer (tests/unit/test_families.py)
+    if _model_problem(path, cfg.model.local_files_only):
+        return []  # (model_problems says why)
+    from roles.lib.model.families import FAMILIES, SIZES, train_tokenizer
+    from roles.lib.model.loading import load_tokenizer
+    from roles.lib.model.render import check_template, make_renderer
+    from roles.lib.model.tokenizer import build_tokenizer
+
+    if path == TINY:
+        vocab = cfg.model.tiny.vocab_size or SIZES["tiny"]["vocab_size"]
+        tokenizer = build_tokenizer() if arch == "char" else train_tokenizer(FAMILIES[arch], vocab)
+    else:
+        try:
+            tokenizer = load_tokenizer(path, local_files_only=cfg.model.local_files_only)
+        except Exception as e:  # noqa: BLE001 - whatever transformers says, on one line
+            return [f"`model.path`: no tokenizer loads from {path}: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}"]  # fmt: skip
+    if getattr(tokenizer, "chat_template", None) is None:
+        return [f"`model.path`: {path} has no chat template (tokenizer_config.json)"]
+    try:
+        renderer = make_renderer(tokenizer, cfg.model.renderer)
+    except (ValueError, AssertionError) as e:
+        return [f"`model.renderer` ({cfg.model.renderer!r}): {e}"]
+    why = check_template(renderer)
+    if why is None:
+        return []
+    name = getattr(renderer, "name", "rlbus")
+    return [
+        f"`model.renderer` ({cfg.model.renderer!r} = {name!r}) cannot render the chat "
+        f"template of {path} exactly: {why}; set `model.renderer` to its family's renderer"
+    ]
+
+
 def _model_shape(cfg: RunConfig, path: str) -> ModelShape | None:
     """The shape of the model at ``path`` (the tiny one: from ``model.tiny``)."""
     from roles.inference.capacity import ModelShape
 
     if path == TINY:
         t = cfg.model.tiny
-        return ModelShape("llama", t.num_layers, t.num_heads, t.hidden_size // t.num_heads,
-                          t.max_position_embeddings)  # fmt: skip
+        kv_heads = t.num_heads if t.arch == "char" else max(1, t.num_heads // 2)  # (families)
+        return ModelShape("llama" if t.arch == "char" else t.arch, t.num_layers, kv_heads,
+                          t.hidden_size // t.num_heads, t.max_position_embeddings)  # fmt: skip
     config = Path(path).expanduser() / "config.json"
     if not config.is_file() and REPO_ID.match(path):
         from huggingface_hub import try_to_load_from_cache
@@ -336,3 +384,17 @@ def cpu_problems(cfg: RunConfig) -> list[str]:
     from roles.up.launcher import process_names
 
     return plan_problems(cfg, process_names(cfg), available_cpus())
+
+
+def eval_env_problems(cfg: RunConfig) -> list[str]:
+    """Each eval-only env (``orchestrator.eval.env`` entries naming no train env) built
+    with its args, as its env server will build it first; a train env's entry is built
+    with the args its eval requests carry when it sets its own."""
+    o = cfg.orchestrator
+    problems = []
+    for i, entry in enumerate(o.eval.env):
+        if o.env(entry.id) is not None and entry.args is None:
+            continue  # built by env_problems, as its train entry
+        if why := _env_problem(f"orchestrator.eval.env.{i}", entry.id, entry.args):
+            problems.append(why)
+    return problems

@@ -46,6 +46,7 @@ import msgspec
 from bus.reader import Progress  # on_progress(rollouts done, rollouts expected)
 from configs import RunConfig, dump_toml
 from configs.paths import RunPaths
+from roles.up.eval_journal import EvalJournal
 from roles.up.processes import RoleProcess, role_process
 
 Note = Callable[[str], None]
@@ -86,20 +87,22 @@ class Plan:
 def plan_requests(
     cfg: RunConfig, env: str, split: str, n: int, group_size: int, model: str
 ) -> Plan:
-    """Sampling, args and max_turns for ``env`` from the config (its train entry, if any)."""
+    """Sampling, args and max_turns for ``env`` from the config: for the eval split, as
+    the run evaluates it (``OrchestratorConfig.eval_targets``: its eval entry's sampling,
+    args and max_turns, else the eval defaults), else its train entry, if any."""
     from roles.lib.envs.registry import env_key
     from roles.lib.envs.seats import seating_of
     from schemas import SamplingParams
 
-    entry = cfg.orchestrator.env(env)
+    o = cfg.orchestrator
+    entry = o.env(env)
+    target = o.eval_target(env) if split == "eval" else None
     if split == "eval":
-        s: Any = cfg.orchestrator.eval.sampling
+        s: Any = target.sampling if target is not None else o.eval.sampling
     else:
-        s = (
-            entry.sampling
-            if entry is not None and entry.sampling is not None
-            else cfg.orchestrator.train.sampling
-        )
+        s = entry.sampling if entry is not None and entry.sampling is not None else o.train.sampling
+    args = target.args if target is not None else dict(entry.args) if entry else {}
+    max_turns = target.max_turns if target is not None else entry.max_turns if entry else None
     sampling = SamplingParams(
         temperature=s.temperature,
         top_p=s.top_p,
@@ -114,10 +117,10 @@ def plan_requests(
         groups=math.ceil(n / group_size),
         group_size=group_size,
         model=model,
-        env_args=dict(entry.args) if entry else {},
+        env_args=args,
         sampling=sampling,
-        max_turns=entry.max_turns if entry else None,
-        seating=seating_of(entry, cfg.orchestrator.eval.learner_seat if split == "eval" else None)
+        max_turns=max_turns,
+        seating=seating_of(entry, o.eval.learner_seat if split == "eval" else None)
         if entry
         else None,
         seed=s.seed,
@@ -125,9 +128,14 @@ def plan_requests(
 
 
 def eval_envs(cfg: RunConfig) -> list[str]:
-    """The env ids a run evaluates: ``orchestrator.eval.envs`` (empty: every train env)."""
-    o = cfg.orchestrator
-    return [e.id for e in o.train.env if not o.eval.envs or e.id in o.eval.envs]
+    """The env ids a run evaluates: ``orchestrator.eval.env`` (empty: every train env)."""
+    return [t.id for t in cfg.orchestrator.eval_targets()]
+
+
+def eval_tasks(cfg: RunConfig, env: str) -> int:
+    """Eval tasks of ``env`` per round: its eval entry's ``num_tasks``, else the default."""
+    target = cfg.orchestrator.eval_target(env)
+    return target.num_tasks if target is not None else cfg.orchestrator.eval.num_tasks
 
 
 def split_size(plan: Plan) -> int:
@@ -231,12 +239,16 @@ async def missing_roles(
     bus: Any, cfg: RunConfig, plans: Sequence[Plan]
 ) -> list[tuple[str, list[str]]]:
     """The role processes to start: each model's and each env's, unless one has a fresh
-    heartbeat in the registry."""
+    heartbeat in the registry (and, on this host, its process still exists: a killed
+    ``rlbus eval``'s roles leave fresh beats for a few seconds, and a ``--resume`` right
+    after it must start its own)."""
     from bus.registry import is_alive, list_roles
     from bus.subjects import durable_name
 
     beats = [
-        hb for hb in await list_roles(bus.js, bus.run) if is_alive(hb, cfg.bus.heartbeat_interval_s)
+        hb
+        for hb in await list_roles(bus.js, bus.run)
+        if is_alive(hb, cfg.bus.heartbeat_interval_s) and not _gone(hb)
     ]
     out: list[tuple[str, list[str]]] = []
     for model in dict.fromkeys(p.model for p in plans):
@@ -251,6 +263,29 @@ async def missing_roles(
         if not any(hb.role == "env" and hb.consumer == durable for hb in beats):
             out.append((f"env-{key}", ["env", "--env", env]))
     return out
+
+
+def _gone(hb: Any) -> bool:
+    """Whether the process that beat ``hb`` ran on this host and exited (a zombie
+    counts: a killed parent's children can stay unreaped where nothing reaps orphans)."""
+    import os
+    import socket
+
+    if hb.host != socket.gethostname():
+        return False
+    if Path("/proc/self/stat").exists():
+        try:
+            stat = Path(f"/proc/{hb.pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        return stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
+    try:  # no /proc here: ask the process table
+        os.kill(hb.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        return False
+    return False
 
 
 async def start_missing_roles(
@@ -328,11 +363,15 @@ async def run_rollouts(
     note: Note = _quiet,
     on_progress: Progress | None = None,
     report: Report | None = None,
+    journal: EvalJournal | None = None,
 ) -> RolloutResult:
     """Start the missing roles, publish ``requests`` (``build_requests`` of ``plans``; each
     gets the run's newest weights version), collect their traces (``on_progress(done,
     total)`` as they come), publish what ``report(result)`` makes of them (when every
-    trace came back), stop what was started."""
+    trace came back), stop what was started. With an eval ``journal``
+    (``roles.up.eval_journal``) each answer is recorded as it comes, the tasks it holds
+    answers of are not asked again, and the result holds its answers and the new ones
+    (``JournalMismatch`` before anything starts when the run's weights moved on)."""
     from bus.runtime import Bus
     from roles.runtime.context import bus_settings
 
@@ -343,9 +382,21 @@ async def run_rollouts(
     t0 = time.monotonic()
     result = RolloutResult(policy_version=await newest_version(bus))
     requests = [msgspec.structs.replace(r, policy_version=result.policy_version) for r in requests]
+    # Follow the results from just after the log's end before asking: none is missed.
+    from_seq = (await bus.js.stream_info(bus.stream)).state.last_seq + 1
+    earlier: list[Any] = []
     try:
-        started = await start_missing_roles(bus, cfg, plans, paths, url, config_path, note)
-        await _collect(bus, plans, requests, started, result, timeout_s, note, on_progress)
+        if journal is not None:
+            requests, after = journal.ask(requests, result.policy_version, from_seq - 1)
+            from_seq, earlier = after + 1, list(journal.answers.values())
+        if requests:
+            started = await start_missing_roles(bus, cfg, plans, paths, url, config_path, note)
+            await _collect(
+                bus, plans, requests, started, result, timeout_s, note, from_seq,
+                on_progress, journal.answered if journal is not None else None,
+                done_before=sum(len(a.traces) for a in earlier),
+            )  # fmt: skip
+        _merge(result, earlier)
         result.wall_s = time.monotonic() - t0
         if report is not None and result.code == 0:
             await bus.publish_many(report(result))
@@ -363,15 +414,20 @@ async def _collect(
     result: RolloutResult,
     timeout_s: float,
     note: Note,
+    from_seq: int,
     on_progress: Progress | None,
+    on_answer: Callable[[Any], None] | None = None,
+    done_before: int = 0,
 ) -> None:
-    """Publish the requests and fill ``result`` with their answers until every rollout is
-    back, a started role dies, or ``timeout_s`` passes."""
+    """Publish the requests and fill ``result`` with their answers (read from the log from
+    ``from_seq``; each eval answer also to ``on_answer`` as it comes) until every rollout
+    is back, a started role dies, or ``timeout_s`` passes. ``done_before``: rollouts
+    answered before (a resumed eval's), for the progress."""
     from bus.reader import LogReader
     from bus.subjects import Topic
     from schemas import DeadLettered, EvalCompleted, TraceCompleted
 
-    t0, total = time.monotonic(), sum(p.total for p in plans)
+    t0, total = time.monotonic(), sum(r.group_size for r in requests)
     topics = [
         (Topic.EVAL_COMPLETED if p.split == "eval" else Topic.TRACE_COMPLETED, p.key) for p in plans
     ] + [(Topic.DEAD_LETTERED, "env")]  # a request an env server could not run
@@ -379,10 +435,8 @@ async def _collect(
     traces: dict[str, Any] = {}
     answers: dict[str, Any] = {}  # request id -> EvalCompleted
     done = asyncio.Event()
-    # Follow the results from just after the log's end before asking: none is missed.
-    after = (await bus.js.stream_info(bus.stream)).state.last_seq
     reader = LogReader(
-        bus, from_seq=after + 1, topics=list(dict.fromkeys(topics)), follow=True,
+        bus, from_seq=from_seq, topics=list(dict.fromkeys(topics)), follow=True,
         idle_timeout_s=0.5, stop=done,
     )  # fmt: skip
 
@@ -396,7 +450,11 @@ async def _collect(
             if event.request_id not in wanted:
                 continue  # someone else's rollouts on the same env
             if isinstance(event, EvalCompleted):
+                if event.request_id in answers:
+                    continue  # a republished answer (a redelivered request)
                 answers[event.request_id] = event
+                if on_answer is not None:
+                    on_answer(event)
                 for t in event.traces:
                     traces[t.rollout_id] = t
             else:
@@ -422,7 +480,7 @@ async def _collect(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), 0.5)
             if on_progress is not None:
-                on_progress(len(traces), total)
+                on_progress(done_before + len(traces), done_before + total)
     finally:
         done.set()
         await asyncio.gather(collector, return_exceptions=True)
@@ -433,6 +491,17 @@ async def _collect(
     result.results = list(answers.values())
 
 
+def _merge(result: RolloutResult, earlier: Sequence[Any]) -> None:
+    """Add ``earlier`` answers (a resumed eval's) to ``result``, and put its answers and
+    traces in one order whatever order they came in (env, task, sample), so an eval's
+    figures, whose sums are over that order, are the same to the last bit from one
+    collection or several."""
+    results = [*earlier, *result.results]
+    traces = [*(t for r in earlier for t in r.traces), *result.traces]
+    result.results = sorted(results, key=lambda r: (r.env, r.task_index))
+    result.traces = sorted(traces, key=lambda t: (t.env, t.task.index, t.group_id, t.sample_index))
+
+
 __all__ = [
     "ADHOC_PHASE",
     "Plan",
@@ -440,6 +509,7 @@ __all__ = [
     "build_requests",
     "eval_envs",
     "eval_scores",
+    "eval_tasks",
     "missing_roles",
     "newest_version",
     "plan_requests",

@@ -179,3 +179,78 @@ async def test_eval_of_a_checkpoint_reproduces_the_runs_eval_of_that_version(
     assert con.sql("select count(*) from rollouts where split = 'eval'").fetchall() == [(4,)]
     [(avg,)] = con.sql("select value from metrics where role = 'eval-adhoc' and metric = 'reverse-text/avg@1'").fetchall()  # fmt: skip
     assert avg == pytest.approx(ours["avg@1"])
+
+
+def answered(journal: Path) -> list[dict[str, Any]]:
+    """The answers an eval journal holds so far (a torn last line left out)."""
+    out = []
+    for line in journal.read_text().splitlines() if journal.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if "answered" in record:
+            out.append(record["answered"])
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # three evals, each starting its roles: about 2 minutes here
+async def test_an_eval_killed_part_way_resumes_without_repeating_a_task(tmp_path: Path) -> None:
+    """`rlbus eval` SIGKILLed after some of its 12 tasks were answered (it and every
+    process it started die) leaves each answer in its journal (`<run>/eval.tasks.jsonl`);
+    `--resume` asks only the rest, under their first request ids, so each task is asked
+    and answered once on the run's log; its report is the one an uninterrupted eval with
+    the same settings gives (wall time aside). A resume with another -k is refused in one
+    line naming `k`, and changes nothing."""
+    # One group at a time per env, each batch held 300 ms: the kill lands mid-eval.
+    slow = ["inference.batch_window_ms=300", "env_server.groups_in_flight=1"]
+    base = ["--env", "reverse-text", "--env", "alphabet-sort", "-n", "6", *slow]
+    args = [*base, "-k", "2"]
+    cmd = [sys.executable, "-m", "roles.cli", "eval", "--run", "evk", *args]
+    proc = subprocess.Popen(  # noqa: ASYNC220 - polled below, never waited on blocking
+        [*cmd, f"bus.data_dir={tmp_path}"], cwd=REPO, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    journal = tmp_path / "evk" / "eval.tasks.jsonl"
+    try:
+        for _ in range(2400):  # up to 120 s for roles to start and answers to come
+            if len(answered(journal)) >= 2 or proc.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        proc.kill()
+        _, err = await asyncio.to_thread(proc.communicate, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = answered(journal)
+    assert 2 <= len(before) < 12, err[-3000:]
+    for _ in range(100):  # its children die with it (parent-death signal)
+        if not processes_mentioning(str(tmp_path)):
+            break
+        await asyncio.sleep(0.1)
+    assert processes_mentioning(str(tmp_path)) == []
+
+    refused = await asyncio.to_thread(rlbus_eval, tmp_path, "--run", "evk", "--resume", *base, "-k", "1")  # fmt: skip
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: --resume: k differs from the interrupted eval's")
+    assert answered(journal) == before
+
+    resumed = await asyncio.to_thread(rlbus_eval, tmp_path, "--run", "evk", "--resume", "--json", *args)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resuming: {len(before)} task(s) answered" in resumed.stderr
+    whole = await asyncio.to_thread(rlbus_eval, tmp_path, "--run", "evw", "--json", *args)
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    ours, theirs = json.loads(resumed.stdout), json.loads(whole.stdout)
+    for report in (ours, theirs):
+        report.pop("wall_s"), report.pop("run")
+    assert ours == theirs and ours["rollouts"] == 24
+
+    after = answered(journal)
+    assert after[: len(before)] == before  # kept, not asked again
+    tasks = [(a["env"], a["task_index"]) for a in after]
+    assert len(tasks) == len(set(tasks)) == 12
+    requests, answers = await eval_log(tmp_path, "evk")
+    asked = [(r.env, r.task.index) for r in requests]
+    assert len(asked) == len(set(asked)) == 12  # each task asked once on the log
+    assert sorted(a.request_id for a in answers) == sorted(r.event_id for r in requests)

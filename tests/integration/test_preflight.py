@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from configs import ConfigError, RunConfig, load_config
+from roles.lib.model.tokenizer import build_tokenizer
 from roles.up import preflight
 
 RLBUS = [sys.executable, "-m", "roles.cli"]
@@ -87,6 +88,9 @@ def test_a_directory_that_is_not_a_model(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no weights"):
         preflight.check(smoke(tmp_path, f"model.path={tmp_path / 'm'}"))
     (tmp_path / "m" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"^`model.path`: no tokenizer loads from .*m: ValueError"):
+        preflight.check(smoke(tmp_path, f"model.path={tmp_path / 'm'}"))
+    build_tokenizer().save_pretrained(tmp_path / "m")  # the tokenizer and its chat template
     preflight.check(smoke(tmp_path, f"model.path={tmp_path / 'm'}"))
 
 
@@ -144,13 +148,15 @@ def test_online_wandb_without_a_key_is_refused_up_front(
 
 
 def model_dir(tmp_path: Path, **config: object) -> Path:
-    """A model directory with ``config.json`` (and an empty weights file)."""
+    """A model directory with ``config.json``, an empty weights file and the char
+    tokenizer."""
     import json
 
     path = tmp_path / "m"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
     (path / "model.safetensors").write_bytes(b"")
+    build_tokenizer().save_pretrained(path)
     return path
 
 
@@ -180,3 +186,39 @@ def test_a_kv_cache_too_small_for_the_models_length_is_refused_naming_the_keys(
             tmp_path, f"model.path={path}", 'inference.device="cpu"', "inference.max_model_len=1024"
         )
     )
+
+
+def test_an_unknown_eval_only_env_is_refused_before_any_role_starts(tmp_path: Path) -> None:
+    """An `[[orchestrator.eval.env]]` id that names no env is refused by `rlbus up` in one
+    line naming its key, nothing started; so are args its env does not take."""
+    out = up(tmp_path, "-c", "smoke", 'orchestrator.eval.env=[{id="reverse-text"}, {id="nope"}]')
+    assert_refused(out, tmp_path, "orchestrator.eval.env.1.id")
+    cfg = load_config("smoke", ['orchestrator.eval.env=[{id="alphabet-sort", args={bogus=1}}]'])
+    assert preflight.eval_env_problems(cfg) == [
+        "`orchestrator.eval.env.0.args`: env 'alphabet-sort' does not take args ['bogus']: "
+        "got an unexpected keyword argument 'bogus'"
+    ]
+    ok = load_config("smoke", ['orchestrator.eval.env=[{id="alphabet-sort", num_tasks=2}]'])
+    assert preflight.eval_env_problems(ok) == []
+
+
+def test_a_renderer_that_cannot_render_the_models_template_is_refused(tmp_path: Path) -> None:
+    """`model.renderer` is checked against the model's own chat template before any role
+    starts: an unknown name, a family whose tokens the tokenizer lacks, and rlbus' own
+    renderer on Qwen3's template (it drifts by a newline) each fail in one line naming
+    the key; `auto` (Qwen3's renderer) and the tiny Qwen3 built in the run dir pass."""
+    from roles.lib.model.families import build_family_model
+
+    model = build_family_model(tmp_path / "q3", "qwen3")
+    for renderer, why in [
+        ("bogus", r"^`model.renderer` \('bogus'\): unknown renderer 'bogus': .*'qwen3'"),
+        ("llama-3", r"^`model.renderer` \('llama-3'\): Special token '<\|begin_of_text\|>' not found"),
+        ("rlbus", r"^`model.renderer` \('rlbus' = 'rlbus'\) cannot render the chat template .* "
+                  r"a user turn: the next prompt differs from the template's at token 20"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            preflight.check(smoke(tmp_path, f"model.path={model}", f"model.renderer={renderer}"))
+    preflight.check(smoke(tmp_path, f"model.path={model}"))
+    preflight.check(smoke(tmp_path, "model.tiny.arch=qwen3", "model.renderer=qwen3"))
+    with pytest.raises(ConfigError, match=r"`model.renderer` \('rlbus' = 'rlbus'\) cannot"):
+        preflight.check(smoke(tmp_path, "model.tiny.arch=qwen3", "model.renderer=rlbus"))

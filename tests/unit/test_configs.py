@@ -73,7 +73,7 @@ def test_overrides_set_typed_values_by_dotted_key():
             "trainer.lr=1e-4",
             "orchestrator.train.sampling.temperature=0.7",
             "bus.url=nats://127.0.0.1:4222",
-            'orchestrator.eval.envs=["reverse-text"]',
+            'orchestrator.eval.env=[{id="reverse-text", num_tasks=2}]',
             "orchestrator.skip_zero_advantage_groups=false",
             "trainer.betas=[0.8, 0.9]",
             "orchestrator.train.env.0.args.words=[1, 2]",
@@ -83,7 +83,7 @@ def test_overrides_set_typed_values_by_dotted_key():
     assert cfg.trainer.lr == 1e-4
     assert cfg.orchestrator.train.sampling.temperature == 0.7
     assert cfg.bus.url == "nats://127.0.0.1:4222"
-    assert cfg.orchestrator.eval.envs == ["reverse-text"]
+    assert [(e.id, e.num_tasks) for e in cfg.orchestrator.eval.env] == [("reverse-text", 2)]
     assert cfg.orchestrator.skip_zero_advantage_groups is False
     assert cfg.trainer.betas == (0.8, 0.9)
     assert cfg.orchestrator.train.env[0].args == {"words": [1, 2]}
@@ -274,6 +274,71 @@ def test_old_and_new_spelling_together_fail(raw):
     """Giving both spellings of one key is an error naming both, not a silent pick."""
     with pytest.raises(ConfigError, match="deprecated.*keep only"):
         resolve(raw)
+
+
+def test_eval_envs_list_is_the_deprecated_spelling_of_eval_env_entries(tmp_path):
+    """`[orchestrator.eval] envs = ["a"]` (file or override, whole list or one element)
+    means `[[orchestrator.eval.env]] id = "a"` and warns once naming both; both at once
+    is an error."""
+    message = "`orchestrator.eval.envs` is deprecated; use `orchestrator.eval.env`"
+    path = tmp_path / "old.toml"
+    path.write_text('[orchestrator.eval]\nenvs = ["reverse-text"]\n')
+    for load in (
+        lambda: load_config(path),
+        lambda: load_config("smoke", ['orchestrator.eval.envs=["reverse-text"]']),
+        lambda: load_config("smoke", ["orchestrator.eval.envs.0=reverse-text"]),
+    ):
+        with pytest.warns(ConfigDeprecationWarning) as record:
+            cfg = load()
+        assert [str(r.message) for r in record] == [message]
+        assert [e.id for e in cfg.orchestrator.eval.env] == ["reverse-text"]
+    with pytest.raises(ConfigError, match="deprecated.*keep only"):
+        resolve({ORCH: {"eval": {"envs": ["a"], "env": [{"id": "a"}]}}})
+
+
+EVAL_ENVS = (
+    'orchestrator.eval.env=[{id="reverse-text"}, {id="alphabet-sort", num_tasks=3, '
+    "replicas=2, sampling={max_completion_tokens=7}}]"
+)
+
+
+def test_eval_env_entries_inherit_the_eval_defaults_and_round_trip():
+    """An eval env entry's sampling keys left out come from `orchestrator.eval.sampling`,
+    its task count from `num_tasks`, a train env's args from its train entry; the
+    resolved config dumps and loads back equal; eval-only envs are the entries naming no
+    train env, and only while the run evaluates."""
+    cfg = load_config("smoke", ["orchestrator.train.env.0.args={max_len=5}", EVAL_ENVS])
+    rev, alpha = cfg.orchestrator.eval_targets()
+    assert (rev.id, rev.num_tasks, rev.args, rev.train is not None) == (
+        "reverse-text", 4, {"max_len": 5}, True,
+    )  # fmt: skip
+    assert rev.sampling == cfg.orchestrator.eval.sampling
+    assert (alpha.num_tasks, alpha.train, alpha.args) == (3, None, {})
+    assert alpha.sampling.max_completion_tokens == 7 and alpha.sampling.temperature == 0.0
+    assert [e.id for e in cfg.orchestrator.eval_only_envs()] == ["alphabet-sort"]
+    assert cfg.orchestrator.eval_only_envs()[0].pool == (2, 2)
+    assert resolve(tomllib.loads(dump_toml(cfg))) == cfg
+    off = load_config("smoke", [EVAL_ENVS, "orchestrator.eval.interval=0"])
+    assert off.orchestrator.eval_only_envs() == []
+    default = load_config("smoke").orchestrator
+    assert [(t.id, t.num_tasks) for t in default.eval_targets()] == [("reverse-text", 4)]
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ('[{id="alphabet-sort"}, {id="alphabet-sort"}]', "`orchestrator.eval.env`: id 'alphabet-sort' is listed more than once"),
+        ('[{id="reverse-text", replicas=2}]', "`orchestrator.eval.env.0.replicas`: 'reverse-text' is a train env"),
+        ('[{id="a.b"}, {id="a:b"}]', "`orchestrator.eval.env`: ids ['a.b', 'a:b'] share the subject key 'a-b'"),
+        ('[{id="x", num_tasks=0}]', "`orchestrator.eval.env.0.num_tasks`"),
+    ],
+)  # fmt: skip
+def test_bad_eval_env_entries_are_refused_naming_the_key(entries, message):
+    """Duplicates, pool settings on a train env (served by its train pool), two ids on
+    one subject key, and bad values fail at load, naming the key."""
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", [f"orchestrator.eval.env={entries}"])
+    assert message in str(e.value)
 
 
 def test_per_env_sampling_inherits_unset_keys_from_train_sampling():

@@ -19,6 +19,7 @@ from schemas import (
     SamplesScored,
     TaskRequested,
     WeightsPublished,
+    stable_seed,
 )
 from schemas.run import ObjectRef
 from tests.samples import sample
@@ -373,3 +374,46 @@ def test_adhoc_requests_on_a_live_runs_log_are_not_the_orchestrators() -> None:
     out = [e for r in own for e in step(answer(r, [0.0, 1.0]))]
     (report,) = [e for e in out if isinstance(e, MetricsReported) and e.role == "eval"]
     assert report.step == 0 and report.values["reverse-text/avg@2"] == 0.5  # its own answers only
+
+
+EVAL_ONLY = (
+    'orchestrator.eval.env=[{id="reverse-text"},'
+    ' {id="alphabet-sort", num_tasks=3, sampling={max_completion_tokens=7, seed=11}}]'
+)
+
+
+def test_an_eval_only_env_is_evaluated_with_its_own_table_and_never_trained() -> None:
+    """`[[orchestrator.eval.env]]` naming an env the run does not train on: each eval round
+    asks its own `num_tasks` with its sampling table (unset keys from
+    `orchestrator.eval.sampling`, seeds from its own `seed`), its answers are scored into
+    the round's figures under its key, and no train group is ever dispatched to it."""
+    cfg, state = make("orchestrator.eval.interval=5", "orchestrator.eval.num_tasks=2", EVAL_ONLY)
+    first = step(state, cfg, started(cfg))
+    evals = [r for r in tasks(first) if r.task.split == "eval"]
+    by_env = {env: [r for r in evals if r.env == env] for env in ("reverse-text", "alphabet-sort")}
+    assert [r.task.index for r in by_env["reverse-text"]] == [0, 1]
+    assert [r.task.index for r in by_env["alphabet-sort"]] == [0, 1, 2]
+    for r in by_env["reverse-text"]:  # the train env keeps the eval defaults
+        assert r.sampling.max_completion_tokens == 16 and r.sampling.temperature == 0.0
+        assert r.seed == stable_seed(0, "eval", "reverse-text", r.task.index)
+    for r in by_env["alphabet-sort"]:
+        assert r.sampling.max_completion_tokens == 7 and r.sampling.temperature == 0.0
+        assert r.seed == stable_seed(11, "eval", "alphabet-sort", r.task.index)
+        assert r.phase == "eval" and r.args == {}
+    out = []
+    for i, r in enumerate(evals):
+        rewards = [1.0] if r.env == "alphabet-sort" else [0.0]
+        out += step(state, cfg, EvalCompleted(run="r", event_id=f"ec{i}", request_id=r.event_id,
+                                              env=r.env, step=0, task_index=r.task.index,
+                                              rewards=rewards))  # fmt: skip
+    (metrics,) = [e for e in out if isinstance(e, MetricsReported) and e.role == "eval"]
+    assert metrics.values["alphabet-sort/avg@1"] == 1.0
+    assert metrics.values["reverse-text/avg@1"] == 0.0
+    train, new = [], first + out
+    for v in range(1, 5):  # train through a few versions: train groups stay on reverse-text
+        asked = [r for r in tasks(new) if r.phase == "rl"]
+        train += asked
+        new = [e for r in asked for e in step(state, cfg, scored(r, [0.0, 1.0, 0.0, 1.0]))]
+        new += step(state, cfg, weights(v))
+    assert state.assembled >= 3 and len(train) >= 6
+    assert {r.env for r in train} == {"reverse-text"}
