@@ -36,7 +36,7 @@ def finite(x: object) -> bool:
 
 
 # `tools` runs, longer and with evals, in tests/e2e/test_algorithm_runs.py (the echo test).
-@pytest.mark.parametrize("preset", ["default"])
+@pytest.mark.parametrize("preset", ["default", "qwen3-tiny"])
 def test_readme_preset_reaches_max_steps(tmp_path: Path, preset: str) -> None:
     """Exit 0 at max_steps; summary.json has a finite train reward and loss for each step,
     rewards in [0, 1], and finite evals at the start, after the warm start and at the end."""
