@@ -88,7 +88,9 @@ def test_a_directory_that_is_not_a_model(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no weights"):
         preflight.check(smoke(tmp_path, f"model.path={tmp_path / 'm'}"))
     (tmp_path / "m" / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"^`model.path`: no tokenizer loads from .*m: ValueError"):
+    with pytest.raises(
+        ConfigError, match=r"^`model.path`: no tokenizer loads from .*m: ValueError"
+    ):
         preflight.check(smoke(tmp_path, f"model.path={tmp_path / 'm'}"))
     build_tokenizer().save_pretrained(tmp_path / "m")  # the tokenizer and its chat template
     preflight.check(smoke(tmp_path, f"model.path={tmp_path / 'm'}"))

@@ -161,7 +161,9 @@ async def test_a_tool_and_reasoning_conversation_is_token_exact(family: Path) ->
     arch = renderer.name.split("-")[0]
     model = load_model(family)
     generate = ModelGenerate(model, tok, renderer, script(arch))
-    env = Environment("agent", make_env("reverse-text", {}).taskset, Agent(), Rubric({"one": lambda m, t, s: 1.0}))
+    env = Environment(
+        "agent", make_env("reverse-text", {}).taskset, Agent(), Rubric({"one": lambda m, t, s: 1.0})
+    )
     trace = await run_rollout(env, TaskRef(index=0, split="train", data={}), generate, renderer,
                               SamplingParams(), rollout_id="r0")  # fmt: skip
     assert trace.ok and trace.num_turns == 3 and not trace.turn_errors, trace.errors

@@ -307,7 +307,10 @@ def test_split_initial_prompt_with_template_extras() -> None:
             return [len(m["content"])] * 2
 
     msgs = [{"role": "system", "content": "a"}, {"role": "user", "content": "bbb"}]
-    assert Renderer.split_initial_prompt(FakeRenderer(), msgs, [1, 1, 3, 3, 9]) == ([[1, 1], [3, 3]], [9])
+    assert Renderer.split_initial_prompt(FakeRenderer(), msgs, [1, 1, 3, 3, 9]) == (
+        [[1, 1], [3, 3]],
+        [9],
+    )
     assert Renderer.split_initial_prompt(FakeRenderer(), msgs, [7, 1, 1, 3, 3, 9]) == (
         [[7, 1, 1], [3, 3]],
         [9],

@@ -12,8 +12,6 @@ TOK = build_tokenizer()
 R = Renderer(TOK)
 
 
-
-
 @pytest.mark.parametrize("env_id", ["reverse-text", "alphabet-sort", "tool-calc"])
 def test_teacher_solves_every_turn_from_the_prompt_alone(env_id: str) -> None:
     """For held-out tasks, solve(parse(prompt tokens)) equals the env's reference answer, every
