@@ -52,7 +52,7 @@ TLS_CA_ENV = "RLBUS_NATS_CA"  # the CA file that signs the servers' certificates
 
 KINDS: tuple[str, ...] = (
     "launcher", "orchestrator", "trainer", "inference", "teacher", "env", "algorithm",
-    "attach", "monitor", "reader",
+    "attach", "monitor", "reader", "gateway",
 )  # fmt: skip
 
 # ``rlbus role <name>`` (and the registry's role names) -> the kind it runs as.
@@ -60,6 +60,7 @@ ROLE_KINDS: dict[str, str] = {
     "orchestrator": "orchestrator", "trainer": "trainer", "inference": "inference",
     "teacher": "teacher", "env": "env", "algorithm": "algorithm", "monitor": "monitor",
     "lake": "monitor",  # both only read the log and heartbeat
+    "gateway": "gateway",
 }  # fmt: skip
 
 
@@ -84,6 +85,7 @@ _SPECS: dict[str, _Kind] = {
     "attach": _Kind(durables=True, objects=True, roles=("algorithm",)),
     "monitor": _Kind(objects=True, roles=("monitor", "lake")),
     "reader": _Kind(),
+    "gateway": _Kind(roles=("gateway",)),  # asks inference; publishes no event
 }
 
 

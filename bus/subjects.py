@@ -171,7 +171,7 @@ TOPIC_OF: dict[type[Event], Topic] = {spec.schema: t for t, spec in TOPICS.items
 # Core NATS (not stored): inference request/reply per model, in a queue group. Role
 # kinds (``bus.auth.KINDS``) that send requests, and those that answer them.
 INFER = "infer"
-INFER_REQUESTERS: tuple[str, ...] = ("env", "algorithm", "attach")
+INFER_REQUESTERS: tuple[str, ...] = ("env", "algorithm", "attach", "gateway")
 INFER_SERVERS: tuple[str, ...] = ("inference", "teacher")
 
 
@@ -299,7 +299,7 @@ def topology() -> list[tuple[str, str, str, str]]:
         (
             "rl.<run>.infer.<model>",
             "GenerateRequest or ScoreRequest, with a reply",
-            "env servers, algorithms",
+            "env servers, algorithms, the gateway",
             "inference (queue group; core NATS, not stored)",
         )
     )

@@ -295,6 +295,17 @@ class CpusConfig(_Section):
     roles: dict[str, Placement] = Field(default_factory=dict)
 
 
+class GatewayConfig(_Section):
+    """The OpenAI-compatible endpoint (``roles.gateway``): `rlbus up` starts it when
+    enabled, `rlbus serve` always."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"  # loopback unless configured
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (heartbeat says)
+    max_tokens: int = Field(default=256, ge=1)  # a request's completion budget when unset
+    max_body_bytes: int = Field(default=16 << 20, ge=1024)
+
+
 class RunConfig(_Section):
     """A whole run: the one object every role is started with."""
 
@@ -309,6 +320,7 @@ class RunConfig(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     cpus: CpusConfig = Field(default_factory=CpusConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
     def evaluates(self, version: int) -> bool:
         """Whether the orchestrator evaluates policy ``version`` (at start, every

@@ -15,6 +15,7 @@ from roles.cli.lake import lake_app, sql
 from roles.cli.monitor import monitor
 from roles.cli.replay import export, import_run, plot, replay_app
 from roles.cli.rollout import rollout
+from roles.cli.serve import serve
 from roles.cli.trace import trace
 
 app = typer.Typer(
@@ -26,6 +27,7 @@ app = typer.Typer(
 )
 core.register(app)
 app.command("rollout")(rollout)
+app.command("serve")(serve)
 app.command("eval")(evaluate)
 app.command("sql")(sql)
 app.add_typer(lake_app, name="lake")

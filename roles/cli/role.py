@@ -147,6 +147,15 @@ def teacher(
     )
 
 
+@app.command("gateway")
+def gateway(
+    run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG, data_dir: str | None = DATA,
+    creds: str | None = CREDS,
+) -> None:  # fmt: skip
+    """The OpenAI-compatible endpoint over the run's inference ([gateway]; `rlbus serve`)."""
+    _start("roles.gateway.role:main", "gateway", run, nats_url, config, data_dir, creds=creds)
+
+
 @app.command("algorithm")
 def algorithm(
     run: str = RUN, nats_url: str | None = URL, config: str | None = CONFIG, data_dir: str | None = DATA,

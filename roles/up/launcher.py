@@ -77,6 +77,8 @@ def role_commands(cfg: RunConfig) -> list[tuple[str, list[str]]]:
         specs.append((f"algorithm-{a}", ["algorithm", "--name", a]))
     if cfg.monitor.sinks:
         specs.append(("monitor", ["monitor"]))
+    if cfg.gateway.enabled:
+        specs.append(("gateway", ["gateway"]))
     return specs
 
 

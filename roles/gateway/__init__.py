@@ -1,0 +1,1 @@
+"""The gateway role: an OpenAI-compatible HTTP endpoint over the bus's inference."""
