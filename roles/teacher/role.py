@@ -86,7 +86,7 @@ class Teacher(Role):
             return InferenceFailed(
                 request_id=req.request_id, kind="internal", message=f"{type(e).__name__}: {e}"
             )
-        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.renderer.end_token_id]
+        ids = self.renderer.reply_ids(text)  # (a call in the model's own format)
         limit = req.sampling.max_completion_tokens
         finish = "stop" if len(ids) <= limit else "length"
         ids = ids[:limit]

@@ -226,3 +226,22 @@ def test_the_scripted_teacher_reads_a_family_prompt_back(family: Path) -> None:
                 (m["role"], strip(m["content"])) for m in messages
             ]
             assert env.solve(seen) == env.reference_answer(messages, task)
+
+
+def test_the_teachers_tool_call_is_written_in_the_familys_format(family: Path) -> None:
+    """tool-calc's scripted answer (a call, in the char template's form) becomes the
+    family's own call tokens, which its parser reads back as the same call; the
+    answer after the tool result is plain text."""
+    renderer = make_renderer(load_tokenizer(family))
+    env = make_env("tool-calc", {})
+    task = env.task("eval", 0)
+    messages = env.initial_messages(task)
+    prompt = renderer.render_prompt(messages, env.tools)
+    ids = renderer.reply_ids(env.solve(renderer.read_conversation(prompt)))
+    assert ids[-1] in renderer.stop_token_ids and ids.count(ids[-1]) == 1
+    reply = renderer.parse_reply(ids, prompt, True)
+    assert reply.error is None and [c.name for c in reply.calls] == ["calc"]
+    expr = json.loads(reply.calls[0].arguments)["expr"]
+    assert expr == messages[-1]["content"]
+    answer = renderer.reply_ids("46")
+    assert renderer.parse_reply(answer, prompt, True).content == "46"

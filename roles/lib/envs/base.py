@@ -8,6 +8,9 @@ without a model or a bus:
   (seed, split, index) gives the same task in every process (seeds come from
   ``schemas.stable_seed``, never Python's ``hash()``). ``GeneratedTaskset`` keeps the
   splits disjoint by assigning every task to a split by a stable hash of its key.
+  ``ListTaskset`` holds given tasks: a Python list, or ``ListTaskset.from_file`` (JSONL
+  or Parquet) or ``from_dataset`` (a local ``datasets.Dataset``); each task's split is
+  the same stable hash of its JSON (or the splits are given).
 - ``Harness``: the conversation protocol. The opening messages (system prompt + first
   user message), the env's feedback after each assistant turn
   (``env_response(messages, task, state) -> (new_messages, done)``), ``max_turns``, and
@@ -16,7 +19,9 @@ without a model or a bus:
   messages, the hint opsd-style self-distillation prepends for its teacher pass.
 - ``Rubric``: named reward functions with weights. ``score`` gives ``rewards`` (each
   function), ``reward`` (the weighted sum divided by the sum of weights) and ``metrics``
-  (the functions with weight 0, as in verifiers, plus extra metric functions).
+  (the functions with weight 0, as in verifiers, plus extra metric functions). A
+  function may be ``async`` (a judge that asks a model): the harness awaits
+  ``ascore``; ``score`` runs them to completion where no event loop runs (replay).
 
 An ``Environment`` also declares its ``members`` (multi-agent envs name the agents
 whose messages carry ``Message.member``; single-agent envs leave it empty) and which of
@@ -50,10 +55,14 @@ hands the raw reply to ``env_response``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import inspect
+import json
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from traceback import format_exception
 from typing import Any
 
@@ -62,8 +71,8 @@ from schemas import stable_seed
 ChatMessage = dict[str, Any]
 Messages = list[ChatMessage]
 State = dict[str, Any]
-# A reward or metric function: (messages, task, state) -> float.
-RewardFn = Callable[[Messages, dict[str, Any], State], float]
+# A reward or metric function: (messages, task, state) -> float (or an awaitable of one).
+RewardFn = Callable[[Messages, dict[str, Any], State], float | Awaitable[float]]
 
 SPLITS = ("train", "eval")
 
@@ -188,6 +197,61 @@ class GeneratedTaskset(Taskset):
         raise RuntimeError(f"no {split} task found for index {index} (is the task space tiny?)")
 
 
+class ListTaskset(Taskset):
+    """Given tasks (JSON-able dicts): each goes to a split by a stable hash of its JSON
+    (``split_of_key``, as generated tasks do), or the splits are given (``eval_tasks``).
+    Order within a split is the given order, so index ``i`` is always the same task.
+
+        ListTaskset([{"question": "2+2?", "answer": "4"}, ...])
+        ListTaskset.from_file("tasks.jsonl")          # or .parquet
+        ListTaskset.from_dataset(datasets.load_from_disk("my-ds"))
+    """
+
+    def __init__(
+        self,
+        tasks: Iterable[dict[str, Any]],
+        eval_fraction: float = 0.1,
+        eval_tasks: Iterable[dict[str, Any]] | None = None,
+    ) -> None:
+        tasks = [dict(t) for t in tasks]
+        for k, t in enumerate(tasks):
+            json.dumps(t)  # a task must be JSON-able: it travels in TaskRequested events
+            if not isinstance(t, dict):
+                raise TypeError(f"task {k} is {type(t).__name__}, not a dict")
+        if eval_tasks is not None:
+            self.splits = {"train": tasks, "eval": [dict(t) for t in eval_tasks]}
+        else:
+            if not 0.0 <= eval_fraction < 1.0:
+                raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+            self.splits = {"train": [], "eval": []}
+            for t in tasks:
+                key = json.dumps(t, sort_keys=True, ensure_ascii=False)
+                self.splits[split_of_key(key, eval_fraction)].append(t)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kwargs: Any) -> ListTaskset:
+        """Tasks from a JSONL file (one object per line) or a Parquet file (one row each)."""
+        path = Path(path)
+        if path.suffix == ".parquet":
+            import polars as pl
+
+            return cls(pl.read_parquet(path).to_dicts(), **kwargs)
+        lines = path.read_text().splitlines()
+        return cls((json.loads(line) for line in lines if line.strip()), **kwargs)
+
+    @classmethod
+    def from_dataset(cls, dataset: Iterable[dict[str, Any]], **kwargs: Any) -> ListTaskset:
+        """Tasks from a ``datasets.Dataset`` (or any iterable of row dicts)."""
+        return cls((dict(row) for row in dataset), **kwargs)
+
+    def size(self, split: str) -> int:
+        return len(self.splits[check_split(split)])
+
+    def task(self, split: str, index: int) -> dict[str, Any]:
+        self._check_index(split, index)
+        return dict(self.splits[split][index])
+
+
 # -- harness ----------------------------------------------------------------------------
 
 
@@ -308,12 +372,22 @@ class Rubric:
         return float(self.weights.get(name, 1.0))
 
     def score(self, messages: Messages, task: dict[str, Any], state: State) -> Score:
+        """``ascore`` run to completion (outside an event loop: replay, scripts)."""
+        return asyncio.run(self.ascore(messages, task, state))
+
+    async def ascore(self, messages: Messages, task: dict[str, Any], state: State) -> Score:
+        """Every function in order, awaiting those that are async."""
+
+        async def call(fn: Callable[..., Any]) -> Any:
+            value = fn(messages, task, state)
+            return await value if inspect.isawaitable(value) else value
+
         rewards: dict[str, float] = {}
         metrics: dict[str, float] = {}
         total = 0.0
         norm = 0.0
         for name, fn in self.funcs.items():
-            value = float(fn(messages, task, state))
+            value = float(await call(fn))
             w = self.weight(name)
             if w > 0:
                 rewards[name] = value
@@ -322,8 +396,8 @@ class Rubric:
             else:
                 metrics[name] = value
         for metric_fn in self.metric_funcs.values():
-            metrics.update({k: float(v) for k, v in metric_fn(messages, task, state).items()})
-        members = {m: float(fn(messages, task, state)) for m, fn in self.member_funcs.items()}
+            metrics.update({k: float(v) for k, v in (await call(metric_fn)).items()})
+        members = {m: float(await call(fn)) for m, fn in self.member_funcs.items()}
         return Score(reward=total / norm, rewards=rewards, metrics=metrics, member_rewards=members)
 
 
@@ -413,3 +487,8 @@ class Environment:
     # rubric
     def score(self, messages: Messages, task: dict[str, Any], state: State) -> Score:
         return self.rubric.score(messages, task, state)
+
+    async def ascore(self, messages: Messages, task: dict[str, Any], state: State) -> Score:
+        if type(self).score is not Environment.score:  # a subclass that scores its own way
+            return self.score(messages, task, state)
+        return await self.rubric.ascore(messages, task, state)

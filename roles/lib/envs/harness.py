@@ -373,7 +373,13 @@ async def run_rollout(
                 f"{model!r} (members {list(roles.trains)}) never spoke in {num_turns} turns: "
                 "is max_turns smaller than the turns before its seat?",
             )
-        score = env_call(lambda: scored(env.score(chat, data, state)))
+        t_score = clock()
+        try:  # (reward functions may be async: a judge asking a model)
+            score = scored(await env.ascore(chat, data, state))
+        except Exception as e:  # noqa: BLE001 - env code is user code: its bug, with its traceback
+            raise EnvCodeError.from_exception(name, e) from e
+        finally:
+            timings["env_s"] += clock() - t_score
         reward, rewards, metrics = score.reward, dict(score.rewards), dict(score.metrics)
         member_rewards = dict(score.member_rewards)
         missing = [m for m in env.members if member_rewards and m not in member_rewards]

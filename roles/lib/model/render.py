@@ -85,6 +85,10 @@ _FAMILY_TURNS = {
 }
 _TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.S)
 _THINK = re.compile(r"^\s*<think>.*?</think>\s*", re.S)
+# Llama 3's first user turn carries the tools (an instruction, then one JSON object each).
+_LLAMA_TOOLS = re.compile(
+    r"^Given the following functions.*?Do not use variables\.\n\n(\{.*?\n\}\n\n)*", re.S
+)
 # Llama 3's system turn opens with a preamble of its own (dates, tools' environment).
 _LLAMA_PREAMBLE = re.compile(
     r"^(Environment: ipython\n)?Cutting Knowledge Date: [^\n]*\nToday Date: [^\n]*\n\n"
@@ -363,6 +367,12 @@ class Renderer:
         full = [*prompt, *completion, *close, *(t for p, _ in pieces for t in p), *gen]
         return Turn(full, close, pieces, gen)
 
+    def reply_ids(self, text: str) -> list[int]:
+        """The tokens a model writes for the reply ``text`` (content, then calls in the
+        char template's ``<|tool_call|>name:{...}`` form), ending the turn: the scripted
+        teacher's answer."""
+        return self._encode(text) + [self.end_token_id]
+
     def read_conversation(self, prompt: Sequence[int]) -> list[Message]:
         """The messages of a rendered prompt, read back (the char template's turns; a
         tool result's ``name:`` prefix back to its ``name``): the scripted teacher."""
@@ -569,6 +579,26 @@ class FamilyRenderer:
         close, pieces, gen = self._pieces(rendered, len(head), len(new_messages))
         return Turn(list(rendered.token_ids), close, pieces, gen)
 
+    def reply_ids(self, text: str) -> list[int]:
+        """The tokens a model of this family writes for the reply ``text`` (content, then
+        any calls written in the char template's form, which the built-in envs' scripted
+        answers use), ending the turn: the template's rendering of that assistant
+        message after the generation prompt, to its turn close."""
+        content, calls = split_tool_calls(text)
+        message: Message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [
+                {"id": f"call_{k}", "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}}
+                for k, c in enumerate(calls)
+            ]  # fmt: skip
+        ids = self.message_tokens(message)
+        gp = self.generation_prompt_ids
+        if ids[: len(gp)] == gp:
+            ids = ids[len(gp) :]
+        close = next((k for k, t in enumerate(ids) if t in self.stop_token_ids), len(ids) - 1)
+        return ids[: close + 1]
+
     def read_conversation(self, prompt: Sequence[int]) -> list[Message]:
         """The messages of a rendered prompt, read back (roles and contents; Qwen3's
         tool results as tool messages, reasoning dropped): the scripted teacher."""
@@ -583,6 +613,8 @@ class FamilyRenderer:
                 messages += [{"role": "tool", "content": r} for r in results]
             elif role == "ipython":
                 messages.append({"role": "tool", "content": body})
+            elif role == "user" and self.name == "llama-3":
+                messages.append({"role": role, "content": _LLAMA_TOOLS.sub("", body)})
             elif role == "system" and self.name == "llama-3":
                 if body := _LLAMA_PREAMBLE.sub("", body):  # (none given: the preamble alone)
                     messages.append({"role": role, "content": body})
