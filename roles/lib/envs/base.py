@@ -213,11 +213,12 @@ class ListTaskset(Taskset):
         eval_fraction: float = 0.1,
         eval_tasks: Iterable[dict[str, Any]] | None = None,
     ) -> None:
-        tasks = [dict(t) for t in tasks]
-        for k, t in enumerate(tasks):
-            json.dumps(t)  # a task must be JSON-able: it travels in TaskRequested events
+        items = list(tasks)
+        for k, t in enumerate(items):
             if not isinstance(t, dict):
                 raise TypeError(f"task {k} is {type(t).__name__}, not a dict")
+            json.dumps(t)  # JSON-able (else TypeError): a task travels in TaskRequested events
+        tasks = [dict(t) for t in items]
         if eval_tasks is not None:
             self.splits = {"train": tasks, "eval": [dict(t) for t in eval_tasks]}
         else:
