@@ -54,4 +54,12 @@ app.add_typer(nats.app, name="nats")
 
 
 def main() -> None:
+    """The ``rlbus`` script. Like ``python -m roles.cli`` (what the launcher starts roles
+    with), it imports user code (``--env my_envs.qa:make_env``) from the working
+    directory first."""
+    import os
+    import sys
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     app()
