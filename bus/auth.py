@@ -164,7 +164,7 @@ def _permissions(run: str, kind: str) -> dict[str, Any]:
     spec = _SPECS[kind]
     pub = _topics(run, kind)
     if kind in INFER_REQUESTERS:
-        pub.append(f"rl.{run}.{INFER}.*")
+        pub += [f"rl.{run}.{INFER}.*", f"rl.{run}.{INFER}.*.*"]  # a model, or one replica
     if spec.objects:  # chunks and meta; replacing or deleting one purges its old chunks
         pub += [f"$O.{obj}.>", f"$JS.API.STREAM.PURGE.{obj_stream}"]
     pub += [f"$KV.{roles}.{run}.{role}.*" for role in spec.roles]
@@ -179,7 +179,7 @@ def _permissions(run: str, kind: str) -> dict[str, Any]:
     sub = [inbox]
     perms: dict[str, Any] = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if kind in INFER_SERVERS:
-        sub.append(f"rl.{run}.{INFER}.*")
+        sub += [f"rl.{run}.{INFER}.*", f"rl.{run}.{INFER}.*.*"]
         perms["allow_responses"] = True
     return perms
 

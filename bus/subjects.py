@@ -268,6 +268,12 @@ def infer_subject(run: str, model: str) -> str:
     return f"rl.{check_token(run, 'run id')}.{INFER}.{check_token(model, 'model')}"
 
 
+def infer_replica_subject(run: str, model: str, instance: str) -> str:
+    """One replica's own subject (``<infer_subject>.<instance>``): a conversation kept on
+    one replica reuses its cached prompt prefix (the gateway's ``X-Session-ID``)."""
+    return f"{infer_subject(run, model)}.{check_token(instance, 'instance')}"
+
+
 def infer_queue(model: str) -> str:
     return f"infer-{check_token(model, 'model')}"
 

@@ -12,6 +12,11 @@ answers in OpenAI's format plus the exact tokens (``roles.gateway.openai_api``).
 token ids; ``GET /v1/models`` lists the model keys it serves (``policy`` and
 ``orchestrator.models``'s keys).
 
+A request with an ``X-Session-ID`` header goes to one replica of the model, the same
+for every request of that session while it lives (``session_replica``), so a multi-turn
+conversation reuses the prompt prefix that replica has cached; without it, or when that
+replica is gone, any replica answers (the queue group).
+
 Authenticated: every request needs ``Authorization: Bearer <key>``, the run's API key
 (``run_api_key``: ``<run>/auth/api.key``, written once, mode 0600), else 401. It binds
 ``gateway.host`` (loopback by default) and ``gateway.port`` (0: a free one; the
@@ -23,11 +28,13 @@ with one; nothing a client sends stops the gateway.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import os
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +60,20 @@ from schemas import GenerateResult, InferenceFailed, SamplingParams
 from schemas.arrays import f32, i32
 
 API_KEY_FILE = "api.key"
+SESSION_HEADER = "X-Session-ID"
+
+
+def session_replica(session: str | None, instances: Sequence[str]) -> str | None:
+    """The replica a session's requests go to (None: no session, or no live replica):
+    rendezvous hashing, so a session moves only when its replica goes away, and the
+    others keep theirs when replicas come and go."""
+    if not session or not instances:
+        return None
+
+    def weight(instance: str) -> bytes:
+        return hashlib.blake2b(f"{session}\0{instance}".encode(), digest_size=8).digest()
+
+    return max(instances, key=weight)
 
 
 def run_api_key(paths: RunPaths) -> str:
@@ -82,6 +103,7 @@ class Gateway(Role):
         self.base_url = ""
         self.answered = 0
         self._live: set[str] = set()
+        self._replicas: dict[str, list[str]] = {}  # model -> live inference instances
         self._live_at = -1e9
 
     async def setup(self) -> None:
@@ -165,7 +187,11 @@ class Gateway(Role):
             raise ApiError(400, f"messages: the chat template cannot render them: {e}",
                            param="messages") from None  # fmt: skip
         rid = uuid.uuid4().hex
-        results = await self._generate(model, rid, prompt, req, req.budget(self.cfg.max_tokens))
+        replica = session_replica(
+            request.headers.get(SESSION_HEADER), self._replicas.get(model, [])
+        )
+        results = await self._generate(model, rid, prompt, req, req.budget(self.cfg.max_tokens),
+                                       replica)  # fmt: skip
         tools = bool(req.tools)
         choices = [self._choice(r, self.renderer.parse_reply(i32(r.completion_ids).tolist(), prompt, tools))
                    for r in results]  # fmt: skip
@@ -185,7 +211,11 @@ class Gateway(Role):
                 raise ApiError(400, f"prompt: token ids must be in [0, {len(self.tokenizer)})",
                                param="prompt")  # fmt: skip
         rid = uuid.uuid4().hex
-        results = await self._generate(model, rid, prompt, req, req.budget(self.cfg.max_tokens))
+        replica = session_replica(
+            request.headers.get(SESSION_HEADER), self._replicas.get(model, [])
+        )
+        results = await self._generate(model, rid, prompt, req, req.budget(self.cfg.max_tokens),
+                                       replica)  # fmt: skip
         choices = [
             self._choice(r, self._text_reply(i32(r.completion_ids).tolist())) for r in results
         ]
@@ -217,13 +247,17 @@ class Gateway(Role):
                      if hb.role in ("inference", "teacher") and is_alive(hb, self.heartbeat_interval_s)]  # fmt: skip
             self._live = {m for m in self.models
                           if any(i.startswith((f"inference-{m}-", f"teacher-{m}-")) for i in alive)}  # fmt: skip
+            self._replicas = {m: sorted(i for i in alive if i.startswith(f"inference-{m}-"))
+                              for m in self.models}  # fmt: skip
             self._live_at = now
         return self._live
 
     async def _generate(
-        self, model: str, rid: str, prompt: list[int], req: Any, budget: int
-    ) -> list[GenerateResult]:
-        """``req.n`` completions of ``prompt`` (seeds ``req.seed + k``, else random)."""
+        self, model: str, rid: str, prompt: list[int], req: Any, budget: int,
+        replica: str | None = None,
+    ) -> list[GenerateResult]:  # fmt: skip
+        """``req.n`` completions of ``prompt`` (seeds ``req.seed + k``, else random), on
+        ``replica`` when the session has one."""
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                   max_completion_tokens=budget, stop=req.stops())  # fmt: skip
         base = req.seed if req.seed is not None else secrets.randbits(62)
@@ -268,4 +302,4 @@ async def main(ctx: RoleContext) -> None:
     await serve_role(Gateway(bus, ctx))
 
 
-__all__ = ["API_KEY_FILE", "Gateway", "main", "run_api_key"]
+__all__ = ["API_KEY_FILE", "SESSION_HEADER", "Gateway", "main", "run_api_key", "session_replica"]

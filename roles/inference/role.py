@@ -5,7 +5,8 @@
 
 Requests are core NATS request/reply on ``infer_subject(run, model)`` in the queue group
 ``infer_queue(model)``: every replica of a model joins the group and NATS spreads the
-requests. Each request is handled in its own task and handed to the backend, whose
+requests; each replica also answers on its own ``infer_replica_subject`` (the gateway
+keeps a session's turns on one replica, where its prompt prefix is cached). Each request is handled in its own task and handed to the backend, whose
 decode loop admits concurrent requests between two steps. Nothing here is stored on the stream:
 each trace records what inference answered (tokens, logprobs, policy version).
 
@@ -57,7 +58,7 @@ from bus.consumer import Delivery
 from bus.follower import Follow
 from bus.log import get_logger
 from bus.runtime import Bus
-from bus.subjects import Topic, infer_queue, infer_subject
+from bus.subjects import Topic, infer_queue, infer_replica_subject, infer_subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend, WeightsNotFinite, throughput
 from roles.inference.capacity import serving_dtype
@@ -187,6 +188,7 @@ class InferenceRole(Role):
         self.weights_rejected = 0
         self.last_weights_error: str | None = None
         self._rpc: NatsSubscription | None = None
+        self._rpc_own: NatsSubscription | None = None
         self._pending: dict[int, WeightsPublished] = {}  # announced, newer than serving
         self._weights_arrived = asyncio.Event()
         self._rejected: set[str] = set()  # event ids already refused: not retried
@@ -212,6 +214,15 @@ class InferenceRole(Role):
             self.bus.nc,
             infer_subject(self.run, model),
             infer_queue(model),
+            [GenerateRequest, ScoreRequest],
+            self._answer,
+            on_bad_request=self._bad_request,
+        )
+        # Its own subject too: a conversation the gateway keeps here (X-Session-ID).
+        self._rpc_own = await rpc.serve(
+            self.bus.nc,
+            infer_replica_subject(self.run, model, self.instance),
+            self.instance,
             [GenerateRequest, ScoreRequest],
             self._answer,
             on_bad_request=self._bad_request,
@@ -249,9 +260,10 @@ class InferenceRole(Role):
         return tasks
 
     async def teardown(self) -> None:
-        if self._rpc is not None:
-            with contextlib.suppress(Exception):
-                await self._rpc.unsubscribe()
+        for sub in (self._rpc, self._rpc_own):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         if self.backend is not None:
             await self.backend.close()  # answers what was queued
             await asyncio.sleep(0.05)  # let the answering tasks send their replies

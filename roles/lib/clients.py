@@ -23,7 +23,7 @@ import msgspec
 from bus import rpc
 from bus.errors import NoResponders, RequestTimeout
 from bus.runtime import Bus
-from bus.subjects import infer_subject
+from bus.subjects import infer_replica_subject, infer_subject
 from schemas import (
     GenerateRequest,
     GenerateResult,
@@ -53,11 +53,14 @@ class InferenceClient:
         seed: int = 0,
         env: str | None = None,
         pin_version: int | None = None,
+        replica: str | None = None,
     ) -> GenerateResult | InferenceFailed:
         """Raises ``bus.errors.RequestTimeout`` when no replica answers in time.
 
         ``pin_version``: the policy version an eval asks at; a policy replica serving it
-        keeps those weights until the pinned requests are done (``GenerateRequest``)."""
+        keeps those weights until the pinned requests are done (``GenerateRequest``).
+        ``replica``: ask that instance first (its own subject: a session's cached
+        prefix lives there); if it does not answer, any replica of the model."""
         req = GenerateRequest(
             request_id=request_id,
             prompt_ids=pack_i32(prompt_ids),
@@ -68,7 +71,7 @@ class InferenceClient:
             pin_version=pin_version,
         )
         reply: GenerateResult | InferenceFailed = await self._request(
-            model, req, request_id, [GenerateResult, InferenceFailed]
+            model, req, request_id, [GenerateResult, InferenceFailed], replica
         )
         return reply
 
@@ -93,11 +96,19 @@ class InferenceClient:
         return reply
 
     async def _request(
-        self, model: str, req: msgspec.Struct, request_id: str, reply_types: list[type]
+        self,
+        model: str,
+        req: msgspec.Struct,
+        request_id: str,
+        reply_types: list[type],
+        replica: str | None = None,
     ) -> Any:
         """``req`` answered by a replica, retried until ``timeout_s`` is spent; raises the
-        last ``RequestTimeout`` (``NoResponders`` if nobody was subscribed) after that."""
-        subject = infer_subject(self.bus.run, model)
+        last ``RequestTimeout`` (``NoResponders`` if nobody was subscribed) after that.
+        The first attempt goes to ``replica``'s own subject when given; a retry, to the
+        model's queue group."""
+        group = infer_subject(self.bus.run, model)
+        subject = infer_replica_subject(self.bus.run, model, replica) if replica else group
         deadline = time.monotonic() + self.timeout_s
         attempt = 0
         while True:
@@ -106,6 +117,9 @@ class InferenceClient:
             try:
                 return await rpc.request(self.bus.nc, subject, req, reply_types, wait_s)
             except RequestTimeout as e:  # NoResponders included
+                if subject != group:  # the replica is gone (or slow): any replica will do
+                    subject = group
+                    continue
                 pause = _BACKOFF_S[min(attempt, len(_BACKOFF_S)) - 1]
                 left = deadline - time.monotonic()
                 if left <= (pause if isinstance(e, NoResponders) else 0.0):

@@ -120,6 +120,12 @@ def test_a_chat_completion_with_a_tool_call_and_its_tokens(served) -> None:  # t
         assert len(lps) == len(raw["token_ids"]) and all(lp <= 0 for lp in lps)
     assert r.usage is not None and r.usage.prompt_tokens == len(body["prompt_token_ids"])
 
+    # A session's requests go to one replica (its own subject): the same answer here.
+    again = client.chat.completions.create(model="policy", messages=messages, tools=[TOOL_SCHEMA],
+                                           temperature=0, max_tokens=40,
+                                           extra_headers={"X-Session-ID": "conversation-1"})  # fmt: skip
+    assert again.model_dump()["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]
+
     text = client.completions.create(model="policy", prompt="Hello", max_tokens=3, temperature=0)
     assert len(text.model_dump()["choices"][0]["token_ids"]) <= 3
 

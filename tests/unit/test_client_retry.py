@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
@@ -110,3 +111,59 @@ def test_attempt_timeout_must_fit_in_the_request_timeout() -> None:
     assert (cfg.inference.attempt_timeout_s, cfg.inference.request_timeout_s) == (20.0, 60.0)
     with pytest.raises(ConfigError, match="inference.attempt_timeout_s"):
         load_config("default", ["inference.attempt_timeout_s=61"])
+
+
+async def own_replica(bus: Bus, instance: str) -> tuple[list[str], list[Any]]:
+    """A replica in the group that also answers on its own subject (as inference does):
+    the request ids it saw on either, and its subscriptions."""
+    from bus.subjects import infer_replica_subject
+
+    seen: list[str] = []
+
+    async def answer(req: GenerateRequest) -> GenerateResult:
+        seen.append(req.request_id)
+        return GenerateResult(request_id=req.request_id, completion_ids=pack_i32([7]),
+                              logprobs=pack_f32([-0.5]), finish_reason="stop", policy_version=3)  # fmt: skip
+
+    subs = [
+        await rpc.serve(bus.nc, infer_subject(bus.run, MODEL), infer_queue(MODEL), [GenerateRequest], answer),
+        await rpc.serve(bus.nc, infer_replica_subject(bus.run, MODEL, instance), instance,
+                        [GenerateRequest], answer),
+    ]  # fmt: skip
+    return seen, subs
+
+
+async def test_a_session_stays_on_its_replica_and_moves_only_when_it_is_gone(bus: Bus) -> None:
+    """Requests that name a replica all go to it (the gateway's X-Session-ID); with that
+    replica gone, the same request is answered by another, at once."""
+    from roles.gateway.role import session_replica
+
+    names = ("inference-policy-a", "inference-policy-b")
+    replicas = {name: await own_replica(bus, name) for name in names}
+    seen = {name: r[0] for name, r in replicas.items()}
+    client = InferenceClient(bus, timeout_s=10, attempt_timeout_s=5)
+    target = session_replica("conversation-1", sorted(seen))
+    other = next(n for n in seen if n != target)
+    for k in range(6):
+        res = await client.generate(MODEL, f"s{k}", [1, 2, 3], SamplingParams(), replica=target)
+        assert isinstance(res, GenerateResult)
+    assert len(seen[target]) == 6 and not seen[other]
+    for sub in replicas[target][1]:
+        await sub.unsubscribe()
+    t0 = time.monotonic()
+    res = await client.generate(MODEL, "after", [1, 2, 3], SamplingParams(), replica=target)
+    assert isinstance(res, GenerateResult) and seen[other] == ["after"]
+    assert time.monotonic() - t0 < 2.0  # no responders: straight to the group
+
+
+def test_rendezvous_moves_a_session_only_when_its_replica_goes() -> None:
+    from roles.gateway.role import session_replica
+
+    replicas = [f"inference-policy-{i}" for i in range(5)]
+    sessions = [f"s{k}" for k in range(200)]
+    home = {s: session_replica(s, replicas) for s in sessions}
+    assert len(set(home.values())) == 5  # spread over every replica
+    gone = replicas[2]
+    after = {s: session_replica(s, [r for r in replicas if r != gone]) for s in sessions}
+    assert all(after[s] == home[s] for s in sessions if home[s] != gone)
+    assert session_replica(None, replicas) is None and session_replica("s", []) is None
