@@ -139,9 +139,11 @@ async def rollout_group(
     renderer: Any,
     env_id: str | None = None,
     filters: Sequence[Filter] = (),
+    models: Sequence[str] = (POLICY,),
 ) -> list[Trace]:
     """The ``group_size`` rollouts of one request, run concurrently; train traces pass
-    ``filters``. An ``EnvCodeError`` (a bug in env code) propagates.
+    ``filters``. An ``EnvCodeError`` (a bug in env code) propagates. ``models``: the
+    run's model keys, which an agent env's code may call (``roles.lib.envs.agent``).
 
     The orchestrator draws task indices from a large space without knowing the taskset;
     the index is reduced modulo the split's size here, and the trace records the task's
@@ -181,6 +183,7 @@ async def rollout_group(
                         max_turns=request.max_turns,
                         seating=request.seating,
                         group_seed=request.seed,
+                        agent_models=models,
                     )
                 )
                 for i in range(request.group_size)
@@ -309,6 +312,7 @@ class EnvServer(Role):
         *,
         default_args: dict[str, Any] | None = None,
         filters: Sequence[Filter] = (),
+        models: Sequence[str] = (POLICY,),
         concurrency: int = EnvServerConfig().groups_in_flight,
         metrics_interval_s: float = METRICS_INTERVAL_S,
         heartbeat_interval_s: float = 2.0,
@@ -320,6 +324,7 @@ class EnvServer(Role):
         self.generate = generate
         self.default_args = dict(default_args or {})
         self.filters = list(filters)
+        self.models = tuple(models)
         self.concurrency = concurrency
         self.metrics_interval_s = metrics_interval_s
         self.stats = RolloutStats()
@@ -377,8 +382,9 @@ class EnvServer(Role):
                 )
             else:
                 traces = await rollout_group(
-                    env, request, self.generate, self.renderer, self.env_id, self.filters
-                )
+                    env, request, self.generate, self.renderer, self.env_id, self.filters,
+                    self.models,
+                )  # fmt: skip
         except EnvCodeError as bug:  # a bug in env code: dead-letter the task at once
             self.log.error("env.bug", request=request.event_id, error=str(bug))
             raise Rejected(bug_report(bug), error_type="EnvCodeError") from bug
@@ -441,6 +447,7 @@ def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
     return {
         "default_args": config_args(ctx, env_id),
         "filters": build_filters(train.filters) if train is not None else [],
+        "models": (POLICY, *ctx.cfg.orchestrator.models),
         "concurrency": concurrency or ctx.cfg.env_server.groups_in_flight,
         "heartbeat_interval_s": ctx.cfg.bus.heartbeat_interval_s,
     }

@@ -7,7 +7,7 @@
 chat template, ``roles.lib.model.render``: the same tokens a rollout would see), sends
 ``n`` generate requests on ``rl.<run>.infer.<model>`` (the inference role's queue group,
 as env servers do), reads each completion back (content, reasoning, tool calls) and
-answers in OpenAI's format plus the exact tokens (``roles.gateway.openai_api``).
+answers in OpenAI's format plus the exact tokens (``roles.lib.openai_api``).
 ``POST /v1/completions`` takes text (encoded with the tokenizer's own special tokens) or
 token ids; ``GET /v1/models`` lists the model keys it serves (``policy`` and
 ``orchestrator.models``'s keys).
@@ -41,7 +41,7 @@ from typing import Any
 from bus.errors import NoResponders, RequestTimeout
 from configs.orchestrator import POLICY
 from configs.paths import RunPaths
-from roles.gateway.openai_api import (
+from roles.lib.openai_api import (
     ApiError,
     ChatRequest,
     Choice,

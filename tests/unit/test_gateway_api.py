@@ -8,7 +8,7 @@ import json
 import pytest
 
 from configs import load_config
-from roles.gateway.openai_api import (
+from roles.lib.openai_api import (
     ApiError,
     ChatRequest,
     Choice,

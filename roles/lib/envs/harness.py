@@ -223,6 +223,7 @@ async def run_rollout(
     seating: Seating | None = None,
     group_seed: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    agent_models: Sequence[str] = (POLICY,),
 ) -> Trace:
     """Run one rollout of ``task`` (its ``data`` is the env's task dict) and record it.
 
@@ -239,6 +240,14 @@ async def run_rollout(
     ``make_env`` it. Raises ``EnvCodeError`` for a bug in env code (module docstring).
     """
     name = env_name or env.name
+    from roles.lib.envs.agent import AgentHarness, run_agent_rollout
+
+    if isinstance(env.harness, AgentHarness):  # env code drives the conversation itself
+        return await run_agent_rollout(
+            env, task, generate, renderer, sampling, rollout_id=rollout_id, model=model,
+            name=name, env_id=env_id or name, group_id=group_id, sample_index=sample_index,
+            seed=seed, models=agent_models, max_turns=max_turns, clock=clock,
+        )  # fmt: skip
     turns = max_turns or env.max_turns
     t_start = clock()
     timings = {"generate_s": 0.0, "env_s": 0.0, "queue_s": 0.0, "compute_s": 0.0}

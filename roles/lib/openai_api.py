@@ -1,8 +1,10 @@
 """The OpenAI API's wire format, and nothing else: requests in, response bodies out.
 
-Pure (no bus, no HTTP server): the gateway role (``roles.gateway.role``) parses a body
-with ``parse_request``, renders and generates through the bus, and answers with
-``chat_response`` / ``completion_response``, or an ``ApiError``'s ``body()``.
+Pure (no bus, no HTTP server), shared by the two places that speak it: the gateway role
+(``roles.gateway.role``, over HTTP) and a rollout's own endpoint for agent code
+(``roles.lib.envs.agent``, in process). Each parses a body with ``parse_request``,
+renders and generates, and answers with ``chat_response`` / ``completion_response``,
+or an ``ApiError``'s ``body()``.
 
 Requests follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions``: ``model``,
 ``messages`` (or ``prompt``: text or token ids), ``tools``, ``n``, ``temperature``,
