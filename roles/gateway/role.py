@@ -41,6 +41,8 @@ from typing import Any
 from bus.errors import NoResponders, RequestTimeout
 from configs.orchestrator import POLICY
 from configs.paths import RunPaths
+from roles.lib.clients import InferenceClient
+from roles.lib.model.render import Reply
 from roles.lib.openai_api import (
     ApiError,
     ChatRequest,
@@ -52,8 +54,6 @@ from roles.lib.openai_api import (
     models_response,
     parse_request,
 )
-from roles.lib.clients import InferenceClient
-from roles.lib.model.render import Reply
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from schemas import GenerateResult, InferenceFailed, SamplingParams

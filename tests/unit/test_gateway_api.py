@@ -8,6 +8,8 @@ import json
 import pytest
 
 from configs import load_config
+from roles.lib.model.render import Reply
+from roles.lib.model.tokenizer import ParsedToolCall, build_tokenizer
 from roles.lib.openai_api import (
     ApiError,
     ChatRequest,
@@ -17,8 +19,6 @@ from roles.lib.openai_api import (
     chat_response,
     parse_request,
 )
-from roles.lib.model.render import Reply
-from roles.lib.model.tokenizer import ParsedToolCall, build_tokenizer
 from roles.up.launcher import role_commands
 
 
