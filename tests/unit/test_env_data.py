@@ -85,3 +85,18 @@ async def test_an_async_reward_function_scores_a_rollout_and_a_replay() -> None:
     # Outside an event loop (rubric replay), score() runs the async function too.
     chat = [*env.initial_messages(task), {"role": "assistant", "content": task["answer"]}]
     assert (await asyncio.to_thread(env.score, chat, task, {})).reward == 1.0
+
+
+async def test_score_inside_a_running_loop_works_for_sync_functions_and_names_an_async_one() -> (
+    None
+):
+    """A reward function may call another rubric's score() while the harness's loop runs
+    (composing rubrics); an async function reached that way is named, not hung."""
+    inner = Rubric({"length": length})
+    outer = Rubric({"composed": lambda m, t, s: inner.score(m, t, s).reward})
+    chat = [{"role": "assistant", "content": "46"}]
+    assert (await outer.ascore(chat, TASKS[0], {})).reward == 2.0
+    with pytest.raises(
+        RuntimeError, match="reward function 'judged' is async: await Rubric.ascore"
+    ):
+        Rubric({"judged": judged}).score(chat, TASKS[0], {})

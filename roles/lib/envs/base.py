@@ -372,23 +372,49 @@ class Rubric:
     def weight(self, name: str) -> float:
         return float(self.weights.get(name, 1.0))
 
+    def _functions(self) -> list[tuple[str, str, Callable[..., Any]]]:
+        """(kind, name, function) of every function, in the order they run."""
+        return [
+            *(("reward", n, f) for n, f in self.funcs.items()),
+            *(("metrics", n, f) for n, f in self.metric_funcs.items()),
+            *(("member", n, f) for n, f in self.member_funcs.items()),
+        ]
+
     def score(self, messages: Messages, task: dict[str, Any], state: State) -> Score:
-        """``ascore`` run to completion (outside an event loop: replay, scripts)."""
-        return asyncio.run(self.ascore(messages, task, state))
+        """Every function in order. An async one runs to completion here when no event
+        loop runs (rubric replay, scripts); inside one, ``await ascore``."""
+        values = {}
+        for kind, name, fn in self._functions():
+            value = fn(messages, task, state)
+            if inspect.isawaitable(value):
+                try:
+                    asyncio.get_running_loop()
+                except RuntimeError:
+                    value = asyncio.run(_awaited(value))
+                else:
+                    if inspect.iscoroutine(value):
+                        value.close()
+                    raise RuntimeError(
+                        f"{kind} function {name!r} is async: await Rubric.ascore in an event loop"
+                    ) from None
+            values[kind, name] = value
+        return self._combine(values)
 
     async def ascore(self, messages: Messages, task: dict[str, Any], state: State) -> Score:
         """Every function in order, awaiting those that are async."""
-
-        async def call(fn: Callable[..., Any]) -> Any:
+        values = {}
+        for kind, name, fn in self._functions():
             value = fn(messages, task, state)
-            return await value if inspect.isawaitable(value) else value
+            values[kind, name] = await value if inspect.isawaitable(value) else value
+        return self._combine(values)
 
+    def _combine(self, values: dict[tuple[str, str], Any]) -> Score:
         rewards: dict[str, float] = {}
         metrics: dict[str, float] = {}
         total = 0.0
         norm = 0.0
-        for name, fn in self.funcs.items():
-            value = float(await call(fn))
+        for name in self.funcs:
+            value = float(values["reward", name])
             w = self.weight(name)
             if w > 0:
                 rewards[name] = value
@@ -396,10 +422,14 @@ class Rubric:
                 norm += w
             else:
                 metrics[name] = value
-        for metric_fn in self.metric_funcs.values():
-            metrics.update({k: float(v) for k, v in (await call(metric_fn)).items()})
-        members = {m: float(await call(fn)) for m, fn in self.member_funcs.items()}
+        for name in self.metric_funcs:
+            metrics.update({k: float(v) for k, v in values["metrics", name].items()})
+        members = {m: float(values["member", m]) for m in self.member_funcs}
         return Score(reward=total / norm, rewards=rewards, metrics=metrics, member_rewards=members)
+
+
+async def _awaited(value: Awaitable[Any]) -> Any:
+    return await value
 
 
 # -- environment ------------------------------------------------------------------------
