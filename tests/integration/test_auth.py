@@ -68,7 +68,7 @@ FAST = BusSettings(
 REFUSED_S = 1.0  # how long a refused request waits for the answer it never gets
 ROLES = {"orchestrator": "orchestrator", "trainer": "trainer", "inference": "inference",
          "teacher": "teacher", "env": "env", "algorithm": "algorithm", "attach": "algorithm",
-         "monitor": "monitor"}  # fmt: skip  # kind -> a registry role name it heartbeats as
+         "monitor": "monitor", "gateway": "gateway"}  # fmt: skip  # kind -> its registry role name
 
 
 @dataclass
@@ -433,7 +433,8 @@ async def test_the_role_kinds_do_their_jobs(server: Server, launchers: dict[str,
             await reader.bus.close()
         assert {f"{k}-0" for k in c} <= listed
 
-        # inference requests: env and algorithm ask, inference and teacher answer
+        # inference requests: env, algorithm and the gateway ask, inference and teacher
+        # answer (inference on its own replica subject too: the gateway's sessions)
         async def answer(req: GenerateRequest) -> GenerateResult:
             return GenerateResult(request_id=req.request_id, completion_ids=pack_i32([7]),
                                   logprobs=b"", finish_reason="stop", policy_version=0)  # fmt: skip
@@ -443,10 +444,13 @@ async def test_the_role_kinds_do_their_jobs(server: Server, launchers: dict[str,
                             [GenerateRequest], answer),
             await rpc.serve(c["teacher"].bus.nc, f"rl.{run}.infer.teacher", "infer-teacher",
                             [GenerateRequest], answer),
+            await rpc.serve(c["inference"].bus.nc, f"rl.{run}.infer.policy.inference-0",
+                            "inference-0", [GenerateRequest], answer),
         ]  # fmt: skip
         await c["inference"].bus.nc.flush()
         await c["teacher"].bus.nc.flush()
-        for asker, model in (("env", "policy"), ("env", "teacher"), ("algorithm", "policy")):
+        for asker, model in (("env", "policy"), ("env", "teacher"), ("algorithm", "policy"),
+                             ("gateway", "policy"), ("gateway", "policy.inference-0")):  # fmt: skip
             req = GenerateRequest(request_id=f"{asker}-{model}", prompt_ids=pack_i32([1]))
             reply = await rpc.request(c[asker].bus.nc, f"rl.{run}.infer.{model}", req,
                                       [GenerateResult], 5)  # fmt: skip
