@@ -377,6 +377,10 @@ class OrchestratorConfig(_Section):
             return None
         return {e.key for e in self.train.env if not e.algorithms or algorithm_id in e.algorithms}
 
+    def model_keys(self) -> tuple[str, ...]:
+        """Every model key of the run: the policy, then ``models``' keys."""
+        return (POLICY, *self.models)
+
     @model_validator(mode="after")
     def _default_subject_models(self) -> OrchestratorConfig:
         self.models = {

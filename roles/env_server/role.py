@@ -447,7 +447,7 @@ def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
     return {
         "default_args": config_args(ctx, env_id),
         "filters": build_filters(train.filters) if train is not None else [],
-        "models": (POLICY, *ctx.cfg.orchestrator.models),
+        "models": ctx.cfg.orchestrator.model_keys(),
         "concurrency": concurrency or ctx.cfg.env_server.groups_in_flight,
         "heartbeat_interval_s": ctx.cfg.bus.heartbeat_interval_s,
     }

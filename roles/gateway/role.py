@@ -39,10 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from bus.errors import NoResponders, RequestTimeout
-from configs.orchestrator import POLICY
 from configs.paths import RunPaths
 from roles.lib.clients import InferenceClient
-from roles.lib.model.render import Reply
+from roles.lib.model.render import Reply, completion_text
 from roles.lib.openai_api import (
     ApiError,
     ChatRequest,
@@ -51,6 +50,7 @@ from roles.lib.openai_api import (
     chat_messages,
     chat_response,
     completion_response,
+    failure_error,
     models_response,
     parse_request,
 )
@@ -98,7 +98,7 @@ class Gateway(Role):
     def __init__(self, bus: Any, ctx: RoleContext) -> None:
         super().__init__(bus, ctx.instance, ctx.cfg.bus.heartbeat_interval_s)
         self.ctx, self.cfg = ctx, ctx.cfg.gateway
-        self.models = [POLICY, *ctx.cfg.orchestrator.models]
+        self.models = list(ctx.cfg.orchestrator.model_keys())
         self.created = int(time.time())
         self.base_url = ""
         self.answered = 0
@@ -280,9 +280,7 @@ class Gateway(Role):
             raise ApiError(504, f"inference did not answer in time: {e}") from None
         for r in replies:
             if isinstance(r, InferenceFailed):
-                if r.kind == "context_too_long":
-                    raise ApiError(400, r.message, param="messages", code="context_length_exceeded")
-                raise ApiError(400 if r.kind == "bad_request" else 500, f"{r.kind}: {r.message}")
+                raise failure_error(r)
         self.answered += len(replies)
         return [r for r in replies if isinstance(r, GenerateResult)]
 
@@ -291,9 +289,7 @@ class Gateway(Role):
                       reply, r.policy_version)  # fmt: skip
 
     def _text_reply(self, ids: list[int]) -> Reply:
-        stops = set(self.renderer.stop_token_ids)
-        cut = next((k for k, t in enumerate(ids) if t in stops), len(ids))
-        text = self.tokenizer.decode(ids[:cut], skip_special_tokens=False)
+        text = completion_text(self.tokenizer, self.renderer.stop_token_ids, ids)
         return Reply(text, text, None, [], None)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from roles.lib.model.render import Reply
+from schemas import InferenceFailed
 
 
 class ApiError(Exception):
@@ -108,6 +109,16 @@ class CompletionRequest(_Request):
 
     def budget(self, default: int) -> int:
         return self.max_tokens or default
+
+
+def failure_error(failed: InferenceFailed) -> ApiError:
+    """Inference's refusal as the API says it: a prompt too long is OpenAI's
+    ``context_length_exceeded``, a bad request a 400, anything else a 500."""
+    if failed.kind == "context_too_long":
+        return ApiError(400, failed.message, param="messages", code="context_length_exceeded")
+    return ApiError(
+        400 if failed.kind == "bad_request" else 500, f"{failed.kind}: {failed.message}"
+    )
 
 
 def parse_request(kind: type[ChatRequest] | type[CompletionRequest], raw: bytes) -> Any:

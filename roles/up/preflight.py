@@ -278,7 +278,9 @@ def _model_shape(cfg: RunConfig, path: str) -> ModelShape | None:
 
     if path == TINY:
         t = cfg.model.tiny
-        kv_heads = t.num_heads if t.arch == "char" else max(1, t.num_heads // 2)  # (families)
+        from roles.lib.model.families import kv_heads as family_kv_heads
+
+        kv_heads = t.num_heads if t.arch == "char" else family_kv_heads(t.num_heads)
         return ModelShape("llama" if t.arch == "char" else t.arch, t.num_layers, kv_heads,
                           t.hidden_size // t.num_heads, t.max_position_embeddings)  # fmt: skip
     config = Path(path).expanduser() / "config.json"

@@ -45,6 +45,7 @@ from roles.lib.openai_api import (
     Choice,
     chat_messages,
     chat_response,
+    failure_error,
     parse_request,
 )
 from schemas import GenerateResult, InferenceFailed, SamplingParams
@@ -159,14 +160,12 @@ class RolloutEndpoint:
                     "(its messages rewrite what came before)"
                 )
                 raise ApiError(400, str(self.error))
-            done = [*last.prompt, *i32(last.result.completion_ids).tolist()]
             try:
                 turn = self.renderer.next_turn(last.prompt, i32(last.result.completion_ids).tolist(),
                                                messages[len(seen) :], tools)  # fmt: skip
             except TemplateError as e:
                 self.error = e
                 raise ApiError(400, str(e)) from None
-            assert turn.prompt[: len(done)] == done
             close = turn.close
         budget = min(
             req.budget(self.sampling.max_completion_tokens), self.sampling.max_completion_tokens
@@ -192,8 +191,7 @@ class RolloutEndpoint:
                                      self.renderer.stop_token_ids, stable_seed(self.seed, "call", k),
                                      env=self.env_id)  # fmt: skip
         if isinstance(result, InferenceFailed):
-            status = 400 if result.kind in ("context_too_long", "bad_request") else 500
-            raise ApiError(status, f"{result.kind}: {result.message}")
+            raise failure_error(result)
         return result
 
     def _body(

@@ -301,6 +301,11 @@ def train_tokenizer(family: Family, vocab_size: int) -> Any:
     return tokenizer
 
 
+def kv_heads(num_heads: int) -> int:
+    """Key/value heads of a family model built here: two query heads per key/value head."""
+    return max(1, num_heads // 2)
+
+
 def model_config(
     family: Family,
     tokenizer: Any,
@@ -323,7 +328,7 @@ def model_config(
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
+        num_key_value_heads=kv_heads(num_heads),
         head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,

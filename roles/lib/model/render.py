@@ -135,6 +135,13 @@ class Reply(NamedTuple):
     error: str | None
 
 
+def completion_text(tokenizer: Any, stop_token_ids: Sequence[int], token_ids: Sequence[int]) -> str:
+    """A completion's text, cut at its first stop token (special tokens kept)."""
+    ids = list(token_ids)
+    cut = next((k for k, t in enumerate(ids) if t in stop_token_ids), len(ids))
+    return str(tokenizer.decode(ids[:cut], skip_special_tokens=False))
+
+
 class TemplateError(ValueError):
     """A turn the renderer cannot extend exactly (the rollout records it and ends)."""
 
@@ -269,9 +276,7 @@ class Renderer:
 
     def parse_completion(self, token_ids: Sequence[int]) -> str:
         """The completion's text, cut at its first stop token (`<|end|>` or eos)."""
-        ids = list(token_ids)
-        cut = next((k for k, t in enumerate(ids) if t in self.stop_token_ids), len(ids))
-        return self.tokenizer.decode(ids[:cut], skip_special_tokens=False)
+        return completion_text(self.tokenizer, self.stop_token_ids, token_ids)
 
     def parse_tool_calls(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         """(content, calls) of a completion's text (``parse_completion``'s), in this
@@ -626,8 +631,7 @@ class FamilyRenderer:
         from renderers import ToolCallParseStatus
 
         ids = list(completion)
-        cut = next((k for k, t in enumerate(ids) if t in self.stop_token_ids), len(ids))
-        text = self.tokenizer.decode(ids[:cut], skip_special_tokens=False)
+        text = completion_text(self.tokenizer, self.stop_token_ids, ids)
         parsed = self.impl.parse_response(ids, prompt_ids=list(prompt))
         content, reasoning = parsed.content, parsed.reasoning_content
         if not parsed.tool_calls:
@@ -681,14 +685,12 @@ def check_template(renderer: Renderer | FamilyRenderer) -> str | None:
     harness builds by extension is the one the template would write."""
     tok = renderer.tokenizer
     for what, opening, after, tools in _PROBES:
-        if tools and "<tool_call>" not in tok.get_vocab() and not isinstance(renderer, Renderer):
-            continue
+        if tools and isinstance(renderer, Renderer) and renderer.tool_format is None:
+            continue  # no tool-call format: nothing to probe
         reply: Message = {"role": "assistant", "content": "" if tools else "Sure."}
         if tools:
             reply["tool_calls"] = [_CALL]
         try:
-            if tools and isinstance(renderer, Renderer) and renderer.tool_format is None:
-                continue  # no tool-call format: nothing to probe
             want_text = tok.apply_chat_template([*opening, reply, *after], tools=tools,
                                                 tokenize=False, add_generation_prompt=True)  # fmt: skip
             want = list(tok.encode(want_text, add_special_tokens=False))
