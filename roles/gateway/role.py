@@ -9,7 +9,8 @@ chat template, ``roles.lib.model.render``: the same tokens a rollout would see),
 as env servers do), reads each completion back (content, reasoning, tool calls) and
 answers in OpenAI's format plus the exact tokens (``roles.lib.openai_api``).
 ``POST /v1/completions`` takes text (encoded with the tokenizer's own special tokens) or
-token ids; ``GET /v1/models`` lists the model keys it serves (``policy`` and
+token ids; ``POST /inference/v1/generate`` is vLLM's token-in/token-out endpoint (what
+verifiers' and prime-rl's training clients call with prompts they rendered); ``GET /v1/models`` lists the model keys it serves (``policy`` and
 ``orchestrator.models``'s keys).
 
 A request with an ``X-Session-ID`` header goes to one replica of the model, the same
@@ -47,12 +48,14 @@ from roles.lib.openai_api import (
     ChatRequest,
     Choice,
     CompletionRequest,
+    TokensRequest,
     chat_messages,
     chat_response,
     completion_response,
     failure_error,
     models_response,
     parse_request,
+    tokens_response,
 )
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
@@ -124,6 +127,7 @@ class Gateway(Role):
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/inference/v1/generate", self.generate_tokens)
         self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.cfg.host, self.cfg.port)
@@ -190,8 +194,8 @@ class Gateway(Role):
         replica = session_replica(
             request.headers.get(SESSION_HEADER), self._replicas.get(model, [])
         )
-        results = await self._generate(model, rid, prompt, req, req.budget(self.cfg.max_tokens),
-                                       replica)  # fmt: skip
+        results = await self._generate(model, rid, prompt, self._sampling(req), req.n, req.seed,
+                                       self.renderer.stop_token_ids, replica)  # fmt: skip
         tools = bool(req.tools)
         choices = [self._choice(r, self.renderer.parse_reply(i32(r.completion_ids).tolist(), prompt, tools))
                    for r in results]  # fmt: skip
@@ -206,22 +210,49 @@ class Gateway(Role):
         if isinstance(req.prompt, str):
             prompt = list(self.tokenizer.encode(req.prompt))
         else:
-            prompt = list(req.prompt)
-            if any(not 0 <= t < len(self.tokenizer) for t in prompt):
-                raise ApiError(400, f"prompt: token ids must be in [0, {len(self.tokenizer)})",
-                               param="prompt")  # fmt: skip
+            prompt = self._token_ids(req.prompt, "prompt")
         rid = uuid.uuid4().hex
         replica = session_replica(
             request.headers.get(SESSION_HEADER), self._replicas.get(model, [])
         )
-        results = await self._generate(model, rid, prompt, req, req.budget(self.cfg.max_tokens),
-                                       replica)  # fmt: skip
+        results = await self._generate(model, rid, prompt, self._sampling(req), req.n, req.seed,
+                                       self.renderer.stop_token_ids, replica)  # fmt: skip
         choices = [
             self._choice(r, self._text_reply(i32(r.completion_ids).tolist())) for r in results
         ]
         body = completion_response(rid, req.model, prompt, choices, self.tokenizer,
                                    req.logprobs is not None)  # fmt: skip
         return web.json_response(body)
+
+    async def generate_tokens(self, request: Any) -> Any:
+        """vLLM's token-in/token-out ``/inference/v1/generate`` (what verifiers' and
+        prime-rl's training clients call): the caller rendered the prompt."""
+        from aiohttp import web
+
+        req: TokensRequest = parse_request(TokensRequest, await request.read())
+        model = await self._model(req.model)
+        prompt = self._token_ids(req.token_ids, "token_ids")
+        sp = req.sampling_params
+        sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p,
+                                  top_k=max(sp.top_k, 0),
+                                  max_completion_tokens=sp.max_tokens or self.cfg.max_tokens)  # fmt: skip
+        rid = uuid.uuid4().hex
+        replica = session_replica(
+            request.headers.get(SESSION_HEADER), self._replicas.get(model, [])
+        )
+        stops = self._token_ids(sp.stop_token_ids, "sampling_params.stop_token_ids")
+        [r] = await self._generate(model, rid, prompt, sampling, 1, sp.seed,
+                                   stops or self.renderer.stop_token_ids, replica)  # fmt: skip
+        ids = i32(r.completion_ids).tolist()
+        return web.json_response(
+            tokens_response(rid, prompt, self._choice(r, self._text_reply(ids)))
+        )
+
+    def _token_ids(self, ids: list[int], param: str) -> list[int]:
+        if any(not 0 <= t < len(self.tokenizer) for t in ids):
+            raise ApiError(400, f"{param}: token ids must be in [0, {len(self.tokenizer)})",
+                           param=param)  # fmt: skip
+        return list(ids)
 
     # -- the bus ----------------------------------------------------------------------
 
@@ -252,25 +283,21 @@ class Gateway(Role):
             self._live_at = now
         return self._live
 
+    def _sampling(self, req: ChatRequest | CompletionRequest) -> SamplingParams:
+        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                              max_completion_tokens=req.budget(self.cfg.max_tokens),
+                              stop=req.stops())  # fmt: skip
+
     async def _generate(
-        self, model: str, rid: str, prompt: list[int], req: Any, budget: int,
-        replica: str | None = None,
+        self, model: str, rid: str, prompt: list[int], sampling: SamplingParams, n: int,
+        seed: int | None, stop_ids: list[int], replica: str | None = None,
     ) -> list[GenerateResult]:  # fmt: skip
-        """``req.n`` completions of ``prompt`` (seeds ``req.seed + k``, else random), on
-        ``replica`` when the session has one."""
-        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                  max_completion_tokens=budget, stop=req.stops())  # fmt: skip
-        base = req.seed if req.seed is not None else secrets.randbits(62)
+        """``n`` completions of ``prompt`` (seeds ``seed + k``, else random), stopping at
+        ``stop_ids``, on ``replica`` when the session has one."""
+        base = seed if seed is not None else secrets.randbits(62)
         jobs = [
-            self.client.generate(
-                model,
-                f"gw-{rid}-{k}",
-                prompt,
-                sampling,
-                self.renderer.stop_token_ids,
-                seed=base + k,
-            )  # fmt: skip
-            for k in range(req.n)
+            self.client.generate(model, f"gw-{rid}-{k}", prompt, sampling, stop_ids, seed=base + k)
+            for k in range(n)
         ]
         try:
             replies = await asyncio.gather(*jobs)

@@ -6,6 +6,12 @@ Pure (no bus, no HTTP server), shared by the two places that speak it: the gatew
 renders and generates, and answers with ``chat_response`` / ``completion_response``,
 or an ``ApiError``'s ``body()``.
 
+Beside them, vLLM's token-in/token-out ``POST /inference/v1/generate`` (``TokensRequest``
+-> ``tokens_response``): the prompt as token ids, sampling in ``sampling_params``, the
+completion's ids and logprobs back. It is what verifiers' training client and prime-rl
+call: they render the conversation themselves (the ``renderers`` package) and must get
+back exactly the tokens that were sampled.
+
 Requests follow OpenAI's ``/v1/chat/completions`` and ``/v1/completions``: ``model``,
 ``messages`` (or ``prompt``: text or token ids), ``tools``, ``n``, ``temperature``,
 ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``logprobs``,
@@ -111,6 +117,55 @@ class CompletionRequest(_Request):
         return self.max_tokens or default
 
 
+class TokenSampling(BaseModel):
+    """``sampling_params`` of a token-in request (vLLM's names; others are ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # -1 and 0 both mean off
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1)
+
+
+class TokensRequest(BaseModel):
+    """vLLM's ``/inference/v1/generate``: sample a completion of ``token_ids``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: TokenSampling = Field(default_factory=TokenSampling)
+    stream: bool = False
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("streaming is not supported; send stream=false")
+        return v
+
+
+def tokens_response(request_id: str, prompt_ids: Sequence[int], choice: Choice) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` body: the completion's ids, one logprob per id (its
+    ``token`` is ``token_id:<id>``, as vLLM writes it for this endpoint)."""
+    content = [{"token": f"token_id:{t}", "logprob": float(lp)}
+               for t, lp in zip(choice.completion_ids, choice.logprobs, strict=True)]  # fmt: skip
+    return {
+        "request_id": request_id,
+        "prompt_token_ids": list(prompt_ids),
+        "choices": [{"index": 0, "token_ids": choice.completion_ids,
+                     "logprobs": {"content": content}, "finish_reason": choice.finish_reason,
+                     "policy_version": choice.policy_version}],
+        "usage": {"prompt_tokens": len(prompt_ids),
+                  "completion_tokens": len(choice.completion_ids),
+                  "total_tokens": len(prompt_ids) + len(choice.completion_ids)},
+    }  # fmt: skip
+
+
 def failure_error(failed: InferenceFailed) -> ApiError:
     """Inference's refusal as the API says it: a prompt too long is OpenAI's
     ``context_length_exceeded``, a bad request a 400, anything else a 500."""
@@ -121,7 +176,9 @@ def failure_error(failed: InferenceFailed) -> ApiError:
     )
 
 
-def parse_request(kind: type[ChatRequest] | type[CompletionRequest], raw: bytes) -> Any:
+def parse_request(
+    kind: type[ChatRequest] | type[CompletionRequest] | type[TokensRequest], raw: bytes
+) -> Any:
     """The request in ``raw`` (JSON), else an ``ApiError`` 400 naming the field."""
     try:
         data = json.loads(raw or b"null")

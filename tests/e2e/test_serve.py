@@ -129,6 +129,19 @@ def test_a_chat_completion_with_a_tool_call_and_its_tokens(served) -> None:  # t
     text = client.completions.create(model="policy", prompt="Hello", max_tokens=3, temperature=0)
     assert len(text.model_dump()["choices"][0]["token_ids"]) <= 3
 
+    # vLLM's token-in endpoint (verifiers' and prime-rl's training clients): the same prompt
+    # rendered by the caller gives the same greedy completion, one logprob per token.
+    prompt = body["prompt_token_ids"]
+    raw = client.post(f"{base_url.removesuffix('/v1')}/inference/v1/generate", cast_to=object,
+                      body={"model": "policy", "token_ids": prompt,
+                            "sampling_params": {"temperature": 0, "max_tokens": 40}})  # fmt: skip
+    assert isinstance(raw, dict) and raw["prompt_token_ids"] == prompt
+    (tokens,) = raw["choices"]
+    assert tokens["token_ids"] == body["choices"][0]["token_ids"]
+    assert [x["token"] for x in tokens["logprobs"]["content"]] == [
+        f"token_id:{t}" for t in tokens["token_ids"]
+    ]
+
 
 def test_bad_requests_get_openai_errors_and_keys_are_checked(served) -> None:  # type: ignore[no-untyped-def]
     base_url, key, _ = served
