@@ -24,6 +24,14 @@ as a turn of the harness would be, and recorded:
 - a call to another model is recorded as a message of that model (``Message.model``)
   outside the trained branch: it never trains.
 
+Agent code that cannot take an in-process client (it runs in another process, as
+verifiers' harness programs do) reaches the same endpoint over HTTP on loopback
+(``Loopback``: ``/r/<token>/v1/...`` and ``/r/<token>/inference/v1/generate``, the
+process's key as the bearer token). The endpoint also answers vLLM's token-in
+``/inference/v1/generate``, for clients that render the prompt themselves (verifiers'
+training client): each such call is recorded as sampled (``TokenCall``), and the caller's
+trace must agree with those records token for token (``roles.lib.envs.vf``).
+
 The sampling of policy calls is the rollout's (``SamplingParams`` of the task request:
 its temperature is the one the trainer divides by); a call may ask fewer tokens. The
 number of policy calls is bounded by ``max_turns`` (a call past it is a 400 to the
@@ -32,8 +40,11 @@ agent). The rubric scores the messages ``run`` returns; ``state`` is the harness
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+import secrets
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +54,13 @@ from roles.lib.openai_api import (
     ApiError,
     ChatRequest,
     Choice,
+    TokensRequest,
     chat_messages,
     chat_response,
     failure_error,
+    models_response,
     parse_request,
+    tokens_response,
 )
 from schemas import GenerateResult, InferenceFailed, SamplingParams
 from schemas.arrays import f32, i32
@@ -88,6 +102,15 @@ class OtherCall:
 
 
 @dataclass
+class TokenCall:
+    """One token-in call (``/inference/v1/generate``): the caller rendered ``prompt``."""
+
+    model: str
+    prompt: list[int]
+    result: GenerateResult
+
+
+@dataclass
 class RolloutEndpoint:
     """The OpenAI endpoint one rollout's agent talks to (an ``httpx`` transport)."""
 
@@ -103,6 +126,11 @@ class RolloutEndpoint:
     max_calls: int = 8
     calls: list[PolicyCall] = field(default_factory=list)
     others: list[OtherCall] = field(default_factory=list)
+    # Token-in calls are served only where the caller's own trace is turned into the
+    # rlbus trace (verifiers' envs, ``roles.lib.envs.vf``): an agent's chat calls are
+    # recorded as its branch here, token-in calls could not be.
+    token_in: bool = False
+    token_calls: list[TokenCall] = field(default_factory=list)
     error: TemplateError | None = None
 
     def client(self) -> Any:
@@ -117,16 +145,64 @@ class RolloutEndpoint:
     async def answer(self, path: str, raw: bytes) -> tuple[int, dict[str, Any]]:
         """(status, body) for one request."""
         try:
-            if not path.endswith("/chat/completions"):
-                raise ApiError(404, f"{path}: a rollout's endpoint serves /v1/chat/completions")
-            return 200, await self._chat(parse_request(ChatRequest, raw))
+            if path.endswith("/chat/completions"):
+                return 200, await self._chat(parse_request(ChatRequest, raw))
+            if path.endswith("/inference/v1/generate") and self.token_in:
+                return 200, await self._tokens(parse_request(TokensRequest, raw))
+            if path.endswith("/v1/models"):
+                return 200, models_response(self.models, 0)
+            raise ApiError(404, f"{path}: a rollout's endpoint serves /v1/chat/completions, "
+                           "/inference/v1/generate and /v1/models")  # fmt: skip
         except ApiError as e:
             return e.status, e.body()
 
-    async def _chat(self, req: ChatRequest) -> dict[str, Any]:
-        if req.model not in self.models:
-            raise ApiError(404, f"model {req.model!r} is not one of the run's: {list(self.models)}",
+    def _check_model(self, model: str) -> None:
+        if model not in self.models:
+            raise ApiError(404, f"model {model!r} is not one of the run's: {list(self.models)}",
                            param="model", code="model_not_found")  # fmt: skip
+
+    def _policy_budget(self, asked: int | None) -> SamplingParams:
+        """The rollout's sampling for one policy call (``asked``: fewer tokens), once the
+        rollout has calls left."""
+        if len(self.calls) + self._policy_token_calls() >= self.max_calls:
+            raise ApiError(
+                400, f"this rollout's {self.max_calls} policy calls are spent (max_turns)"
+            )
+        budget = min(asked or self.sampling.max_completion_tokens,
+                     self.sampling.max_completion_tokens)  # fmt: skip
+        return SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                              top_k=self.sampling.top_k, max_completion_tokens=budget,
+                              stop=self.sampling.stop)  # fmt: skip
+
+    def _policy_token_calls(self) -> int:
+        return sum(c.model == self.policy for c in self.token_calls)
+
+    async def _tokens(self, req: TokensRequest) -> dict[str, Any]:
+        """A token-in call: the policy's with the rollout's sampling (a call may ask fewer
+        tokens), another model's with its own; recorded either way."""
+        self._check_model(req.model)
+        sp = req.sampling_params
+        if req.model == self.policy:
+            sampling = self._policy_budget(sp.max_tokens)
+        else:
+            sampling = SamplingParams(temperature=sp.temperature, top_p=sp.top_p,
+                                      top_k=max(sp.top_k, 0),
+                                      max_completion_tokens=sp.max_tokens or self.sampling.max_completion_tokens)  # fmt: skip
+        vocab = len(self.renderer.tokenizer)
+        if any(not 0 <= t < vocab for t in (*req.token_ids, *sp.stop_token_ids)):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="token_ids")
+        k = len(self.calls) + len(self.others) + len(self.token_calls)
+        prompt = list(req.token_ids)
+        stops = list(sp.stop_token_ids) or list(self.renderer.stop_token_ids)
+        result = await self._generate(req.model, k, prompt, sampling, stops)
+        self.token_calls.append(TokenCall(req.model, prompt, result))
+        ids = i32(result.completion_ids).tolist()
+        choice = Choice(ids, f32(result.logprobs).tolist(), result.finish_reason,
+                        Reply("", "", None, [], None), result.policy_version)  # fmt: skip
+        return tokens_response(f"{self.rollout_id}-{k}", prompt, choice)
+
+    async def _chat(self, req: ChatRequest) -> dict[str, Any]:
+        self._check_model(req.model)
         if req.n != 1:
             raise ApiError(400, "n: an agent's call samples one reply", param="n")
         messages = chat_messages(req.messages)
@@ -138,16 +214,14 @@ class RolloutEndpoint:
             prompt = self.renderer.render_prompt(messages, tools)
             sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                       max_completion_tokens=req.budget(self.sampling.max_completion_tokens))  # fmt: skip
-            result = await self._generate(req.model, k, prompt, sampling)
+            result = await self._generate(req.model, k, prompt, sampling,
+                                          self.renderer.stop_token_ids)  # fmt: skip
             reply = self.renderer.parse_reply(
                 i32(result.completion_ids).tolist(), prompt, bool(tools)
             )
             self.others.append(OtherCall(req.model, messages, result, reply))
             return self._body(k, req.model, prompt, result, reply)
-        if len(self.calls) >= self.max_calls:
-            raise ApiError(
-                400, f"this rollout's {self.max_calls} policy calls are spent (max_turns)"
-            )
+        sampling = self._policy_budget(req.budget(self.sampling.max_completion_tokens))
         close: list[int] = []
         if not self.calls:
             turn = self.renderer.first_turn(messages, tools)
@@ -167,13 +241,8 @@ class RolloutEndpoint:
                 self.error = e
                 raise ApiError(400, str(e)) from None
             close = turn.close
-        budget = min(
-            req.budget(self.sampling.max_completion_tokens), self.sampling.max_completion_tokens
-        )
-        sampling = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                  top_k=self.sampling.top_k, max_completion_tokens=budget,
-                                  stop=self.sampling.stop)  # fmt: skip
-        result = await self._generate(self.policy, k, turn.prompt, sampling)
+        result = await self._generate(self.policy, k, turn.prompt, sampling,
+                                      self.renderer.stop_token_ids)  # fmt: skip
         completion = i32(result.completion_ids).tolist()
         reply = self.renderer.parse_reply(completion, turn.prompt, bool(tools))
         body = self._body(k, req.model, turn.prompt, result, reply)
@@ -183,12 +252,13 @@ class RolloutEndpoint:
         return body
 
     async def _generate(
-        self, model: str, k: int, prompt: list[int], sampling: SamplingParams
-    ) -> GenerateResult:
+        self, model: str, k: int, prompt: list[int], sampling: SamplingParams,
+        stop_ids: Sequence[int],
+    ) -> GenerateResult:  # fmt: skip
         from schemas import derive_id, stable_seed
 
         result = await self.generate(model, derive_id(self.rollout_id, "call", k), prompt, sampling,
-                                     self.renderer.stop_token_ids, stable_seed(self.seed, "call", k),
+                                     list(stop_ids), stable_seed(self.seed, "call", k),
                                      env=self.env_id)  # fmt: skip
         if isinstance(result, InferenceFailed):
             raise failure_error(result)
@@ -227,6 +297,72 @@ class _Transport:
                 return httpx.Response(status, json=body)
 
         return Transport()
+
+
+class Loopback:
+    """Rollout endpoints over HTTP on 127.0.0.1, for agent code that cannot take an
+    in-process client. One per process and event loop (``Loopback.get()``), started on
+    first use; ``/r/<token>/...`` reaches the endpoint ``serve`` registered under
+    ``<token>``, and every request needs ``Authorization: Bearer <key>`` (the process's
+    random key; agent code reads it from the environment variable ``KEY_VAR``)."""
+
+    KEY_VAR = "RLBUS_ROLLOUT_API_KEY"
+    _instances: dict[int, Loopback] = {}
+
+    def __init__(self) -> None:
+        import os
+
+        self.key = os.environ.setdefault(self.KEY_VAR, secrets.token_hex(16))
+        self.endpoints: dict[str, RolloutEndpoint] = {}
+        self.base = ""
+        self._runner: Any = None
+
+    @classmethod
+    async def get(cls) -> Loopback:
+        loop = id(asyncio.get_running_loop())
+        if loop not in cls._instances:
+            server = cls()
+            await server._start()
+            cls._instances[loop] = server
+        return cls._instances[loop]
+
+    async def _start(self) -> None:
+        import hmac
+
+        from aiohttp import web
+
+        async def handle(request: Any) -> Any:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.key}".encode()):
+                error = ApiError(401, "a rollout endpoint needs its process's key",
+                                 code="invalid_api_key")  # fmt: skip
+                return web.json_response(error.body(), status=401)
+            endpoint = self.endpoints.get(request.match_info["token"])
+            if endpoint is None:
+                error = ApiError(404, "no live rollout has this endpoint (it ended)")
+                return web.json_response(error.body(), status=404)
+            status, body = await endpoint.answer("/" + request.match_info["tail"],
+                                                 await request.read())  # fmt: skip
+            return web.json_response(body, status=status)
+
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_route("*", "/r/{token}/{tail:.*}", handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.base = f"http://{host}:{port}"
+
+    @contextlib.asynccontextmanager
+    async def serve(self, endpoint: RolloutEndpoint) -> AsyncIterator[str]:
+        """``endpoint`` reachable while the block runs; yields its base URL (``.../v1``)."""
+        token = secrets.token_hex(8)
+        self.endpoints[token] = endpoint
+        try:
+            yield f"{self.base}/r/{token}/v1"
+        finally:
+            del self.endpoints[token]
 
 
 async def run_agent_rollout(

@@ -510,6 +510,7 @@ class FamilyRenderer:
             )
         self.name = name
         self.tokenizer = tokenizer
+        self.config: Any = config  # the package's RendererConfig (verifiers' client takes it)
         self.impl: Any = create_renderer(tokenizer, config)
         self.stop_token_ids: list[int] = list(self.impl.get_stop_token_ids())
         self.end_token_id: int = self.stop_token_ids[0]  # the family's turn close
