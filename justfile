@@ -15,7 +15,7 @@ up *ARGS: install
 [group('run')]
 install:
     @{{python}} -c "import torch" 2>/dev/null || {{python}} -m pip install -q torch==2.13.0
-    @{{python}} -c "import roles, nats, msgspec, pytest, tensorboard, wandb, cryptography, renderers, aiohttp, openai" 2>/dev/null || {{python}} -m pip install -q -e ".[dev]"
+    @{{python}} -c "import roles, nats, msgspec, pytest, tensorboard, wandb, cryptography, renderers, aiohttp, openai, verifiers" 2>/dev/null || {{python}} -m pip install -q -e ".[dev]"
 
 # Run the embedded nats-server (JetStream, loopback) in the foreground.
 [group('run')]

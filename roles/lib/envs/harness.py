@@ -241,7 +241,14 @@ async def run_rollout(
     """
     name = env_name or env.name
     from roles.lib.envs.agent import AgentHarness, run_agent_rollout
+    from roles.lib.envs.vf import VerifiersHarness, run_verifiers_rollout
 
+    if isinstance(env.harness, VerifiersHarness):  # a verifiers env: its episode, checked
+        return await run_verifiers_rollout(
+            env, task, generate, renderer, sampling, rollout_id=rollout_id, model=model,
+            name=name, env_id=env_id or name, group_id=group_id, sample_index=sample_index,
+            seed=seed, models=agent_models, max_turns=max_turns, clock=clock,
+        )  # fmt: skip
     if isinstance(env.harness, AgentHarness):  # env code drives the conversation itself
         return await run_agent_rollout(
             env, task, generate, renderer, sampling, rollout_id=rollout_id, model=model,

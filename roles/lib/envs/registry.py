@@ -2,6 +2,7 @@
 
     make_env("reverse-text", {"min_len": 3, "max_len": 6})
     make_env("examples.word_count_env:make_env", {})   # module:callable -> Environment
+    make_env("vf:my_tasks", {"num_tasks": 100})        # a verifiers taskset (``vf``)
 
 The callable is called with the env's args as keyword arguments (as in verifiers'
 ``load_environment(**kwargs)``). ``env_key`` is the env's token on the bus (subject key,
@@ -42,6 +43,10 @@ def _resolve(env_id: str) -> Any:
 
 def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
     """The Environment called ``env_id`` built with ``args``; a clear error otherwise."""
+    if env_id.startswith("vf:"):
+        from roles.lib.envs import vf
+
+        return vf.load(env_id.removeprefix("vf:"), dict(args or {}))
     factory = _resolve(env_id)
     args = dict(args or {})
     try:

@@ -1,0 +1,334 @@
+"""verifiers environments, unchanged: ``vf:<module>`` runs a verifiers (v1) taskset in rlbus.
+
+    [[orchestrator.train.env]]
+    id = "vf:my_tasks"            # a module exporting one vf.Taskset subclass in __all__
+    args = {num_tasks = 200}      # its TasksetConfig fields
+    # args.vf_env = {...}         # optional: verifiers' EnvConfig (an Env id, agents' harness)
+
+``pip install 'rlbus[verifiers]'`` installs the supported version (verifiers 0.4, whose
+API is ``verifiers.v1``); nothing here imports it until a ``vf:`` env is built.
+
+One rollout is one verifiers episode, run as verifiers runs it for prime-rl: the env's
+``run_episode`` with a *training* client (``TrainClientConfig``), so verifiers renders
+every prompt itself (the ``renderers`` package, the same renderer as the run's:
+``model.renderer``) and asks for completions token in, token out. The client's base URL
+is this rollout's endpoint (``roles.lib.envs.agent.RolloutEndpoint`` over ``Loopback``):
+each call becomes a generate request on the bus with the rollout's sampling, and is
+recorded as sampled. The episode's agents run verifiers' tool-less chat loop (the
+``null`` harness, in a local subprocess) unless ``vf_env`` names another; a taskset's
+tools are verifiers' MCP tool servers. The first rollout of a process prepares that
+program's environment with ``uv`` (installed with the extra), once per machine.
+
+The episode becomes the rlbus trace (``episode_trace``): every node of its message
+graph a message (tokens, sampled mask), each trainable agent's root-to-leaf branch a
+branch. Nothing trains that rlbus did not sample: each sampled message must be the
+completion of a recorded call whose prompt is exactly the tokens before it on its
+branch, and its logprobs and policy version are the recorded call's; a trace that
+disagrees is errored (``render_error``). The reward, the named rewards and the metrics
+are verifiers' (its rubric runs inside the episode); ``stop_condition`` and the fields
+of the task's ``vf.State`` are the trace's state columns.
+
+Rubric replay cannot rescore a verifiers env (its reward functions read verifiers'
+trace, which is not kept): ``rlbus replay <run> rubric`` names such traces as failures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from roles.lib.envs.agent import AgentHarness, Loopback, RolloutEndpoint, TokenCall
+from roles.lib.envs.base import Environment, ListTaskset, Messages, Rubric, State
+from schemas import InferenceFailed, SamplingParams
+
+PREFIX = "vf:"
+RESERVED = "vf_env"  # the arg naming verifiers' EnvConfig beside the taskset's fields
+INSTALL = "pip install 'rlbus[verifiers]'"
+
+
+def _vf() -> Any:
+    try:
+        import verifiers.v1 as vf
+    except ImportError as e:
+        raise ImportError(f"verifiers envs need the verifiers package: {INSTALL} ({e})") from None
+    return vf
+
+
+def load(module: str, args: dict[str, Any]) -> Environment:
+    """The rlbus Environment running verifiers taskset ``module`` with ``args``."""
+    vf = _vf()
+    module = _plugin_id(module)
+    args = dict(args)
+    env_config = dict(args.pop(RESERVED, None) or {})
+    taskset = {**dict(env_config.pop("taskset", None) or {}), **args, "id": module}
+    config_type = vf.env_config_type(module, env_config.get("id", ""))
+    for name, field in config_type.model_fields.items():  # agents: verifiers' chat loop, local
+        if isinstance(field.default, vf.AgentConfig):
+            agent = dict(env_config.get(name) or {})
+            if field.default.harness is None:
+                agent.setdefault("harness", {"id": "null"})
+            agent.setdefault("runtime", {"type": "subprocess"})
+            env_config[name] = agent
+    venv = vf.load_environment(vf.resolve_env_config({**env_config, "taskset": taskset}))
+    source = venv.taskset if venv.taskset.bounded else venv.taskset.take(10_000)
+    tasks = {t.key: t for t in source}
+    rows = [{"vf_key": key, "prompt": t.data.prompt_text} for key, t in tasks.items()]
+    state_type = type(venv.taskset).task_type()
+    harness = VerifiersHarness(venv, tasks, _state_fields(state_type))
+    return Environment(
+        PREFIX + module,
+        ListTaskset(rows),
+        harness,
+        Rubric({"verifiers": _not_rescorable}),
+        {**args, **({RESERVED: env_config} if env_config else {})},
+        state_columns=("stop_condition", *harness.state_fields),
+    )
+
+
+def _plugin_id(module: str) -> str:
+    """``module`` as verifiers names plugins: one importable name without dots (it looks a
+    dotted one up inside its own package). A dotted module is imported here and known to
+    verifiers under its path with ``_`` for ``.``."""
+    if "." not in module:
+        return module
+    import importlib
+
+    alias = module.replace(".", "_")
+    sys.modules.setdefault(alias, importlib.import_module(module))
+    return alias
+
+
+def _state_fields(task_type: Any) -> tuple[str, ...]:
+    """The fields of ``task_type``'s ``vf.State`` (verifiers' own ``artifacts`` aside)."""
+    from verifiers.v1.state import state_cls
+
+    return tuple(f for f in state_cls(task_type).model_fields if f != "artifacts")
+
+
+def _not_rescorable(messages: Messages, task: dict[str, Any], state: State) -> float:
+    raise NotImplementedError(
+        "a verifiers env is scored inside verifiers' episode (its reward functions read "
+        "verifiers' trace, which rlbus does not keep): rubric replay cannot rescore it"
+    )
+
+
+class VerifiersHarness(AgentHarness):
+    """The verifiers env behind a ``vf:`` Environment (``run_verifiers_rollout`` runs it)."""
+
+    max_turns = 32  # model calls an episode may make (``max_turns`` of the request wins)
+
+    def __init__(self, venv: Any, tasks: dict[str, Any], state_fields: tuple[str, ...]) -> None:
+        super().__init__()
+        self.venv, self.tasks, self.state_fields = venv, tasks, state_fields
+        self._serving: contextlib.AsyncExitStack | None = None
+
+    async def serving(self) -> None:
+        """verifiers' shared resources (tool servers), started once per process."""
+        if self._serving is None:
+            stack = contextlib.AsyncExitStack()
+            await stack.enter_async_context(self.venv.serving())
+            self._serving = stack
+
+    async def episode(self, task: dict[str, Any], model: str, base_url: str, renderer: Any) -> Any:
+        """One verifiers episode of ``task`` against the endpoint at ``base_url``."""
+        vf = _vf()
+        from verifiers.v1.configs.client import TrainClientConfig
+
+        _share_import_path()
+        await self.serving()
+        client = TrainClientConfig(base_url=base_url, api_key_var=Loopback.KEY_VAR,
+                                   renderer_model_name=renderer.tokenizer.name_or_path,
+                                   renderer=renderer.config)  # fmt: skip
+        ctx = vf.ModelContext(model=model, client=client, sampling=vf.SamplingConfig())
+        return await self.venv.run_episode(self.tasks[task["vf_key"]], ctx)
+
+
+def _share_import_path() -> None:
+    """verifiers starts tool servers as ``python -m <module>``: they find the user's
+    modules where this process does (its working directory first, as ``rlbus`` does)."""
+    path = [p or os.getcwd() for p in sys.path]
+    have = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*have.split(os.pathsep), *path]))
+
+
+async def run_verifiers_rollout(
+    env: Environment,
+    task: Any,
+    generate: Callable[..., Any],
+    renderer: Any,
+    sampling: SamplingParams,
+    *,
+    rollout_id: str,
+    model: str,
+    name: str,
+    env_id: str,
+    group_id: str,
+    sample_index: int,
+    seed: int,
+    models: Sequence[str],
+    max_turns: int | None,
+    clock: Callable[[], float],
+) -> Any:
+    """One rollout of a ``vf:`` env -> a ``Trace`` (module docstring)."""
+    from bus.errors import RequestTimeout
+    from roles.lib.envs.base import EnvCodeError
+    from roles.lib.openai_api import ApiError
+    from schemas import Trace, TraceError
+
+    harness: VerifiersHarness = env.harness  # type: ignore[assignment]
+    if getattr(renderer, "config", None) is None:
+        raise EnvCodeError(name, "ValueError", "a verifiers env needs a model of a family the "
+                           "`renderers` package renders (model.path or model.tiny.arch), not "
+                           "the character model (model.renderer = rlbus)")  # fmt: skip
+    t_start = clock()
+    timings = {"generate_s": 0.0, "env_s": 0.0, "queue_s": 0.0, "compute_s": 0.0}
+    failures: list[TraceError] = []
+
+    async def timed_generate(*args: Any, **kwargs: Any) -> Any:
+        t = clock()
+        try:
+            result = await generate(*args, **kwargs)
+        except RequestTimeout as e:
+            failures.append(TraceError(kind="inference_timeout", message=str(e)[:2000]))
+            raise ApiError(504, f"inference did not answer: {e}") from None
+        finally:
+            timings["generate_s"] += clock() - t
+        if isinstance(result, InferenceFailed):
+            failures.append(TraceError(kind=result.kind, message=result.message[:2000]))
+        else:
+            timings["queue_s"] += result.queue_s
+            timings["compute_s"] += result.compute_s
+        return result
+
+    endpoint = RolloutEndpoint(renderer, timed_generate, sampling, model, models, rollout_id,
+                               seed, env_id, max_calls=max_turns or harness.max_turns,
+                               token_in=True)  # fmt: skip
+    loopback = await Loopback.get()
+    async with loopback.serve(endpoint) as base_url:
+        try:
+            episode = await harness.episode(task.data, model, base_url, renderer)
+        except Exception as e:  # noqa: BLE001 - verifiers raising outside its episode: env code
+            raise EnvCodeError.from_exception(name, e) from e
+    timings["env_s"] = clock() - t_start - timings["generate_s"]
+    built = episode_trace(episode, endpoint.token_calls, model, sampling.temperature)
+    errors = failures[:1] or built.errors
+    versions = built.versions
+    timings["total_s"] = clock() - t_start
+    ok = not errors
+    return Trace(
+        rollout_id=rollout_id, env=name, task=task, group_id=group_id, sample_index=sample_index,
+        messages=built.messages, branches=built.branches if ok else [],
+        reward=built.reward if ok else 0.0, rewards=built.rewards if ok else {},
+        metrics=built.metrics if ok else {}, timings=timings, errors=errors,
+        policy_min=min(versions, default=0), policy_max=max(versions, default=0),
+        truncated=built.truncated, num_turns=len(versions), from_policy=bool(versions),
+        state=_state_record(episode, harness.state_fields) if ok else {},
+    )  # fmt: skip
+
+
+class Built:
+    """An episode as rlbus records it (``episode_trace``)."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.branches: list[Any] = []
+        self.errors: list[Any] = []
+        self.versions: list[int] = []
+        self.reward = 0.0
+        self.rewards: dict[str, float] = {}
+        self.metrics: dict[str, float] = {}
+        self.truncated = False
+
+
+def episode_trace(
+    episode: Any, calls: Sequence[TokenCall], model: str, temperature: float
+) -> Built:
+    """The messages, branches, reward and errors of a verifiers ``episode``, checked
+    against the token-in ``calls`` its client made (module docstring). Pure."""
+    from schemas import Branch, Message, ToolCall, TraceError
+    from schemas.arrays import f32, pack_f32, pack_i32, pack_mask
+
+    out = Built()
+    unclaimed = [c for c in calls if c.model == model]
+    trainable = [t for t in episode.traces if t.agent.trainable]
+    if not episode.ok:
+        what = [e for t in episode.traces for e in t.errors] + list(episode.errors)
+        first = what[0] if what else None
+        text = f"{first.type}: {first.message}" if first else "the episode did not finish"
+        out.errors.append(TraceError(kind="env_error", message=f"verifiers: {text}"[:2000]))
+    elif len(trainable) != 1:
+        out.errors.append(TraceError(kind="env_error", message=(
+            f"verifiers: the episode has {len(trainable)} trainable agents; rlbus trains one")))  # fmt: skip
+    for trace in episode.traces:
+        base = len(out.messages)
+        index = {id(node): base + k for k, node in enumerate(trace.nodes)}
+        paths: dict[int, list[int]] = {}  # node -> token sequence up to and including it
+        for k, node in enumerate(trace.nodes):
+            before = [] if node.parent is None else paths[node.parent]
+            paths[k] = before + list(node.token_ids)
+            msg = node.message
+            ids = list(node.token_ids)
+            mask = [int(m) for m in node.mask] if node.mask else [0] * len(ids)
+            logprobs = [0.0] * len(ids)
+            fields: dict[str, Any] = {}
+            if node.sampled and trace.agent.trainable:
+                head = mask.index(1) if 1 in mask else len(ids)
+                prompt, completion = before + ids[:head], ids[head:]
+                call = _claim(unclaimed, prompt, completion)
+                if call is None:
+                    out.errors.append(TraceError(kind="render_error", message=(
+                        f"verifiers' message {k} says it was sampled after a prompt of "
+                        f"{len(prompt)} tokens, but no call of this rollout sampled it so")))  # fmt: skip
+                else:
+                    logprobs[head:] = f32(call.result.logprobs).tolist()
+                    out.versions.append(call.result.policy_version)
+                    out.truncated |= call.result.finish_reason == "length"
+                    fields = {"temperature": temperature,
+                              "policy_version": call.result.policy_version, "model": model,
+                              "finish_reason": call.result.finish_reason}  # fmt: skip
+            elif node.sampled:
+                fields = {"model": f"{model}:{trace.agent.name}"}  # an agent that never trains
+                mask = [0] * len(ids)
+            tool_calls = [ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                          for c in getattr(msg, "tool_calls", None) or []]  # fmt: skip
+            content = msg.content if isinstance(msg.content, str) else "".join(
+                getattr(p, "text", "") for p in msg.content or [])  # fmt: skip
+            out.messages.append(Message(
+                id=base + k, role=msg.role, content=content or "",
+                parent=None if node.parent is None else base + node.parent,
+                token_ids=pack_i32(ids), sampled=pack_mask(mask), logprobs=pack_f32(logprobs),
+                tool_calls=tool_calls, tool_call_id=getattr(msg, "tool_call_id", None),
+                reasoning=getattr(msg, "reasoning_content", None), **fields))  # fmt: skip
+        if trace.agent.trainable:
+            for branch in trace.branches:
+                if branch.trainable and any(n.sampled for n in branch.nodes):
+                    out.branches.append(Branch(messages=[index[id(n)] for n in branch.nodes]))
+    if trainable:
+        trace = trainable[0]
+        out.reward = float(trace.reward)
+        out.rewards = {k: float(r.value) for k, r in trace.rewards.items() if r is not None}
+        out.metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
+    return out
+
+
+def _claim(calls: list[TokenCall], prompt: list[int], completion: list[int]) -> TokenCall | None:
+    """The first unclaimed call that sampled ``completion`` after ``prompt`` (taken)."""
+    from schemas.arrays import i32
+
+    for k, call in enumerate(calls):
+        if call.prompt == prompt and i32(call.result.completion_ids).tolist() == completion:
+            return calls.pop(k)
+    return None
+
+
+def _state_record(episode: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """The trainable agent's ``stop_condition`` and ``vf.State`` fields (JSON values)."""
+    trace = next(t for t in episode.traces if t.agent.trainable)
+    state = trace.state.model_dump(mode="json")
+    return {"stop_condition": trace.stop_condition, **{f: state.get(f) for f in fields}}
+
+
+__all__ = ["PREFIX", "VerifiersHarness", "episode_trace", "load", "run_verifiers_rollout"]
