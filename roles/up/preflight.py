@@ -151,22 +151,34 @@ def env_problems(cfg: RunConfig) -> list[str]:
     from roles.lib.envs.filters import filter_problems
 
     envs = cfg.orchestrator.train.env
-    found = (_env_problem(f"orchestrator.train.env.{i}", e.id, e.args) for i, e in enumerate(envs))
+    found = (_env_problem(cfg, f"orchestrator.train.env.{i}", e.id, e.args)
+             for i, e in enumerate(envs))  # fmt: skip
     return [p for p in found if p] + filter_problems(envs)
 
 
-def _env_problem(where: str, env_id: str, args: dict[str, Any] | None) -> str | None:
-    """Why the env at config key ``where`` does not build with ``args``, or None."""
+def _env_problem(
+    cfg: RunConfig, where: str, env_id: str, args: dict[str, Any] | None
+) -> str | None:
+    """Why the env at config key ``where`` does not build with ``args`` (or cannot run on
+    the run's model), or None."""
     from roles.lib.envs.registry import UnknownEnv, make_env
+    from roles.lib.envs.vf import VerifiersHarness
 
     try:
-        make_env(env_id, dict(args or {}))
+        env = make_env(env_id, dict(args or {}))
     except UnknownEnv as e:
         return f"`{where}.id`: {_one_line(e)}"
     except ValueError as e:  # make_env's own: args the env's constructor does not take
         return f"`{where}.args`: {_one_line(e)}"
     except Exception as e:  # noqa: BLE001 - user env code: any failure is a config problem
         return f"`{where}`: env {env_id!r} fails to build: {type(e).__name__}: {_one_line(e)}"
+    char = cfg.model.renderer == "rlbus" or (
+        cfg.model.path == TINY and cfg.model.tiny.arch == "char"
+    )
+    if isinstance(env.harness, VerifiersHarness) and char:
+        return (f"`{where}.id`: {env_id!r} is a verifiers env: its client renders prompts with "
+                "the `renderers` package, which has no renderer for the character model; "
+                "set model.tiny.arch = qwen3|llama or model.path")  # fmt: skip
     return None
 
 
@@ -397,6 +409,6 @@ def eval_env_problems(cfg: RunConfig) -> list[str]:
     for i, entry in enumerate(o.eval.env):
         if o.env(entry.id) is not None and entry.args is None:
             continue  # built by env_problems, as its train entry
-        if why := _env_problem(f"orchestrator.eval.env.{i}", entry.id, entry.args):
+        if why := _env_problem(cfg, f"orchestrator.eval.env.{i}", entry.id, entry.args):
             problems.append(why)
     return problems

@@ -1,7 +1,9 @@
 """A verifiers environment trains: `rlbus up` with `vf:tests.vf_envs.add` on a Qwen3-
 architecture model runs verifiers' episodes in the env server, the trainer trains on
 them, verifiers' rewards and metrics land in the lake, and the trainer's recomputed
-logprobs match the sampled ones (mismatch_kl as small as on rlbus' own envs)."""
+logprobs match the sampled ones (mismatch_kl as small as on rlbus' own envs). On the
+character model, which verifiers cannot render for, `rlbus up` refuses before any role
+starts."""
 
 from __future__ import annotations
 
@@ -29,10 +31,15 @@ def sql(data_dir: Path, query: str) -> list[dict]:
 
 
 def test_a_verifiers_env_trains_with_its_rewards_in_the_lake(tmp_path: Path) -> None:
+    env = 'orchestrator.train.env=[{id="vf:tests.vf_envs.add",group_size=4}]'
+    refused = rlbus_up(tmp_path, "char", env)  # the character model: no renderer for verifiers
+    out, _ = refused.communicate(timeout=120)
+    assert refused.returncode == 2 and "is a verifiers env" in out, out[-2000:]
+    assert not (tmp_path / "char").exists()
+
     proc = rlbus_up(tmp_path, RUN, "model.tiny.arch=qwen3", "orchestrator.warmup.steps=0",
                     f"max_steps={STEPS}", "orchestrator.eval.interval=0",
-                    "orchestrator.skip_zero_advantage_groups=false",
-                    'orchestrator.train.env=[{id="vf:tests.vf_envs.add",group_size=4}]')  # fmt: skip
+                    "orchestrator.skip_zero_advantage_groups=false", env)  # fmt: skip
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
     assert summary(tmp_path, RUN)["steps"] == STEPS

@@ -136,3 +136,39 @@ async def test_a_verifiers_trace_claiming_unsampled_tokens_is_refused(qwen3: Any
         assert [e.kind for e in built.errors] == ["render_error"], built.errors
     good = episode_trace(ran, [call(prompt, ids)], "policy", 1.0)
     assert not good.errors and len(good.branches) == 1 and good.versions == [1]
+
+
+async def test_a_verifiers_style_load_environment_goes_through_the_bridge(qwen3: Any) -> None:
+    """``module:load_environment`` returning a configured ``vf.Taskset`` (not an rlbus
+    Environment) is played as ``vf:`` plays it, with the user's own configuration."""
+    tok, model, renderer = qwen3
+    env = make_env("tests.vf_envs.add:load_environment", {"num_tasks": 5})
+    assert env.size("train") + env.size("eval") == 5
+    gen = Scripted(model, tok, renderer.end_token_id, {"policy": ["3"]})
+    task = TaskRef(index=0, data=env.task("train", 0))
+    trace = await run_rollout(env, task, gen, renderer, SamplingParams(), rollout_id="r-load")
+    assert trace.ok, trace.errors
+    assert set(trace.rewards) == {"exact", "brief"} and trace.metrics == {"reply_chars": 1.0}
+    assert_exact(model, trace)
+
+
+async def test_the_loopback_endpoint_needs_the_process_key_and_a_live_rollout() -> None:
+    import httpx
+
+    from roles.lib.envs.agent import Loopback, RolloutEndpoint
+
+    loopback = await Loopback.get()
+    endpoint = RolloutEndpoint(None, None, SamplingParams(), "policy", ("policy",), "r", 0, "e")
+    async with loopback.serve(endpoint) as base_url, httpx.AsyncClient() as http:
+        good = {"Authorization": f"Bearer {loopback.key}"}
+        models = await http.get(f"{base_url}/models", headers=good)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "policy"
+        wrong = await http.get(f"{base_url}/models", headers={"Authorization": "Bearer x"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        # token-in is refused where the caller's trace does not become the rollout's
+        refused = await http.post(f"{base_url.removesuffix('/v1')}/inference/v1/generate",
+                                  headers=good, json={"model": "policy", "token_ids": [1]})  # fmt: skip
+        assert refused.status_code == 404
+    async with httpx.AsyncClient() as http:
+        gone = await http.get(f"{base_url}/models", headers=good)
+    assert gone.status_code == 404 and "ended" in gone.json()["error"]["message"]

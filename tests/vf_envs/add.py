@@ -36,4 +36,9 @@ class AddTaskset(vf.Taskset[AddTask, AddConfig]):
         ]
 
 
+def load_environment(num_tasks: int = 64) -> AddTaskset:
+    """The taskset, configured: what a verifiers-style ``load_environment`` returns."""
+    return AddTaskset(AddConfig(num_tasks=num_tasks))
+
+
 __all__ = ["AddTaskset"]

@@ -56,6 +56,10 @@ def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
     except ValueError:  # no signature (a builtin callable): let the call decide
         pass
     env = factory(**args)
+    if not isinstance(env, Environment):  # a verifiers env or taskset: through the bridge
+        from roles.lib.envs import vf
+
+        env = vf.from_object(env, env_id, args) or env
     if not isinstance(env, Environment):
         raise TypeError(
             f"env {env_id!r}: {factory!r} returned {type(env).__name__}, not Environment"

@@ -60,30 +60,61 @@ def _vf() -> Any:
 def load(module: str, args: dict[str, Any]) -> Environment:
     """The rlbus Environment running verifiers taskset ``module`` with ``args``."""
     vf = _vf()
-    module = _plugin_id(module)
+    plugin = _plugin_id(module)
     args = dict(args)
     env_config = dict(args.pop(RESERVED, None) or {})
-    taskset = {**dict(env_config.pop("taskset", None) or {}), **args, "id": module}
-    config_type = vf.env_config_type(module, env_config.get("id", ""))
-    for name, field in config_type.model_fields.items():  # agents: verifiers' chat loop, local
+    taskset = {**dict(env_config.pop("taskset", None) or {}), **args, "id": plugin}
+    env_config = _local_agents(vf.env_config_type(plugin, env_config.get("id", "")), env_config)
+    venv = vf.load_environment(vf.resolve_env_config({**env_config, "taskset": taskset}))
+    return wrap(venv, PREFIX + module, {**args, **({RESERVED: env_config} if env_config else {})})
+
+
+def from_object(obj: Any, name: str, args: dict[str, Any]) -> Environment | None:
+    """What a user's ``load_environment`` returned, if it is verifiers' (a ``vf.Env``, or
+    a ``vf.Taskset`` played by one agent as ``vf:`` does), as an rlbus Environment."""
+    vf = sys.modules.get("verifiers.v1")
+    if vf is None:
+        return None
+    if isinstance(obj, vf.Env):
+        return wrap(obj, name, args)
+    if not isinstance(obj, vf.Taskset):
+        return None
+    plugin = _plugin_id(type(obj).__module__)
+    config = _local_agents(vf.env_config_type(plugin), {})
+    taskset = {**obj.config.model_dump(), "id": plugin}
+    venv = vf.load_environment(vf.resolve_env_config({**config, "taskset": taskset}))
+    venv.taskset = obj  # the user's own instance, as configured
+    return wrap(venv, name, args)
+
+
+def _local_agents(config_type: Any, env_config: dict[str, Any]) -> dict[str, Any]:
+    """``env_config`` with every agent the env declares running verifiers' tool-less chat
+    loop (unless the env or the config names a harness) in a local subprocess."""
+    vf = _vf()
+    env_config = dict(env_config)
+    for name, field in config_type.model_fields.items():
         if isinstance(field.default, vf.AgentConfig):
             agent = dict(env_config.get(name) or {})
             if field.default.harness is None:
                 agent.setdefault("harness", {"id": "null"})
             agent.setdefault("runtime", {"type": "subprocess"})
             env_config[name] = agent
-    venv = vf.load_environment(vf.resolve_env_config({**env_config, "taskset": taskset}))
+    return env_config
+
+
+def wrap(venv: Any, name: str, args: dict[str, Any]) -> Environment:
+    """The rlbus Environment playing verifiers env ``venv``: its tasks (an infinite
+    taskset: its first 10,000), the harness that runs its episodes."""
     source = venv.taskset if venv.taskset.bounded else venv.taskset.take(10_000)
     tasks = {t.key: t for t in source}
     rows = [{"vf_key": key, "prompt": t.data.prompt_text} for key, t in tasks.items()]
-    state_type = type(venv.taskset).task_type()
-    harness = VerifiersHarness(venv, tasks, _state_fields(state_type))
+    harness = VerifiersHarness(venv, tasks, _state_fields(type(venv.taskset).task_type()))
     return Environment(
-        PREFIX + module,
+        name,
         ListTaskset(rows),
         harness,
         Rubric({"verifiers": _not_rescorable}),
-        {**args, **({RESERVED: env_config} if env_config else {})},
+        args,
         state_columns=("stop_condition", *harness.state_fields),
     )
 
@@ -331,4 +362,12 @@ def _state_record(episode: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     return {"stop_condition": trace.stop_condition, **{f: state.get(f) for f in fields}}
 
 
-__all__ = ["PREFIX", "VerifiersHarness", "episode_trace", "load", "run_verifiers_rollout"]
+__all__ = [
+    "PREFIX",
+    "VerifiersHarness",
+    "episode_trace",
+    "from_object",
+    "load",
+    "run_verifiers_rollout",
+    "wrap",
+]
