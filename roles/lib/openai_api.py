@@ -63,9 +63,20 @@ class ApiError(Exception):
                           "code": self.code}}  # fmt: skip
 
 
-class _Request(BaseModel):
+class _NoStream(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    stream: bool = False
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("streaming is not supported; send stream=false")
+        return v
+
+
+class _Request(_NoStream):
     model: str
     n: int = Field(default=1, ge=1, le=128)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -74,15 +85,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not supported; send stream=false")
-        return v
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -131,22 +134,12 @@ class TokenSampling(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
 
 
-class TokensRequest(BaseModel):
+class TokensRequest(_NoStream):
     """vLLM's ``/inference/v1/generate``: sample a completion of ``token_ids``."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str
     token_ids: list[int] = Field(min_length=1)
     sampling_params: TokenSampling = Field(default_factory=TokenSampling)
-    stream: bool = False
-
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not supported; send stream=false")
-        return v
 
 
 def tokens_response(request_id: str, prompt_ids: Sequence[int], choice: Choice) -> dict[str, Any]:

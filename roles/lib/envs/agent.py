@@ -299,6 +299,38 @@ class _Transport:
         return Transport()
 
 
+class TimedGenerate:
+    """The harness's Generate, timed (``timings``: the trace's generate/queue/compute
+    seconds) with inference's failures kept (``failures``: the first is the rollout's
+    error); a timeout is the agent's 504."""
+
+    def __init__(self, generate: Callable[..., Any], clock: Callable[[], float]) -> None:
+        from schemas import TraceError
+
+        self.generate, self.clock = generate, clock
+        self.timings = {"generate_s": 0.0, "env_s": 0.0, "queue_s": 0.0, "compute_s": 0.0}
+        self.failures: list[TraceError] = []
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from bus.errors import RequestTimeout
+        from schemas import TraceError
+
+        t = self.clock()
+        try:
+            result = await self.generate(*args, **kwargs)
+        except RequestTimeout as e:
+            self.failures.append(TraceError(kind="inference_timeout", message=str(e)[:2000]))
+            raise ApiError(504, f"inference did not answer: {e}") from None
+        finally:
+            self.timings["generate_s"] += self.clock() - t
+        if isinstance(result, InferenceFailed):
+            self.failures.append(TraceError(kind=result.kind, message=result.message[:2000]))
+        else:
+            self.timings["queue_s"] += result.queue_s
+            self.timings["compute_s"] += result.compute_s
+        return result
+
+
 class Loopback:
     """Rollout endpoints over HTTP on 127.0.0.1, for agent code that cannot take an
     in-process client. One per process and event loop (``Loopback.get()``), started on
@@ -386,7 +418,6 @@ async def run_agent_rollout(
     """One rollout of an ``AgentHarness`` env (module docstring) -> a ``Trace``: the
     policy's calls as one branch (their tokens exactly as sampled), other models' calls
     recorded beside it, the rubric's score of the messages ``run`` returns."""
-    from bus.errors import RequestTimeout
     from roles.lib.envs.base import EnvCodeError
     from roles.lib.envs.chat import check_messages, state_columns
     from roles.lib.envs.harness import _Builder, scored
@@ -394,26 +425,9 @@ async def run_agent_rollout(
 
     harness: AgentHarness = env.harness
     t_start = clock()
-    timings = {"generate_s": 0.0, "env_s": 0.0, "queue_s": 0.0, "compute_s": 0.0}
-    failures: list[TraceError] = []
-
-    async def timed_generate(*args: Any, **kwargs: Any) -> Any:
-        t = clock()
-        try:
-            result = await generate(*args, **kwargs)
-        except RequestTimeout as e:
-            failures.append(TraceError(kind="inference_timeout", message=str(e)[:2000]))
-            raise ApiError(504, f"inference did not answer: {e}") from None
-        finally:
-            timings["generate_s"] += clock() - t
-        if isinstance(result, InferenceFailed):
-            failures.append(TraceError(kind=result.kind, message=result.message[:2000]))
-        else:
-            timings["queue_s"] += result.queue_s
-            timings["compute_s"] += result.compute_s
-        return result
-
-    endpoint = RolloutEndpoint(renderer, timed_generate, sampling, model, models, rollout_id,
+    timed = TimedGenerate(generate, clock)
+    timings, failures = timed.timings, timed.failures
+    endpoint = RolloutEndpoint(renderer, timed, sampling, model, models, rollout_id,
                                seed, env_id, env.tools, max_turns or harness.max_turns)  # fmt: skip
     data = task.data
     errors: list[TraceError] = []

@@ -40,9 +40,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from roles.lib.envs.agent import AgentHarness, Loopback, RolloutEndpoint, TokenCall
+from roles.lib.envs.agent import AgentHarness, Loopback, RolloutEndpoint, TimedGenerate, TokenCall
 from roles.lib.envs.base import Environment, ListTaskset, Messages, Rubric, State
-from schemas import InferenceFailed, SamplingParams
+from schemas import SamplingParams
 
 PREFIX = "vf:"
 RESERVED = "vf_env"  # the arg naming verifiers' EnvConfig beside the taskset's fields
@@ -204,10 +204,8 @@ async def run_verifiers_rollout(
     clock: Callable[[], float],
 ) -> Any:
     """One rollout of a ``vf:`` env -> a ``Trace`` (module docstring)."""
-    from bus.errors import RequestTimeout
     from roles.lib.envs.base import EnvCodeError
-    from roles.lib.openai_api import ApiError
-    from schemas import Trace, TraceError
+    from schemas import Trace
 
     harness: VerifiersHarness = env.harness  # type: ignore[assignment]
     if getattr(renderer, "config", None) is None:
@@ -215,26 +213,9 @@ async def run_verifiers_rollout(
                            "`renderers` package renders (model.path or model.tiny.arch), not "
                            "the character model (model.renderer = rlbus)")  # fmt: skip
     t_start = clock()
-    timings = {"generate_s": 0.0, "env_s": 0.0, "queue_s": 0.0, "compute_s": 0.0}
-    failures: list[TraceError] = []
-
-    async def timed_generate(*args: Any, **kwargs: Any) -> Any:
-        t = clock()
-        try:
-            result = await generate(*args, **kwargs)
-        except RequestTimeout as e:
-            failures.append(TraceError(kind="inference_timeout", message=str(e)[:2000]))
-            raise ApiError(504, f"inference did not answer: {e}") from None
-        finally:
-            timings["generate_s"] += clock() - t
-        if isinstance(result, InferenceFailed):
-            failures.append(TraceError(kind=result.kind, message=result.message[:2000]))
-        else:
-            timings["queue_s"] += result.queue_s
-            timings["compute_s"] += result.compute_s
-        return result
-
-    endpoint = RolloutEndpoint(renderer, timed_generate, sampling, model, models, rollout_id,
+    timed = TimedGenerate(generate, clock)
+    timings = timed.timings
+    endpoint = RolloutEndpoint(renderer, timed, sampling, model, models, rollout_id,
                                seed, env_id, max_calls=max_turns or harness.max_turns,
                                token_in=True)  # fmt: skip
     loopback = await Loopback.get()
@@ -245,7 +226,7 @@ async def run_verifiers_rollout(
             raise EnvCodeError.from_exception(name, e) from e
     timings["env_s"] = clock() - t_start - timings["generate_s"]
     built = episode_trace(episode, endpoint.token_calls, model, sampling.temperature)
-    errors = failures[:1] or built.errors
+    errors = timed.failures[:1] or built.errors
     versions = built.versions
     timings["total_s"] = clock() - t_start
     ok = not errors
