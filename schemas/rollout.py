@@ -130,8 +130,9 @@ class Branch(Record, frozen=True):
 
 class TraceError(Record, frozen=True):
     # docs/running.md, "Errors": inference_timeout, inference_error, no_responders,
-    # context_too_long, bad_reply, no_actor_turn, render_error, task_error (rollout errors), parse_error
-    # (a turn error), env_exception (a bug in env code: the task is dead-lettered).
+    # context_too_long, bad_reply, no_actor_turn, render_error, harness_error, task_error
+    # (rollout errors), parse_error (a turn error), env_exception (a bug in env code: the
+    # task is dead-lettered).
     kind: str
     message: str
     message_id: int | None = None

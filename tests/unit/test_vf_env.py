@@ -172,3 +172,14 @@ async def test_the_loopback_endpoint_needs_the_process_key_and_a_live_rollout() 
     async with httpx.AsyncClient() as http:
         gone = await http.get(f"{base_url}/models", headers=good)
     assert gone.status_code == 404 and "ended" in gone.json()["error"]["message"]
+
+
+async def test_a_reward_function_that_raises_is_a_bug_in_env_code(qwen3: Any) -> None:
+    """verifiers records a raising reward on its trace (``TaskError``); rlbus raises it as
+    a bug in env code (the task is dead-lettered, the run stops) rather than erroring
+    rollouts forever."""
+    from roles.lib.envs.base import EnvCodeError
+
+    with pytest.raises(EnvCodeError) as bug:
+        await rollout(qwen3, "vf:tests.vf_envs.broken", ["hi"])
+    assert bug.value.error_type == "TaskError" and "division by zero" in str(bug.value)

@@ -24,9 +24,13 @@ graph a message (tokens, sampled mask), each trainable agent's root-to-leaf bran
 branch. Nothing trains that rlbus did not sample: each sampled message must be the
 completion of a recorded call whose prompt is exactly the tokens before it on its
 branch, and its logprobs and policy version are the recorded call's; a trace that
-disagrees is errored (``render_error``). The reward, the named rewards and the metrics
-are verifiers' (its rubric runs inside the episode); ``stop_condition`` and the fields
-of the task's ``vf.State`` are the trace's state columns.
+disagrees is errored (``render_error``). An episode that failed because env code raised
+(a reward, a task hook, the env's ``run``, a toolset) is a bug in env code
+(``EnvCodeError``: the task is dead-lettered); one that failed otherwise (verifiers'
+program, a refused model call) is errored (``harness_error``). The reward, the named
+rewards and the metrics are verifiers' (its rubric runs inside the episode);
+``stop_condition`` and the fields of the task's ``vf.State`` are the trace's state
+columns.
 
 Rubric replay cannot rescore a verifiers env (its reward functions read verifiers'
 trace, which is not kept): ``rlbus replay <run> rubric`` names such traces as failures.
@@ -47,6 +51,10 @@ from schemas import SamplingParams
 PREFIX = "vf:"
 RESERVED = "vf_env"  # the arg naming verifiers' EnvConfig beside the taskset's fields
 INSTALL = "pip install 'rlbus[verifiers]'"
+# verifiers' errors that say env code raised (a task's hook or reward, the env's run, a
+# toolset): a bug, which stops the run as any env bug does (``EnvCodeError``). The others
+# (its program exited, a model call failed, a timeout) fail only the rollout.
+ENV_CODE_ERRORS = ("TaskError", "EnvError", "ToolsetError")
 
 
 def _vf() -> Any:
@@ -226,6 +234,8 @@ async def run_verifiers_rollout(
             raise EnvCodeError.from_exception(name, e) from e
     timings["env_s"] = clock() - t_start - timings["generate_s"]
     built = episode_trace(episode, endpoint.token_calls, model, sampling.temperature)
+    if built.bug is not None and not timed.failures:
+        raise EnvCodeError(name, built.bug.type, built.bug.message, built.bug.traceback or "")
     errors = timed.failures[:1] or built.errors
     versions = built.versions
     timings["total_s"] = clock() - t_start
@@ -253,6 +263,7 @@ class Built:
         self.rewards: dict[str, float] = {}
         self.metrics: dict[str, float] = {}
         self.truncated = False
+        self.bug: Any = None  # verifiers' Error when env code raised (``ENV_CODE_ERRORS``)
 
 
 def episode_trace(
@@ -269,8 +280,10 @@ def episode_trace(
     if not episode.ok:
         what = [e for t in episode.traces for e in t.errors] + list(episode.errors)
         first = what[0] if what else None
+        if first is not None and first.type in ENV_CODE_ERRORS:
+            out.bug = first
         text = f"{first.type}: {first.message}" if first else "the episode did not finish"
-        out.errors.append(TraceError(kind="env_error", message=f"verifiers: {text}"[:2000]))
+        out.errors.append(TraceError(kind="harness_error", message=f"verifiers: {text}"[:2000]))
     elif len(trainable) != 1:
         out.errors.append(TraceError(kind="env_error", message=(
             f"verifiers: the episode has {len(trainable)} trainable agents; rlbus trains one")))  # fmt: skip
