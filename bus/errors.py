@@ -1,6 +1,10 @@
-"""Typed errors of the bus boundary."""
+"""Typed errors of the bus boundary, and which errors of the NATS client mean what (so
+that no module outside ``bus`` names the client's errors)."""
 
 from __future__ import annotations
+
+import nats.errors
+import nats.js.errors
 
 
 class BusError(Exception):
@@ -80,3 +84,23 @@ class HandlerBroken(BusError):
     the consumer hands the message back and stops with this error, so the role exits
     and its supervisor restarts it, instead of retrying and dead-lettering a good
     message."""
+
+
+# What a failed store call may raise: the bus's own errors or the client's (a missing
+# object, a closed connection, a timeout). Callers that treat a failed delete, rewrite or
+# fetch as "keep the old one, try later" catch these.
+STORE_ERRORS: tuple[type[Exception], ...] = (BusError, nats.errors.Error)
+
+# What says nothing about the data asked for: the server or the connection was slow or
+# away for a moment (``nats: timeout`` is a TimeoutError). Worth another try.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+    TimeoutError,
+    ConnectionError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoServersError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+)

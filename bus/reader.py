@@ -63,6 +63,11 @@ Topics = Sequence[tuple[Topic, str | None]]  # (topic, key or None for every key
 Progress = Callable[[int, int | None], None]  # on_progress(done, total or None if unknown)
 
 
+# A message as the server stored it (subject, headers, data, metadata): what
+# ``LogReader.messages`` yields, named here so readers outside ``bus`` need no client type.
+StoredMsg = Msg
+
+
 def decode_event(payload: bytes | memoryview, schema: str | None = None) -> Event:
     """Decode a current or legacy event and upcast it (pure; raises ``DecodeError`` and
     its subclass ``UnknownSchema``)."""

@@ -19,6 +19,7 @@ stored, and a squatted event is stored under a salted header id instead of vanis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -33,15 +34,34 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy, PubAck, RawStreamMsg, StorageType, StreamConfig
 
-from bus import codec
+from bus import codec, rpc
 from bus.auth import connect_options
 from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore, sha256_digest
-from bus.subjects import objects_bucket, run_of_stream, stream_name, stream_subjects, subject_for
-from schemas import BodyRef, Event, derive_id
+from bus.registry import Heartbeat, list_roles
+from bus.subjects import (
+    objects_bucket,
+    roles_bucket_name,
+    run_of_stream,
+    stream_name,
+    stream_subjects,
+    subject_for,
+)
+from schemas import BodyRef, Event, RoleHeartbeat, derive_id
 
 Prepared = tuple[str, bytes, dict[str, str]]  # (subject, payload, headers) as published
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """What the server holds of a run's stream."""
+
+    run: str
+    stream: str
+    messages: int
+    bytes: int
+    last_seq: int
 
 
 @dataclass(frozen=True)
@@ -230,11 +250,102 @@ class Bus:
     async def runs(self) -> list[str]:
         """The runs whose streams this server holds, sorted; empty when this client's
         identity may not list them (a run's identities see their own run only)."""
+        return [s.run for s in await self.run_streams()]
+
+    async def run_streams(self) -> list[StreamState]:
+        """Every run's stream on this server, by run; empty when this client's identity
+        may not list them."""
         try:
-            names = [info.config.name or "" for info in await self.js.streams_info()]
+            infos = await self.js.streams_info()
         except (nats.errors.TimeoutError, nats.js.errors.APIError):
             return []
-        return sorted(r for n in names if (r := run_of_stream(n)) is not None)
+        found = [(run, info) for info in infos
+                 if (run := run_of_stream(info.config.name or "")) is not None]  # fmt: skip
+        return sorted((_state(run, info) for run, info in found), key=lambda s: s.run)
+
+    async def stream_state(self) -> StreamState | None:
+        """The run's stream as the server holds it; None when it has none."""
+        try:
+            info = await self.api(lambda: self.js.stream_info(self.stream), "stream info")
+        except nats.js.errors.NotFoundError:
+            return None
+        return _state(self.run, info)
+
+    async def last_seq(self) -> int:
+        """The last sequence stored in the run's stream (0: none yet, or no stream)."""
+        state = await self.stream_state()
+        return 0 if state is None else state.last_seq
+
+    async def stored(self, seq: int) -> RawStreamMsg | None:
+        """The message stored at ``seq`` in the run's stream; None when there is none."""
+        try:
+            return await self.js.get_msg(self.stream, seq)
+        except nats.js.errors.NotFoundError:
+            return None
+
+    async def consumer_backlog(self, durable: str) -> tuple[int, int] | None:
+        """(waiting, in flight) on the run's durable consumer ``durable``: its pending
+        and unacknowledged counts; None when it does not exist."""
+        try:
+            info = await self.js.consumer_info(self.stream, durable)
+        except nats.js.errors.NotFoundError:
+            return None
+        return int(info.num_pending or 0), int(info.num_ack_pending or 0)
+
+    def bodies(self, bucket: str | None = None) -> BodyStore:
+        """The object store ``bucket`` (default: the run's own), for offloaded bodies
+        and weights."""
+        return self.objects if bucket in (None, self.objects.bucket) else BodyStore(self.js, bucket)
+
+    async def has_objects(self) -> bool:
+        """Whether the run's object store exists (asking never creates it)."""
+        try:
+            await self.js.object_store(self.objects.bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return False
+        return True
+
+    async def live_roles(self) -> list[RoleHeartbeat]:
+        """Every role instance of the run in the registry (alive, stale or stopped)."""
+        return await list_roles(self.js, self.run)
+
+    def heartbeat(
+        self, role: str, instance: str, interval_s: float, *, consumer: str | None = None,
+        probe: Callable[[], Awaitable[dict[str, object]]] | None = None,
+    ) -> Heartbeat:  # fmt: skip
+        """A heartbeat of ``role``/``instance`` in the run's registry (``start`` it)."""
+        return Heartbeat(self.js, self.run, role, instance, interval_s, consumer=consumer,
+                         probe=probe)  # fmt: skip
+
+    async def delete_run(self) -> None:
+        """Delete what the server holds of the run: its stream, objects and registry."""
+        for delete in (
+            lambda: self.js.delete_stream(self.stream),
+            lambda: self.js.delete_object_store(self.objects.bucket),
+            lambda: self.js.delete_key_value(roles_bucket_name(self.run)),
+        ):
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await delete()
+
+    async def serve(
+        self, subject: str, queue: str, request_types: Iterable[type],
+        handler: Callable[[Any], Awaitable[msgspec.Struct]],
+        on_bad_request: Callable[[bytes, Exception], msgspec.Struct] | None = None,
+    ) -> Served:  # fmt: skip
+        """Answer requests on ``subject`` in queue group ``queue`` (``bus.rpc.serve``)
+        until the returned handle's ``stop``."""
+        sub = await rpc.serve(self.nc, subject, queue, request_types, handler, on_bad_request)
+        return Served(sub)
+
+    async def request(
+        self, subject: str, req: msgspec.Struct, reply_types: Iterable[type], timeout_s: float
+    ) -> Any:
+        """One request's decoded reply (``bus.rpc.request``)."""
+        return await rpc.request(self.nc, subject, req, reply_types, timeout_s)
+
+    async def flush(self, timeout_s: float = 2.0) -> None:
+        """Wait until the server has everything sent so far (a subscription, replies)."""
+        await self.nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # a float works
 
     async def ensure_stream(self) -> None:
         """Create the run's stream if missing (idempotent; never changes an existing one)."""
@@ -420,7 +531,7 @@ class Bus:
         data: bytes = msg.data or b""
         if (msg.headers or {}).get(codec.H_BODY) == "ref":
             ref = codec.decode_ref(data)
-            data = await BodyStore(self.js, ref.bucket).get(ref.name, ref.digest)
+            data = await self.bodies(ref.bucket).get(ref.name, ref.digest)
         return data
 
     async def decode_msg(self, msg: Msg | RawStreamMsg, types: Iterable[type]) -> Any:
@@ -445,6 +556,24 @@ class Bus:
             nats.errors.ConnectionReconnectingError,
         ):
             await self.nc.close()
+
+
+class Served:
+    """Requests being answered (``Bus.serve``)."""
+
+    def __init__(self, sub: Any) -> None:
+        self._sub = sub
+
+    async def stop(self) -> None:
+        """Take no more requests (those in progress still get their reply)."""
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+
+def _state(run: str, info: Any) -> StreamState:
+    state = info.state
+    return StreamState(run, info.config.name or "", int(state.messages), int(state.bytes),
+                       int(state.last_seq))  # fmt: skip
 
 
 _BODY_PREFIX = "body."  # offloaded bodies: body.<event id>.<content digest prefix>

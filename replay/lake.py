@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats.js.errors
 import numpy as np
 import polars as pl
 import pyarrow as pa
@@ -284,10 +283,10 @@ def synced_seq(lake: Path) -> int:
 
 async def stream_last_seq(bus: Bus) -> int:
     """The last sequence stored in the run's stream; ``LookupError`` if it has none."""
-    try:
-        return int((await bus.js.stream_info(bus.stream)).state.last_seq)
-    except nats.js.errors.NotFoundError:
-        raise LookupError(f"run {bus.run!r} has no stream ({bus.stream}) on this server") from None
+    state = await bus.stream_state()
+    if state is None:
+        raise LookupError(f"run {bus.run!r} has no stream ({bus.stream}) on this server")
+    return state.last_seq
 
 
 async def sync_if_behind(

@@ -41,14 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats.errors
-import nats.js.errors
-from nats.aio.msg import Msg
 
 from bus import codec
-from bus.errors import BusError, DecodeError
-from bus.offload import BodyStore, sha256_digest
-from bus.reader import LogReader, Progress, read_log
+from bus.errors import STORE_ERRORS, BusError, DecodeError
+from bus.offload import sha256_digest
+from bus.reader import LogReader, Progress, StoredMsg, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, objects_bucket, stream_subjects, topic_of_subject
 from configs.paths import RunPaths
@@ -83,7 +80,7 @@ def _sha(data: bytes) -> str:
 # -- export -----------------------------------------------------------------------------
 
 
-def log_record(msg: Msg) -> LogRecord:
+def log_record(msg: StoredMsg) -> LogRecord:
     """One stored message as the archive keeps it."""
     meta = msg.metadata
     stamp = meta.timestamp.timestamp() if meta.timestamp else 0.0
@@ -93,9 +90,7 @@ def log_record(msg: Msg) -> LogRecord:
 
 async def object_names(bus: Bus, leave_out: frozenset[str] = frozenset()) -> list[str]:
     """The (not deleted) objects of the run's object store but ``leave_out``, sorted."""
-    try:
-        await bus.js.object_store(objects_bucket(bus.run))  # never create it by exporting
-    except nats.js.errors.BucketNotFoundError:
+    if not await bus.has_objects():  # never create it by exporting
         return []
     return [name for name in await bus.objects.names() if name not in leave_out]
 
@@ -314,14 +309,9 @@ async def import_run(
 
     ``on_progress(done, total)`` counts the objects stored and messages published."""
     old = manifest["run"]
-    try:
-        info = await bus.js.stream_info(bus.stream)
-        if info.state.messages:
-            raise PortableError(
-                f"run {bus.run!r} already exists with {info.state.messages} messages"
-            )
-    except nats.js.errors.NotFoundError:
-        pass
+    state = await bus.stream_state()
+    if state is not None and state.messages:
+        raise PortableError(f"run {bus.run!r} already exists with {state.messages} messages")
     await bus.ensure_stream()
     records = [r for name in manifest["log"] for r in log_records(name, members[name])]
     total = len(manifest["objects"]) + len(records)
@@ -416,10 +406,8 @@ async def locate_model_dir(bus: Bus, started: RunStarted, cfg: Any, run_dir: Pat
         return found
     if ref is not None and ref.kind == "object":
         try:
-            data = await BodyStore(bus.js, ref.bucket or bus.objects.bucket).get(
-                ref.location, ref.digest
-            )
-        except (BusError, nats.js.errors.Error) as e:
+            data = await bus.bodies(ref.bucket).get(ref.location, ref.digest)
+        except STORE_ERRORS as e:
             looked.append(f"object {ref.location} ({e})")
         else:
             if await asyncio.to_thread(_restore_weights, target, cfg, run_dir, data):

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import nats.js.errors
 import polars as pl
 
 from bus.reader import stored_event
@@ -183,10 +182,8 @@ async def fetch(bus: Bus, wanted: Wanted) -> list[Event]:
 
     async def one(seq: int) -> Event:
         expected = wanted.event_ids.get(seq)
-        try:
-            event = await stored_event(bus, await bus.js.get_msg(bus.stream, seq))
-        except nats.js.errors.NotFoundError:
-            event = None
+        msg = await bus.stored(seq)
+        event = None if msg is None else await stored_event(bus, msg)
         if event is None or event.event_id != expected:
             got = "nothing" if event is None else repr(event.event_id)
             raise StaleLake(

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats.js.errors
 
 from bus.errors import Rejected
 from bus.offload import sha256_digest
@@ -356,11 +355,9 @@ async def publish_fork(
     """Record ``result`` as the new run ``bus.run``; returns the number of events.
 
     ``initial`` is the bytes of the initial weights (the fork's ``weights.v0``)."""
-    try:
-        if (await bus.js.stream_info(bus.stream)).state.messages:
-            raise ReplayError(f"run {bus.run!r} already exists: choose another --fork name")
-    except nats.js.errors.NotFoundError:
-        pass
+    state = await bus.stream_state()
+    if state is not None and state.messages:
+        raise ReplayError(f"run {bus.run!r} already exists: choose another --fork name")
     await bus.ensure_stream()
     kept = retention.kept(max(result.weights, default=0), result.config.trainer.keep_weights)
     refs = {

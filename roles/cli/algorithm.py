@@ -142,7 +142,7 @@ async def _publish_attach(ctx, wid, name, options, envs, shadow, from_start) -> 
         if problems:
             raise typer.BadParameter("; ".join(problems))
         # Not from the start: from the next stored event on (the attach event itself).
-        from_seq = 1 if from_start else (await bus.js.stream_info(bus.stream)).state.last_seq + 1
+        from_seq = 1 if from_start else await bus.last_seq() + 1
         event = AlgorithmAttached(
             run=ctx.run, algorithm=wid, name=name, options=options, envs=env_keys,
             shadow=shadow, from_seq=from_seq,

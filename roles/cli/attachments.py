@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import nats.js.errors
-
 from bus.reader import read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
@@ -61,11 +59,8 @@ def routing(
 
 
 async def consumer_lag(bus: Bus, algorithm_id: str) -> int | None:
-    try:
-        info = await bus.js.consumer_info(bus.stream, durable_name("algorithm", algorithm_id))
-    except nats.js.errors.NotFoundError:
-        return None
-    return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+    backlog = await bus.consumer_backlog(durable_name("algorithm", algorithm_id))
+    return None if backlog is None else sum(backlog)
 
 
 async def algorithm_table(bus: Bus, cfg: RunConfig) -> list[AlgorithmRow]:

@@ -119,7 +119,7 @@ def status(
     async def main(url: str) -> None:
         import time
 
-        from bus.registry import is_alive, list_roles
+        from bus.registry import is_alive
         from bus.runtime import Bus
         from roles.runtime.context import read_run_started
 
@@ -127,8 +127,8 @@ def status(
         try:
             if run is None:
                 table = Table("stream", "messages", "bytes")
-                async for info in _streams(bus):
-                    table.add_row(info.config.name, str(info.state.messages), str(info.state.bytes))
+                for s in await bus.run_streams():
+                    table.add_row(s.stream, str(s.messages), str(s.bytes))
                 Console().print(table)
                 return
             from configs import load_config, resolve
@@ -141,7 +141,7 @@ def status(
                 "role", "instance", "state", "last seen", "policy", "lag", "consumer", "host:pid"
             )
             now = time.time_ns()
-            beats = await list_roles(bus.js, run)
+            beats = await bus.live_roles()
             for hb in beats:
                 state = (
                     "alive"
@@ -178,14 +178,6 @@ def status(
 
     with server_for(run, nats_url, existing=True) as url:
         run_async(main(url))
-
-
-async def _streams(bus):  # type: ignore[no-untyped-def]
-    from bus.subjects import run_of_stream
-
-    for info in await bus.js.streams_info():
-        if run_of_stream(info.config.name or "") is not None:
-            yield info
 
 
 def events(

@@ -109,7 +109,6 @@ async def _endpoint(bus: Any, paths: Any, roles: list[Any], timeout_s: float) ->
     """The gateway's base URL once ``GET /v1/models`` lists ``policy`` (the gateway
     answers with the run's key, the heartbeat says where it bound, the inference replica
     is live), or None (said why) when a role died or time ran out."""
-    from bus.registry import list_roles
     from roles.gateway.role import run_api_key
 
     deadline = time.monotonic() + timeout_s
@@ -120,7 +119,7 @@ async def _endpoint(bus: Any, paths: Any, roles: list[Any], timeout_s: float) ->
                 f"serve: {dead[0]} exited while starting; see {paths.log(dead[0])}", err=True
             )
             return None
-        beats = [hb for hb in await list_roles(bus.js, bus.run) if hb.role == "gateway"]
+        beats = [hb for hb in await bus.live_roles() if hb.role == "gateway"]
         base = next((hb.info.get("base_url") for hb in beats if hb.info.get("base_url")), None)
         if base:
             waiting = f"{base}/models to list policy (its inference replica to start)"

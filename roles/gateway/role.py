@@ -269,11 +269,11 @@ class Gateway(Role):
     async def _live_models(self) -> set[str]:
         """The run's models with a live server in the role registry (asked at most every
         heartbeat interval)."""
-        from bus.registry import is_alive, list_roles
+        from bus.registry import is_alive
 
         now = time.monotonic()
         if now - self._live_at > self.heartbeat_interval_s:
-            beats = await list_roles(self.bus.js, self.run)
+            beats = await self.bus.live_roles()
             alive = [hb.instance for hb in beats
                      if hb.role in ("inference", "teacher") and is_alive(hb, self.heartbeat_interval_s)]  # fmt: skip
             self._live = {m for m in self.models

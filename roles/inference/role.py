@@ -20,7 +20,7 @@ shared filesystem, ``"shm"`` under /dev/shm on the trainer's host),
 the digest is verified, every tensor is checked finite, and the swap happens between two
 decode steps once the rows in flight have finished. Announcements that pile up while a load runs collapse to the newest. A fetch
 that fails for a transient reason (a timeout, a lost connection:
-``TRANSIENT_FETCH_ERRORS``) is retried a few times with backoff (``weights.fetch_retry``),
+``bus.errors.TRANSIENT_ERRORS``) is retried a few times with backoff (``weights.fetch_retry``),
 so one slow read does not leave a replica on old weights, the last version's included.
 A bad announcement (wrong digest, missing object, other shape) is logged as
 ``weights.rejected``, weights holding a NaN or an inf as ``weights.refused`` (version
@@ -51,13 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from nats.aio.subscription import Subscription as NatsSubscription
 
-from bus import rpc
 from bus.consumer import Delivery
 from bus.follower import Follow
 from bus.log import get_logger
-from bus.runtime import Bus
+from bus.runtime import Bus, Served
 from bus.subjects import Topic, infer_queue, infer_replica_subject, infer_subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend, WeightsNotFinite, throughput
@@ -187,8 +185,8 @@ class InferenceRole(Role):
         self.weights_lag_s: float | None = None  # published -> serving, of the last swap
         self.weights_rejected = 0
         self.last_weights_error: str | None = None
-        self._rpc: NatsSubscription | None = None
-        self._rpc_own: NatsSubscription | None = None
+        self._rpc: Served | None = None
+        self._rpc_own: Served | None = None
         self._pending: dict[int, WeightsPublished] = {}  # announced, newer than serving
         self._weights_arrived = asyncio.Event()
         self._rejected: set[str] = set()  # event ids already refused: not retried
@@ -210,8 +208,7 @@ class InferenceRole(Role):
             if latest is not None:
                 await self._apply_weights(latest)
         model = self.served.subject_model
-        self._rpc = await rpc.serve(
-            self.bus.nc,
+        self._rpc = await self.bus.serve(
             infer_subject(self.run, model),
             infer_queue(model),
             [GenerateRequest, ScoreRequest],
@@ -219,15 +216,14 @@ class InferenceRole(Role):
             on_bad_request=self._bad_request,
         )
         # Its own subject too: a conversation the gateway keeps here (X-Session-ID).
-        self._rpc_own = await rpc.serve(
-            self.bus.nc,
+        self._rpc_own = await self.bus.serve(
             infer_replica_subject(self.run, model, self.instance),
             self.instance,
             [GenerateRequest, ScoreRequest],
             self._answer,
             on_bad_request=self._bad_request,
         )
-        await self.bus.nc.flush()  # the server knows the subscription before we say ready
+        await self.bus.flush()  # the server knows the subscription before we say ready
         self.ready.set()
         self.log.info(
             "inference.serving",
@@ -262,13 +258,12 @@ class InferenceRole(Role):
     async def teardown(self) -> None:
         for sub in (self._rpc, self._rpc_own):
             if sub is not None:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+                await sub.stop()
         if self.backend is not None:
             await self.backend.close()  # answers what was queued
             await asyncio.sleep(0.05)  # let the answering tasks send their replies
             with contextlib.suppress(Exception):
-                await self.bus.nc.flush(timeout=2)
+                await self.bus.flush(timeout_s=2)
 
     async def status(self) -> dict[str, object]:
         if self.backend is None:

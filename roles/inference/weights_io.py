@@ -13,10 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-import nats.errors
-import nats.js.errors
-
-from bus.offload import BodyStore
+from bus.errors import TRANSIENT_ERRORS
 from bus.reader import last_event
 from bus.runtime import Bus
 from bus.subjects import Topic
@@ -39,9 +36,7 @@ FILE_KINDS = ("path", "shm")
 async def fetch_weights(bus: Bus, ref: ObjectRef) -> bytes:
     """The announced bytes (object store reads verify the digest on the way)."""
     if ref.kind == "object":
-        return await BodyStore(bus.js, ref.bucket or bus.objects.bucket).get(
-            ref.location, ref.digest
-        )
+        return await bus.bodies(ref.bucket).get(ref.location, ref.digest)
     if ref.kind in FILE_KINDS:
         return await asyncio.to_thread(Path(ref.location).read_bytes)
     raise ValueError(
@@ -50,21 +45,6 @@ async def fetch_weights(bus: Bus, ref: ObjectRef) -> bytes:
 
 
 T = TypeVar("T")
-
-# What a weights fetch may meet that says nothing about the weights: the server or the
-# connection was slow or away for a moment (``nats: timeout`` is a TimeoutError). Worth
-# another try; a digest mismatch, a missing object or a non-finite tensor is not.
-TRANSIENT_FETCH_ERRORS: tuple[type[Exception], ...] = (
-    TimeoutError,
-    ConnectionError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.NoServersError,
-    nats.errors.StaleConnectionError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.ServiceUnavailableError,
-    nats.js.errors.NoStreamResponseError,
-)
 
 
 async def _sleep(seconds: float) -> bool:
@@ -81,7 +61,8 @@ async def retry_transient(
     sleep: Callable[[float], Awaitable[bool]] = _sleep,
 ) -> T:
     """``call()``, tried up to ``attempts`` times while it fails with one of
-    ``TRANSIENT_FETCH_ERRORS``, waiting ``backoff_s`` and twice as long after each try.
+    ``bus.errors.TRANSIENT_ERRORS`` (a digest mismatch, a missing object or a non-finite
+    tensor is not transient), waiting ``backoff_s`` and twice as long after each try.
 
     ``on_retry(attempt, delay_s, error)`` is told before each wait; ``sleep(s)`` returning
     True (the role is stopping) gives up at once. Any other error, or the last transient
@@ -91,7 +72,7 @@ async def retry_transient(
     while True:
         try:
             return await call()
-        except TRANSIENT_FETCH_ERRORS as e:
+        except TRANSIENT_ERRORS as e:
             if attempt >= attempts:
                 raise
             delay = backoff_s * 2 ** (attempt - 1)
@@ -106,7 +87,7 @@ async def weights_gone(bus: Bus, ref: ObjectRef) -> bool:
     False when that cannot be told (the announcement is then treated as bad)."""
     try:
         if ref.kind == "object":
-            store = BodyStore(bus.js, ref.bucket or bus.objects.bucket)
+            store = bus.bodies(ref.bucket)
             return not await store.exists(ref.location)
         if ref.kind in FILE_KINDS:
             return not await asyncio.to_thread(Path(ref.location).exists)

@@ -20,7 +20,6 @@ from typing import Any
 
 import msgspec
 
-from bus import rpc
 from bus.errors import NoResponders, RequestTimeout
 from bus.runtime import Bus
 from bus.subjects import infer_replica_subject, infer_subject
@@ -115,7 +114,7 @@ class InferenceClient:
             attempt += 1
             wait_s = min(self.attempt_timeout_s, deadline - time.monotonic())
             try:
-                return await rpc.request(self.bus.nc, subject, req, reply_types, wait_s)
+                return await self.bus.request(subject, req, reply_types, wait_s)
             except RequestTimeout as e:  # NoResponders included
                 if subject != group:  # the replica is gone (or slow): any replica will do
                     subject = group

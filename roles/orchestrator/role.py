@@ -31,7 +31,7 @@ from bus.consumer import Delivery, Effects
 from bus.errors import Rejected
 from bus.follower import Follow
 from bus.offload import OBJECT_STORE_MAX_BYTES
-from bus.registry import is_alive, list_roles
+from bus.registry import is_alive
 from bus.subjects import Topic
 from configs import RunConfig
 from roles.orchestrator.policy import decide, trains_on, waits_for
@@ -245,7 +245,7 @@ class Orchestrator(Role):
     async def _silent_roles(self) -> list[str]:
         """Role instances of this run whose heartbeat stopped (crashed, SIGSTOPped, hung)."""
         try:
-            beats = await list_roles(self.bus.js, self.run)
+            beats = await self.bus.live_roles()
         except Exception as e:  # noqa: BLE001 - the report must not die with the registry
             return [f"role registry unreadable: {e!r}"]
         now = time.time_ns()

@@ -32,7 +32,6 @@ from typing import Any
 
 from bus.consumer import Consumer, Subscription
 from bus.follower import Follow, Follower
-from bus.registry import Heartbeat
 from bus.runtime import Bus
 from schemas import MetricsReported
 
@@ -107,10 +106,8 @@ class Role:
         """Run ``work`` (long setup: a catch-up, a model load) with the role's heartbeat
         going, so the registry does not show it stale meanwhile (``serve_role``'s own
         heartbeat starts after ``setup``)."""
-        hb = Heartbeat(
-            self.bus.js, self.run, self.role, self.instance, self.heartbeat_interval_s,
-            consumer=consumer, probe=self.status,
-        )  # fmt: skip
+        hb = self.bus.heartbeat(self.role, self.instance, self.heartbeat_interval_s,
+                                consumer=consumer, probe=self.status)  # fmt: skip
         hb.start()
         try:
             await work
@@ -135,8 +132,8 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
         Consumer(role.bus, s, role.role) for s in declared if isinstance(s, Subscription)
     ]
     role.followers = [Follower(role.bus, f, role.role) for f in declared if isinstance(f, Follow)]
-    heartbeat = Heartbeat(
-        role.bus.js, role.run, role.role, role.instance, role.heartbeat_interval_s,
+    heartbeat = role.bus.heartbeat(
+        role.role, role.instance, role.heartbeat_interval_s,
         consumer=",".join(c.sub.durable for c in role.consumers) or None, probe=role.status,
     )  # fmt: skip
     heartbeat.start()

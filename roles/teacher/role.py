@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bus import rpc
 from bus.subjects import infer_queue, infer_subject
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
@@ -40,15 +39,15 @@ class Teacher(Role):
         # The teacher speaks the policy's tokenizer: its tokens are what the policy trains on.
         self.tokenizer = load_tokenizer(self.ctx.model_dir())
         self.renderer = make_renderer(self.tokenizer, self.ctx.cfg.model.renderer)
-        self.sub = await rpc.serve(
-            self.bus.nc, infer_subject(self.run, self.model), infer_queue(self.model),
+        self.sub = await self.bus.serve(
+            infer_subject(self.run, self.model), infer_queue(self.model),
             [GenerateRequest, ScoreRequest], self.answer,
             on_bad_request=lambda data, e: InferenceFailed(request_id="", kind="bad_request", message=str(e)),
         )  # fmt: skip
         self.log.info("teacher.serving", model=self.model)
 
     async def teardown(self) -> None:
-        await self.sub.unsubscribe()
+        await self.sub.stop()
 
     async def status(self) -> dict[str, object]:
         return {"policy_version": 0, "info": {"answered": str(self.answered)}}

@@ -63,10 +63,8 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import nats.errors
-
 from bus.consumer import Delivery, Effects, Subscription, commit
-from bus.errors import BusError, HandlerBroken, Rejected
+from bus.errors import STORE_ERRORS, HandlerBroken, Rejected
 from bus.follower import Follow
 from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
@@ -90,8 +88,8 @@ from schemas import (
 
 # How long catch-up waits for the next message it knows is on the stream.
 _READ_TIMEOUT_S = 30.0
-# What a failed delete or rewrite raises (nats errors, a BodyError, a file system error).
-_STORE_ERRORS = (BusError, OSError, nats.errors.Error)
+# What a failed delete or rewrite raises (the store's errors, a file system error).
+_STORE_ERRORS = (*STORE_ERRORS, OSError)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from bus.registry import is_alive, list_roles
+from bus.registry import is_alive
 from bus.subjects import durable_name
 from configs import POLICY, EnvConfig, EvalEnvConfig, RunConfig
 from roles.up.processes import RoleProcess
@@ -372,7 +372,7 @@ class PoolKeeper:
 
     async def _serving_pids(self) -> set[int]:
         """Pids of role processes beating in the registry: started and serving."""
-        beats = await list_roles(self.bus.js, self.bus.run)
+        beats = await self.bus.live_roles()
         return {hb.pid for hb in beats if hb.status == "running"}
 
     async def _load(self, pool: Pool) -> Load | None:
@@ -409,10 +409,9 @@ async def consumer_backlog(bus: Bus, durable: str) -> tuple[int, int] | None:
     ``num_pending`` and ``num_ack_pending``; None when it does not exist (yet) or the
     server does not answer."""
     try:
-        info = await bus.js.consumer_info(bus.stream, durable)
-    except Exception:  # noqa: BLE001 - not created yet (no replica started), or no server
+        return await bus.consumer_backlog(durable)
+    except Exception:  # noqa: BLE001 - no server answering: unknown, as a missing one
         return None
-    return int(info.num_pending or 0), int(info.num_ack_pending or 0)
 
 
 async def env_backlogs(bus: Bus, cfg: RunConfig) -> dict[str, tuple[int, int]]:

@@ -242,12 +242,12 @@ async def missing_roles(
     heartbeat in the registry (and, on this host, its process still exists: a killed
     ``rlbus eval``'s roles leave fresh beats for a few seconds, and a ``--resume`` right
     after it must start its own)."""
-    from bus.registry import is_alive, list_roles
+    from bus.registry import is_alive
     from bus.subjects import durable_name
 
     beats = [
         hb
-        for hb in await list_roles(bus.js, bus.run)
+        for hb in await bus.live_roles()
         if is_alive(hb, cfg.bus.heartbeat_interval_s) and not _gone(hb)
     ]
     out: list[tuple[str, list[str]]] = []
@@ -383,7 +383,7 @@ async def run_rollouts(
     result = RolloutResult(policy_version=await newest_version(bus))
     requests = [msgspec.structs.replace(r, policy_version=result.policy_version) for r in requests]
     # Follow the results from just after the log's end before asking: none is missed.
-    from_seq = (await bus.js.stream_info(bus.stream)).state.last_seq + 1
+    from_seq = await bus.last_seq() + 1
     earlier: list[Any] = []
     try:
         if journal is not None:

@@ -148,20 +148,10 @@ async def stream_exists(url: str, run: str) -> bool:
 async def delete_stream(url: str, run: str) -> None:
     """Delete the run's stream, object store and role registry on the server at ``url``
     (``--fresh``)."""
-    import contextlib
-
-    import nats.js.errors
-
     from bus.runtime import Bus
-    from bus.subjects import roles_bucket_name
 
     bus = await Bus.connect(url, run=run, producer="launcher")
     try:
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await bus.js.delete_stream(bus.stream)
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await bus.js.delete_object_store(bus.objects.bucket)
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await bus.js.delete_key_value(roles_bucket_name(run))
+        await bus.delete_run()
     finally:
         await bus.close()

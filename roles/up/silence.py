@@ -16,7 +16,6 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bus.registry import list_roles
 from bus.runtime import Bus
 from roles.up.processes import RoleProcess
 
@@ -65,7 +64,7 @@ class SilenceWatch:
 
     async def check(self) -> None:
         try:
-            beats = await list_roles(self.bus.js, self.bus.run)
+            beats = await self.bus.live_roles()
         except Exception:  # noqa: BLE001 - the server may be down; the next check sees
             return
         last_seen: dict[str, float] = {}

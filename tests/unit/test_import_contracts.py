@@ -82,6 +82,13 @@ def test_the_repository_keeps_every_import_contract() -> None:
             "configs imports nothing heavy",
             "configs.models -> torch",
         ),
+        # the NATS client outside bus
+        (
+            "roles/orchestrator/state.py",
+            "import nats.errors",
+            "Only bus imports the NATS client",
+            "roles.orchestrator.state -> nats",
+        ),
         # a library reaching up into a role
         (
             "roles/lib/plugins.py",
@@ -108,3 +115,33 @@ def test_a_forbidden_import_breaks_its_contract(
     broken = report.split("Broken contracts", 1)[-1]
     assert contract in broken, report
     assert chain in broken, report
+
+
+def reach_ins(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each ``<x>.bus.js``/``.nc`` or ``bus.js``/``.nc`` in ``source``:
+    code reaching through a Bus into the NATS client."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ("js", "nc"):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            if name == "bus":
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_module_outside_bus_reaches_into_the_nats_client() -> None:
+    """Imports are the contract's; attribute access is this test's: a ``Bus``'s ``js``
+    and ``nc`` are the client, for ``bus`` alone (``Bus`` has a method for each need)."""
+    assert reach_ins("async def f(self, bus):\n    await bus.js.stream_info(s)\n"
+                     "    await self.bus.nc.flush()\n") == [
+        (2, "bus.js"), (3, "self.bus.nc")]  # fmt: skip
+    offenders = {
+        str(path.relative_to(REPO)): hits
+        for package in ("schemas", "configs", "roles", "replay")
+        for path in sorted((REPO / package).rglob("*.py"))
+        if (hits := reach_ins(path.read_text()))
+    }
+    assert offenders == {}
