@@ -1,7 +1,9 @@
 """Request/reply over core NATS with queue groups (inference traffic; not stored).
 
 ``serve`` answers requests on a subject in a queue group, so replicas share the load;
-each request is handled in its own task, so a handler may batch concurrent requests.
+each request is handled in its own task, so a handler may batch concurrent requests. A
+role declares what it answers as a ``Serve`` beside its other inputs; the runtime
+(``roles.runtime.role``) serves it while the role runs.
 ``request`` sends one and decodes the reply, raising ``RequestTimeout`` when nobody
 answers in time.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,6 +26,21 @@ from bus.errors import DecodeError, NoResponders, RequestTimeout
 from bus.log import get_logger
 
 log = get_logger()
+
+Handler = Callable[[Any], Awaitable[msgspec.Struct]]
+
+
+@dataclass(frozen=True)
+class Serve:
+    """Requests a role answers, declared next to its handler: on ``subject`` in queue
+    group ``queue``, decoded as one of ``request_types``; ``on_bad_request`` builds the
+    reply to one that does not decode (none: no reply, the caller times out)."""
+
+    subject: str
+    queue: str
+    request_types: tuple[type, ...]
+    handler: Handler
+    on_bad_request: Callable[[bytes, Exception], msgspec.Struct] | None = None
 
 
 async def serve(

@@ -327,14 +327,12 @@ class Bus:
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await delete()
 
-    async def serve(
-        self, subject: str, queue: str, request_types: Iterable[type],
-        handler: Callable[[Any], Awaitable[msgspec.Struct]],
-        on_bad_request: Callable[[bytes, Exception], msgspec.Struct] | None = None,
-    ) -> Served:  # fmt: skip
-        """Answer requests on ``subject`` in queue group ``queue`` (``bus.rpc.serve``)
-        until the returned handle's ``stop``."""
-        sub = await rpc.serve(self.nc, subject, queue, request_types, handler, on_bad_request)
+    async def serve(self, declared: rpc.Serve) -> Served:
+        """Answer the requests ``declared`` names (``bus.rpc.serve``) until the returned
+        handle's ``stop``."""
+        d = declared
+        sub = await rpc.serve(self.nc, d.subject, d.queue, d.request_types, d.handler,
+                              d.on_bad_request)  # fmt: skip
         return Served(sub)
 
     async def request(

@@ -55,7 +55,8 @@ import msgspec
 from bus.consumer import Delivery
 from bus.follower import Follow
 from bus.log import get_logger
-from bus.runtime import Bus, Served
+from bus.rpc import Serve
+from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_replica_subject, infer_subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend, WeightsNotFinite, throughput
@@ -180,13 +181,10 @@ class InferenceRole(Role):
         self._prev_t = time.perf_counter()
         self.log = get_logger(run=bus.run, role=self.role, instance=instance, model=model)
         self.backend: Backend | None = None
-        self.ready = asyncio.Event()  # set once the model is loaded and requests are served
         self.weights_loaded = 0
         self.weights_lag_s: float | None = None  # published -> serving, of the last swap
         self.weights_rejected = 0
         self.last_weights_error: str | None = None
-        self._rpc: Served | None = None
-        self._rpc_own: Served | None = None
         self._pending: dict[int, WeightsPublished] = {}  # announced, newer than serving
         self._weights_arrived = asyncio.Event()
         self._rejected: set[str] = set()  # event ids already refused: not retried
@@ -207,26 +205,8 @@ class InferenceRole(Role):
             latest = await self._newest_after(-1)  # an unreadable newest: the initial ones
             if latest is not None:
                 await self._apply_weights(latest)
-        model = self.served.subject_model
-        self._rpc = await self.bus.serve(
-            infer_subject(self.run, model),
-            infer_queue(model),
-            [GenerateRequest, ScoreRequest],
-            self._answer,
-            on_bad_request=self._bad_request,
-        )
-        # Its own subject too: a conversation the gateway keeps here (X-Session-ID).
-        self._rpc_own = await self.bus.serve(
-            infer_replica_subject(self.run, model, self.instance),
-            self.instance,
-            [GenerateRequest, ScoreRequest],
-            self._answer,
-            on_bad_request=self._bad_request,
-        )
-        await self.bus.flush()  # the server knows the subscription before we say ready
-        self.ready.set()
         self.log.info(
-            "inference.serving",
+            "inference.loaded",
             path=path,
             backend=self.backend.name,
             policy_version=self.backend.policy_version,
@@ -241,12 +221,21 @@ class InferenceRole(Role):
                 hint="raise inference.kv_cache_gb or lower inference.max_model_len",
             )
 
-    def subscriptions(self) -> list[Follow]:  # type: ignore[override]
-        if not self.served.follows_weights:
-            return []
-        # From the newest announcement on; a bad one must not stop following.
-        weights = [(Topic.WEIGHTS_PUBLISHED, None)]
-        return [Follow("weights", weights, self.on_weights, start="last", on_undecodable="skip")]
+    def subscriptions(self) -> list[Follow | Serve]:  # type: ignore[override]
+        model, kinds = self.served.subject_model, (GenerateRequest, ScoreRequest)
+        inputs: list[Follow | Serve] = [
+            Serve(infer_subject(self.run, model), infer_queue(model), kinds, self._answer,
+                  self._bad_request),
+            # Its own subject too: a conversation the gateway keeps here (X-Session-ID).
+            Serve(infer_replica_subject(self.run, model, self.instance), self.instance, kinds,
+                  self._answer, self._bad_request),
+        ]  # fmt: skip
+        if self.served.follows_weights:
+            # From the newest announcement on; a bad one must not stop following.
+            weights = [(Topic.WEIGHTS_PUBLISHED, None)]
+            inputs.append(Follow("weights", weights, self.on_weights, start="last",
+                                 on_undecodable="skip"))  # fmt: skip
+        return inputs
 
     def background(self) -> list[Any]:
         self._prev_t = time.perf_counter()  # throughput windows start once serving
@@ -256,9 +245,6 @@ class InferenceRole(Role):
         return tasks
 
     async def teardown(self) -> None:
-        for sub in (self._rpc, self._rpc_own):
-            if sub is not None:
-                await sub.stop()
         if self.backend is not None:
             await self.backend.close()  # answers what was queued
             await asyncio.sleep(0.05)  # let the answering tasks send their replies

@@ -1,8 +1,11 @@
 """The shared role lifecycle: connect, declare consumers, heartbeat, drain on SIGTERM.
 
 A role declares what it consumes next to the handler that consumes it: durable
-work-queue ``Subscription``s (``bus.consumer``) and ordered ``Follow``ers of the log
-(``bus.follower``). Its handlers return the events they cause (or ``Effects``: events
+work-queue ``Subscription``s (``bus.consumer``), ordered ``Follow``ers of the log
+(``bus.follower``) and the requests it answers (``Serve``, ``bus.rpc``: inference's and
+the teacher's generate requests). The runtime starts them once ``setup`` is done
+(``ready`` is set when all are live) and stops answering requests first when the role
+drains. Its handlers return the events they cause (or ``Effects``: events
 plus an after-publish hook); the runtime publishes them, then acks the input. Tests of
 a role's logic need no broker, and replay runs the roles' pure cores over the log.
 
@@ -32,7 +35,8 @@ from typing import Any
 
 from bus.consumer import Consumer, Subscription
 from bus.follower import Follow, Follower
-from bus.runtime import Bus
+from bus.rpc import Serve
+from bus.runtime import Bus, Served
 from schemas import MetricsReported
 
 
@@ -48,11 +52,13 @@ class Role:
         self.stop_event = asyncio.Event()
         self.consumers: list[Consumer] = []
         self.followers: list[Follower] = []
+        self.answering: list[Served] = []
+        self.ready = asyncio.Event()  # set once every declared input is live
 
     # -- what a role overrides ----------------------------------------------------------
 
-    def subscriptions(self) -> list[Subscription | Follow]:
-        """What the role consumes; called after ``setup``."""
+    def subscriptions(self) -> list[Subscription | Follow | Serve]:
+        """What the role consumes and answers; called after ``setup``."""
         return []
 
     async def setup(self) -> None:
@@ -132,11 +138,16 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
         Consumer(role.bus, s, role.role) for s in declared if isinstance(s, Subscription)
     ]
     role.followers = [Follower(role.bus, f, role.role) for f in declared if isinstance(f, Follow)]
+    serves = [s for s in declared if isinstance(s, Serve)]
+    role.answering = [await role.bus.serve(s) for s in serves]
+    if role.answering:
+        await role.bus.flush()  # the server knows the subscriptions before we say ready
     heartbeat = role.bus.heartbeat(
         role.role, role.instance, role.heartbeat_interval_s,
         consumer=",".join(c.sub.durable for c in role.consumers) or None, probe=role.status,
     )  # fmt: skip
     heartbeat.start()
+    role.ready.set()
     role.log.info("role.started")
     tasks = [asyncio.create_task(c.run(role.stop_event)) for c in role.consumers]
     tasks += [asyncio.create_task(f.run(role.stop_event)) for f in role.followers]
@@ -160,6 +171,8 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
                     raise exc
     finally:
         role.log.info("role.draining")
+        for served in role.answering:  # no new requests; those in progress are answered
+            await served.stop()
         role.stop_event.set()
         # Consumers drain on their own; background loops get a moment to notice the stop
         # event, then are cancelled so a loop that does not watch it cannot hang the exit.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from bus.rpc import Serve
 from bus.subjects import infer_queue, infer_subject
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
@@ -39,15 +40,14 @@ class Teacher(Role):
         # The teacher speaks the policy's tokenizer: its tokens are what the policy trains on.
         self.tokenizer = load_tokenizer(self.ctx.model_dir())
         self.renderer = make_renderer(self.tokenizer, self.ctx.cfg.model.renderer)
-        self.sub = await self.bus.serve(
-            infer_subject(self.run, self.model), infer_queue(self.model),
-            [GenerateRequest, ScoreRequest], self.answer,
-            on_bad_request=lambda data, e: InferenceFailed(request_id="", kind="bad_request", message=str(e)),
-        )  # fmt: skip
-        self.log.info("teacher.serving", model=self.model)
+        self.log.info("teacher.loaded", model=self.model)
 
-    async def teardown(self) -> None:
-        await self.sub.stop()
+    def subscriptions(self) -> list[Serve]:  # type: ignore[override]
+        def bad(data: bytes, e: Exception) -> InferenceFailed:
+            return InferenceFailed(request_id="", kind="bad_request", message=str(e))
+
+        return [Serve(infer_subject(self.run, self.model), infer_queue(self.model),
+                      (GenerateRequest, ScoreRequest), self.answer, bad)]  # fmt: skip
 
     async def status(self) -> dict[str, object]:
         return {"policy_version": 0, "info": {"answered": str(self.answered)}}
