@@ -165,13 +165,14 @@ class Consumer:
     async def ensure(self) -> None:
         """Create the durable consumer, or reuse it as it is (a restart resumes its position);
         with ``restart_at``, recreate it there."""
-        if self.sub.restart_at is not None:
+        js, stream = self.bus.js, self.bus.stream
+        if self.sub.restart_at is not None:  # asked again while the server is slow or away
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self.bus.js.delete_consumer(self.bus.stream, self.sub.durable)
-            await self.bus.js.add_consumer(self.bus.stream, self.config())
+                await self.bus.api(lambda: js.delete_consumer(stream, self.sub.durable),
+                                   "delete consumer")  # fmt: skip
+            await self.bus.api(lambda: js.add_consumer(stream, self.config()), "create consumer")
             self.log.info("consumer.positioned", start_seq=self.sub.restart_at)
             return
-        js, stream = self.bus.js, self.bus.stream
         try:
             await self.bus.api(lambda: js.consumer_info(stream, self.sub.durable), "consumer info")
         except nats.js.errors.NotFoundError:
