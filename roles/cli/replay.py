@@ -233,6 +233,8 @@ def rubric(
         console.print(line)
     for f in result.failures[:5]:
         console.print(f"  [red]rubric raised[/] {f}")
+    if len(result.failures) > 5:
+        console.print(f"  ... the rubric raised on {len(result.failures)} traces in all")
     if result.failures or not result.diff.ok:
         raise typer.Exit(1)
 
