@@ -278,8 +278,13 @@ class Decider:
                 "or the group size, or warm-start the policy"
             )
         elif s.trainer_version >= self.cfg.max_steps:
+            # The final eval reported, and every earlier round too: an older round can be
+            # answered after a newer one (inference loading late, its env server slower).
             final = s.eval_rounds.get(self.cfg.max_steps)
-            if not self.cfg.evaluates(self.cfg.max_steps) or (final is not None and final.reported):
+            evaluated = not self.cfg.evaluates(self.cfg.max_steps) or (
+                final is not None and final.reported
+            )
+            if evaluated and all(r.reported for r in s.eval_rounds.values() if r.expected):
                 reason, detail = "max_steps", f"trained {self.cfg.max_steps} steps"
         if reason is None:
             return False

@@ -331,6 +331,28 @@ def test_eval_rounds_report_avg_and_pass_at_k_then_the_run_stops() -> None:
     assert stop.reason == "max_steps"
 
 
+def test_the_run_stops_only_when_every_eval_round_is_reported() -> None:
+    """The final round answered before the first (inference loaded late, the first
+    round's env server slower): the run goes on until the first is reported too, so
+    every round reaches the summary."""
+    cfg, state = make("orchestrator.eval.interval=1", "orchestrator.eval.num_tasks=1",
+                      "max_steps=1")  # fmt: skip
+    (first,) = [r for r in tasks(step(state, cfg, started(cfg))) if r.task.split == "eval"]
+    (final,) = [r for r in tasks(step(state, cfg, weights(1))) if r.task.split == "eval"]
+
+    def answer(r: TaskRequested, version: int) -> EvalCompleted:
+        return EvalCompleted(run="r", event_id=f"a{version}", request_id=r.event_id, env=r.env,
+                             step=version, task_index=0, rewards=[1.0])  # fmt: skip
+
+    out = step(state, cfg, answer(final, 1))
+    assert [e.step for e in out if isinstance(e, MetricsReported)] == [1]
+    assert not any(isinstance(e, RunStopped) for e in out)  # v0's round is still out
+    out = step(state, cfg, answer(first, 0))
+    assert [e.step for e in out if isinstance(e, MetricsReported)] == [0]
+    (stop,) = [e for e in out if isinstance(e, RunStopped)]
+    assert stop.reason == "max_steps"
+
+
 def test_eval_metrics_skip_pass_at_k_for_non_binary_rewards() -> None:
     results = [
         EvalCompleted(run="r", request_id="q", env="e", step=0, task_index=0, rewards=[0.5, 1.0])
