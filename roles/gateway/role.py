@@ -243,10 +243,7 @@ class Gateway(Role):
         stops = self._token_ids(sp.stop_token_ids, "sampling_params.stop_token_ids")
         [r] = await self._generate(model, rid, prompt, sampling, 1, sp.seed,
                                    stops or self.renderer.stop_token_ids, replica)  # fmt: skip
-        ids = i32(r.completion_ids).tolist()
-        return web.json_response(
-            tokens_response(rid, prompt, self._choice(r, self._text_reply(ids)))
-        )
+        return web.json_response(tokens_response(rid, prompt, r))
 
     def _token_ids(self, ids: list[int], param: str) -> list[int]:
         if any(not 0 <= t < len(self.tokenizer) for t in ids):

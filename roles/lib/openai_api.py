@@ -39,7 +39,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from roles.lib.model.render import Reply
-from schemas import InferenceFailed
+from schemas import GenerateResult, InferenceFailed
+from schemas.arrays import f32, i32
 
 
 class ApiError(Exception):
@@ -142,20 +143,21 @@ class TokensRequest(_NoStream):
     sampling_params: TokenSampling = Field(default_factory=TokenSampling)
 
 
-def tokens_response(request_id: str, prompt_ids: Sequence[int], choice: Choice) -> dict[str, Any]:
-    """The ``/inference/v1/generate`` body: the completion's ids, one logprob per id (its
-    ``token`` is ``token_id:<id>``, as vLLM writes it for this endpoint)."""
-    content = [{"token": f"token_id:{t}", "logprob": float(lp)}
-               for t, lp in zip(choice.completion_ids, choice.logprobs, strict=True)]  # fmt: skip
+def tokens_response(
+    request_id: str, prompt_ids: Sequence[int], result: GenerateResult
+) -> dict[str, Any]:
+    """The ``/inference/v1/generate`` body: the completion's ids as sampled, one logprob
+    per id (its ``token`` is ``token_id:<id>``, as vLLM writes it for this endpoint)."""
+    ids, lps = i32(result.completion_ids).tolist(), f32(result.logprobs).tolist()
+    content = [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip(ids, lps, strict=True)]
     return {
         "request_id": request_id,
         "prompt_token_ids": list(prompt_ids),
-        "choices": [{"index": 0, "token_ids": choice.completion_ids,
-                     "logprobs": {"content": content}, "finish_reason": choice.finish_reason,
-                     "policy_version": choice.policy_version}],
-        "usage": {"prompt_tokens": len(prompt_ids),
-                  "completion_tokens": len(choice.completion_ids),
-                  "total_tokens": len(prompt_ids) + len(choice.completion_ids)},
+        "choices": [{"index": 0, "token_ids": ids, "logprobs": {"content": content},
+                     "finish_reason": result.finish_reason,
+                     "policy_version": result.policy_version}],
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
+                  "total_tokens": len(prompt_ids) + len(ids)},
     }  # fmt: skip
 
 

@@ -136,6 +136,14 @@ async def test_a_verifiers_trace_claiming_unsampled_tokens_is_refused(qwen3: Any
         assert [e.kind for e in built.errors] == ["render_error"], built.errors
     good = episode_trace(ran, [call(prompt, ids)], "policy", 1.0)
     assert not good.errors and len(good.branches) == 1 and good.versions == [1]
+    # Two trainable agents in one episode: the env breaks rlbus' contract, a bug in env
+    # code (every episode would be refused), not an errored rollout to retry.
+    from types import SimpleNamespace
+
+    (agent,) = ran.traces
+    twice = SimpleNamespace(ok=True, errors=[], traces=[agent, agent])
+    bug = episode_trace(twice, [call(prompt, ids)], "policy", 1.0).bug
+    assert bug is not None and "2 trainable agents" in bug.message
 
 
 async def test_a_verifiers_style_load_environment_goes_through_the_bridge(qwen3: Any) -> None:

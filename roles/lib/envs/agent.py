@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,10 +197,7 @@ class RolloutEndpoint:
         stops = list(sp.stop_token_ids) or list(self.renderer.stop_token_ids)
         result = await self._generate(req.model, k, prompt, sampling, stops)
         self.token_calls.append(TokenCall(req.model, prompt, result))
-        ids = i32(result.completion_ids).tolist()
-        choice = Choice(ids, f32(result.logprobs).tolist(), result.finish_reason,
-                        Reply("", "", None, [], None), result.policy_version)  # fmt: skip
-        return tokens_response(f"{self.rollout_id}-{k}", prompt, choice)
+        return tokens_response(f"{self.rollout_id}-{k}", prompt, result)
 
     async def _chat(self, req: ChatRequest) -> dict[str, Any]:
         self._check_model(req.model)
@@ -339,7 +337,9 @@ class Loopback:
     random key; agent code reads it from the environment variable ``KEY_VAR``)."""
 
     KEY_VAR = "RLBUS_ROLLOUT_API_KEY"
-    _instances: dict[int, Loopback] = {}
+    _instances: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Loopback] = (
+        weakref.WeakKeyDictionary()
+    )
 
     def __init__(self) -> None:
         import os
@@ -351,7 +351,7 @@ class Loopback:
 
     @classmethod
     async def get(cls) -> Loopback:
-        loop = id(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
         if loop not in cls._instances:
             server = cls()
             await server._start()

@@ -38,11 +38,12 @@ trace, which is not kept): ``rlbus replay <run> rubric`` names such traces as fa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from roles.lib.envs.agent import AgentHarness, Loopback, RolloutEndpoint, TimedGenerate, TokenCall
 from roles.lib.envs.base import Environment, ListTaskset, Messages, Rubric, State
@@ -163,20 +164,23 @@ class VerifiersHarness(AgentHarness):
         super().__init__()
         self.venv, self.tasks, self.state_fields = venv, tasks, state_fields
         self._serving: contextlib.AsyncExitStack | None = None
+        self._starting = asyncio.Lock()  # the env server runs rollouts concurrently
 
     async def serving(self) -> None:
-        """verifiers' shared resources (tool servers), started once per process."""
-        if self._serving is None:
-            stack = contextlib.AsyncExitStack()
-            await stack.enter_async_context(self.venv.serving())
-            self._serving = stack
+        """verifiers' shared resources (tool servers), started once per process by the
+        first rollout (the others wait for it)."""
+        async with self._starting:
+            if self._serving is None:
+                _share_import_path()
+                stack = contextlib.AsyncExitStack()
+                await stack.enter_async_context(self.venv.serving())
+                self._serving = stack
 
     async def episode(self, task: dict[str, Any], model: str, base_url: str, renderer: Any) -> Any:
         """One verifiers episode of ``task`` against the endpoint at ``base_url``."""
         vf = _vf()
         from verifiers.v1.configs.client import TrainClientConfig
 
-        _share_import_path()
         await self.serving()
         client = TrainClientConfig(base_url=base_url, api_key_var=Loopback.KEY_VAR,
                                    renderer_model_name=renderer.tokenizer.name_or_path,
@@ -235,7 +239,7 @@ async def run_verifiers_rollout(
     timings["env_s"] = clock() - t_start - timings["generate_s"]
     built = episode_trace(episode, endpoint.token_calls, model, sampling.temperature)
     if built.bug is not None and not timed.failures:
-        raise EnvCodeError(name, built.bug.type, built.bug.message, built.bug.traceback or "")
+        raise EnvCodeError(name, *built.bug)
     errors = timed.failures[:1] or built.errors
     versions = built.versions
     timings["total_s"] = clock() - t_start
@@ -251,6 +255,14 @@ async def run_verifiers_rollout(
     )  # fmt: skip
 
 
+class Bug(NamedTuple):
+    """A bug in env code found in an episode (``EnvCodeError``'s fields)."""
+
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
 class Built:
     """An episode as rlbus records it (``episode_trace``)."""
 
@@ -263,7 +275,7 @@ class Built:
         self.rewards: dict[str, float] = {}
         self.metrics: dict[str, float] = {}
         self.truncated = False
-        self.bug: Any = None  # verifiers' Error when env code raised (``ENV_CODE_ERRORS``)
+        self.bug: Bug | None = None  # env code raised (``ENV_CODE_ERRORS``) or broke the contract
 
 
 def episode_trace(
@@ -281,21 +293,22 @@ def episode_trace(
         what = [e for t in episode.traces for e in t.errors] + list(episode.errors)
         first = what[0] if what else None
         if first is not None and first.type in ENV_CODE_ERRORS:
-            out.bug = first
+            out.bug = Bug(first.type, first.message, first.traceback or "")
         text = f"{first.type}: {first.message}" if first else "the episode did not finish"
         out.errors.append(TraceError(kind="harness_error", message=f"verifiers: {text}"[:2000]))
-    elif len(trainable) != 1:
-        out.errors.append(TraceError(kind="env_error", message=(
-            f"verifiers: the episode has {len(trainable)} trainable agents; rlbus trains one")))  # fmt: skip
+    elif len(trainable) != 1:  # the env breaks rlbus' contract: every episode would
+        text = f"the episode has {len(trainable)} trainable agents; rlbus trains one"
+        out.bug = Bug("ValueError", text)
+        out.errors.append(TraceError(kind="harness_error", message=f"verifiers: {text}"))
     for trace in episode.traces:
         base = len(out.messages)
         index = {id(node): base + k for k, node in enumerate(trace.nodes)}
         paths: dict[int, list[int]] = {}  # node -> token sequence up to and including it
         for k, node in enumerate(trace.nodes):
             before = [] if node.parent is None else paths[node.parent]
-            paths[k] = before + list(node.token_ids)
-            msg = node.message
             ids = list(node.token_ids)
+            paths[k] = before + ids
+            msg = node.message
             mask = [int(m) for m in node.mask] if node.mask else [0] * len(ids)
             logprobs = [0.0] * len(ids)
             fields: dict[str, Any] = {}
