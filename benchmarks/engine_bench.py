@@ -24,6 +24,13 @@ device (float32 on the CPU, bfloat16 on CUDA), on one machine in one run:
   ``top`` counts the calls the step's Python makes (each a dispatch through the op
   registry), ``all`` adds the ops those run inside ATen.
 
+Every engine measurement of every model runs before any HF reference (``generate``
+with a static cache compiles the model's forward with CUDA graphs of its own). Timed
+calls: the fastest of ``--repeats`` (3; one with ``--quick`` on the CPU, and for the
+Qwen3 shape's HF references). ``--compare-attention`` also times the engine with the
+decode attention it does not use by default (``sdpa`` / ``bmm``:
+``DecoderRunner._decode_attention``).
+
 Results: ``benchmarks/results/engine.json`` and ``engine.md`` (``--name`` changes the
 stem). Torch threads follow ``RLBUS_TORCH_THREADS`` (default 1, as the inference role).
 
@@ -43,6 +50,7 @@ import torch
 
 from benchmarks.common import RESULTS, save
 from roles.inference.engine import TorchEngine
+from roles.inference.model_runner import ATTENTION
 from roles.inference.torch_setup import configure_torch_threads
 from schemas import GenerateRequest, GenerateResult, SamplingParams
 from schemas.arrays import i32, pack_i32
@@ -259,7 +267,10 @@ def count_ops(engine: TorchEngine, vocab: int) -> dict[str, int]:
     return {"batch": n, "top": sum(1 for e in events if e.cpu_parent is None), "all": len(events)}
 
 
-def bench_model(name: str, args: argparse.Namespace, device: str) -> dict[str, Any]:
+def bench_engine_side(
+    name: str, args: argparse.Namespace, device: str
+) -> tuple[dict[str, Any], Any]:
+    """Everything measured on the engine for one model (and the model, for ``bench_hf_side``)."""
     p = plan(name, device, args.quick)
     t0 = time.perf_counter()
     model = build_model(name)
@@ -269,12 +280,17 @@ def bench_model(name: str, args: argparse.Namespace, device: str) -> dict[str, A
     vocab = int(model.config.vocab_size)
     params = sum(x.numel() for x in model.parameters())
     slots = max(max(p["batches"]), 256 if p["ops"] else 0, GROUP)
-    max_len = p["prompt"] + p["new"]
-    engine = TorchEngine(model, None, stop_token_ids=[], max_batch_size=slots,
-                         max_model_len=max(max_len, 68), cuda_graphs=not args.no_graphs)  # fmt: skip
+    max_len = max(p["prompt"] + p["new"], 68)
+
+    def make(attention: str | None = None) -> TorchEngine:
+        return TorchEngine(model, None, stop_token_ids=[], max_batch_size=slots, max_model_len=max_len,
+                           cuda_graphs=not args.no_graphs, attention=attention)  # fmt: skip
+
+    engine = make()
     out: dict[str, Any] = {"params": params, "dtype": str(dtype).removeprefix("torch."), **p,
-                           "kv_slots": engine.max_rows, "engine": {}, "hf_dynamic": {}, "hf_static": {}}  # fmt: skip
-    repeats = 1 if args.quick or device.startswith("cuda") else args.repeats
+                           "kv_slots": engine.max_rows, "attention": engine.runner.attention,
+                           "engine": {}, "hf_dynamic": {}, "hf_static": {}}  # fmt: skip
+    repeats = args.repeats if device.startswith("cuda") or not args.quick else 1
     for b in p["batches"]:
         out["engine"][b] = bench_engine(engine, vocab, p, b, device, repeats)
         log(name, f"engine      B={b:5d}", out["engine"][b])
@@ -282,6 +298,34 @@ def bench_model(name: str, args: argparse.Namespace, device: str) -> dict[str, A
     for b in [b for b in p["batches"] if b >= 64]:
         out["engine_groups"][b] = bench_engine(engine, vocab, p, b, device, repeats, group=8)
         log(name, f"engine, groups of 8, B={b:5d}", out["engine_groups"][b])
+    out["prefill"] = bench_prefill(engine, vocab, p, device, repeats)
+    log(name, "prefill", out["prefill"])
+    if p["ops"]:
+        out["ops_per_step"] = count_ops(engine, vocab)
+        log(name, "ops per step", out["ops_per_step"])
+    del engine
+    if args.compare_attention:  # the other decode attention, same calls
+        out["engine_by_attention"] = {}
+        for attention in [a for a in ATTENTION if a not in (out["attention"], "auto")]:
+            other, runs = make(attention), {}
+            for b in p["batches"]:
+                runs[b] = bench_engine(other, vocab, p, b, device, repeats)
+                log(name, f"engine ({attention}) B={b:5d}", runs[b])
+            out["engine_by_attention"][attention] = runs
+            del other
+    out["bench_s"] = round(time.perf_counter() - t0, 1)
+    return out, model
+
+
+def bench_hf_side(
+    name: str, model: Any, out: dict[str, Any], args: argparse.Namespace, device: str
+) -> None:
+    """transformers' ``generate`` on the same model (after every engine measurement: its
+    static cache compiles the forward, with CUDA graphs of its own), and the ratios."""
+    p = plan(name, device, args.quick)
+    t0 = time.perf_counter()
+    vocab = int(model.config.vocab_size)
+    repeats = 1 if args.quick or name == "qwen3" else args.repeats
     for kind, sizes in (("hf_dynamic", p["hf"]), ("hf_static", p["hf_static"])):
         for b in sizes:
             out[kind][b] = bench_hf(model, vocab, p, b, device, repeats, static=kind == "hf_static")
@@ -296,16 +340,7 @@ def bench_model(name: str, args: argparse.Namespace, device: str) -> dict[str, A
             ]
             if refs:
                 out[key][b] = round(e["tokens_per_s"] / max(refs), 2)
-    out["prefill"] = bench_prefill(engine, vocab, p, device, repeats)
-    log(name, "prefill", out["prefill"])
-    if p["ops"]:
-        out["ops_per_step"] = count_ops(engine, vocab)
-        log(name, "ops per step", out["ops_per_step"])
-    out["bench_s"] = round(time.perf_counter() - t0, 1)
-    del engine, model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return out
+    out["bench_s"] = round(out["bench_s"] + time.perf_counter() - t0, 1)
 
 
 def log(*a: Any) -> None:
@@ -348,6 +383,11 @@ def markdown(results: dict[str, Any]) -> str:
                 f"B={b}: {g['tokens_per_s']:,.0f} tok/s ({g['ms_per_step']:.2f} ms/step)"
                 + (f", {m['vs_hf_groups'][b]:.2f}x the best HF" if b in m.get("vs_hf_groups", {}) else "")
                 for b, g in groups.items()) + ".")  # fmt: skip
+        for attention, runs in (m.get("engine_by_attention") or {}).items():
+            lines.append("")
+            lines.append(f"The engine with `{attention}` decode attention (this run's engine: `{m['attention']}`): " + "; ".join(
+                f"B={b}: {r['tokens_per_s']:,.0f} tok/s ({r['ms_per_step']:.2f} ms/step)"
+                for b, r in runs.items()) + ".")  # fmt: skip
         pf = m["prefill"]
         lines += ["", f"Prefill of a group of {pf['group']} rollouts of one {pf['prompt_tokens']}-token prompt: "
                   f"{pf['shared']['ms']:.2f} ms with prefix sharing ({pf['shared']['prefilled_tokens']} tokens "
@@ -366,7 +406,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", default="default,gpu,qwen3")
     ap.add_argument("--quick", action="store_true", help="fewer sizes, one timed call each")
-    ap.add_argument("--repeats", type=int, default=2, help="timed calls per measurement (best)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (best)")
+    ap.add_argument("--compare-attention", action="store_true",
+                    help="also time the engine with the other decode attention")  # fmt: skip
     ap.add_argument("--no-graphs", action="store_true", help="CUDA: eager decode steps")
     ap.add_argument("--name", default="engine", help="results file stem")
     args = ap.parse_args()
@@ -380,8 +422,11 @@ def main() -> None:
     }
     if args.device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name()
-    for name in args.models.split(","):
-        results["models"][name] = bench_model(name, args, args.device)
+    models = {}
+    for name in args.models.split(","):  # the engine on every model first, then HF's
+        results["models"][name], models[name] = bench_engine_side(name, args, args.device)
+    for name, model in models.items():
+        bench_hf_side(name, model, results["models"][name], args, args.device)
     results["total_s"] = round(time.perf_counter() - t0, 1)
     ratios = [r for m in results["models"].values() for r in m["vs_hf"].values()]
     results["vs_hf_median"] = statistics.median(ratios) if ratios else None

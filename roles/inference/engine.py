@@ -93,6 +93,9 @@ Reply = GenerateResult | ScoreResult | InferenceFailed
 GPU_RESERVE = 0.10  # share of inference's GPU memory kept for activations and graphs
 PREFILL_TOKENS = 8192  # most (padded) tokens one prefill pass takes
 GRAPH_COLUMNS = 64  # CUDA graphs: length buckets are multiples of this (``bucket``)
+# The decode step's attention (``DecoderRunner._decode_attention``) on the CPU, on CUDA.
+# The CPU's is the same whatever the batch: a row's numbers must not depend on it.
+DEFAULT_ATTENTION = {False: "sdpa", True: "auto"}
 
 
 def bucket(n: int, smallest: int, largest: int) -> int:
@@ -165,6 +168,7 @@ class TorchEngine:
         cuda_graphs: bool = True,
         share_prefixes: bool = True,
         pipeline: bool | None = None,
+        attention: str | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -192,7 +196,11 @@ class TorchEngine:
         self.asked_rows = max_batch_size
         self.max_rows = plan_slots(max_batch_size, round_up(self.max_len), per_token, budget)
         self.n_slots = round_up(self.max_rows, ROW_BLOCK)
-        self.runner = DecoderRunner(model, slots=self.n_slots, max_len=self.max_len)
+        if attention is None:
+            attention = DEFAULT_ATTENTION[self.device.type == "cuda"]
+        self.runner = DecoderRunner(
+            model, slots=self.n_slots, max_len=self.max_len, attention=attention
+        )
         self.slots = SlotTable(self.max_rows, share_prefixes=share_prefixes)
         dev, n = self.device, self.n_slots
         # Per-slot sampling state on the device (written at admission, read by the step),
@@ -288,6 +296,7 @@ class TorchEngine:
                 self.runner.cache.numel() * self.runner.cache.element_size() / 2**30, 3
             ),
             "cuda_graphs": self.cuda_graphs,
+            "attention": self.runner.attention,
         }
 
     # -- weights ------------------------------------------------------------------------

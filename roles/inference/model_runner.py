@@ -25,12 +25,15 @@ the model (a weights swap) updates what the runner multiplies by, in place, at t
 addresses a captured graph reads. ``tests/unit/test_engine.py`` checks the logits
 against the model's own forward, for the tiny Llama and a Qwen3.
 
-The cache: per layer, keys then values of shape ``[slots, 2 kv_heads, S, head_dim]``,
-allocated once (``S``: ``max_len`` rounded up to ``COLUMN_BLOCK``): each (slot, head)
-holds its positions contiguously, so a step writes its tokens' keys and values with one
-``index_put_`` per layer (``kv_at[slot, pos]``) and attends over ``[b, kv_heads, span, head_dim]``
-strided views, with no copy. Grouped-query attention needs no repeated keys: one token
-per row, so the query heads sharing a KV head stand where the query length would.
+The cache: per layer, ``[slots, kv_heads, 2, S, head_dim]`` (each KV head's keys, then
+its values), allocated once (``S``: ``max_len`` rounded up to ``COLUMN_BLOCK``): each
+(slot, head) holds its positions contiguously, so a step writes its tokens' keys and
+values with one ``index_put_`` per layer (flat row indices computed once per step) and
+attends over ``[b, kv_heads, span, head_dim]`` strided views, with no copy; and a row's
+heads sit one stride apart, so those views also flatten to ``[b * kv_heads, span,
+head_dim]`` without a copy (the ``bmm`` attention). Grouped-query attention needs no
+repeated keys: one token per row, so the query heads sharing a KV head stand where the
+query length would.
 
 Batch invariance on the CPU: a row's numbers must not depend on the rows beside it, so
 every matrix product runs over a multiple of ``ROW_BLOCK`` rows and attention spans a
@@ -62,6 +65,14 @@ from roles.inference.capacity import (
     round_up,
 )
 
+# How a decode step attends (``DecoderRunner._decode_attention``): always one kernel, or
+# ``auto``: ``bmm`` from ``BMM_FROM_ROWS`` rows on, ``sdpa`` below. On one H200 (bf16, CUDA
+# graphs, `just bench-engine --device cuda --compare-attention`) ``sdpa`` was 5-25% faster
+# at 1 and 64 rows, ``bmm`` as fast at 256 rows of a 99 M Llama and 10% faster for a
+# Qwen3-0.6B shape (its cache reads dominate), 9-14% faster at 1024 rows.
+ATTENTION = ("sdpa", "bmm", "auto")
+BMM_FROM_ROWS = 256
+
 
 class UnsupportedModel(ValueError):
     """A model this runner cannot compute (names what it found and what would work)."""
@@ -81,8 +92,8 @@ class _Layer:
     wgu_t: torch.Tensor  # [hidden, 2 * intermediate]
     wd_t: torch.Tensor
     window: int | None  # sliding-window width, or None for full attention
-    kv: torch.Tensor  # [slots, 2 KV, S, D]: keys then values of each slot (a cache view)
-    kv_at: torch.Tensor  # the same as [slots, S, 2 KV, D]: kv_at[slot, pos] = [2 KV, D]
+    kv: torch.Tensor  # [slots, KV, 2, S, D]: each head's keys then values (a cache view)
+    rows: torch.Tensor  # the same as [slots * KV * 2 * S, D]: one row per (slot, head, k|v, pos)
 
 
 def _fuse(linears: Sequence[Any], name: str) -> torch.Tensor | None:
@@ -128,8 +139,11 @@ def check_supported(model: Any) -> None:
 class DecoderRunner:
     """A Llama-family decoder's forward over a preallocated slot KV cache (module docstring)."""
 
-    def __init__(self, model: Any, *, slots: int, max_len: int) -> None:
+    def __init__(self, model: Any, *, slots: int, max_len: int, attention: str = "sdpa") -> None:
         check_supported(model)
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+        self.attention = attention
         cfg, inner = model.config, model.model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -157,12 +171,17 @@ class DecoderRunner:
         sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(dev, dt)
         # [S, 1, D]: indexed by positions [N], they broadcast over heads as they are.
         self.cos, self.sin_signed = cos[0, :, None].to(dt), (sin[0] * sign)[:, None].to(dt)
-        # The cache: [layers, slots, 2 KV, S, D], keys (heads 0..KV-1) then values, zeros
-        # at first: each (slot, head) holds its positions contiguously (attention reads
-        # [b, KV, span, D] with no copy), and a token's keys and values are one write.
+        # The cache: [layers, slots, KV, 2, S, D], zeros at first: each (slot, head) holds
+        # its keys and its values contiguously by position (attention reads [b, KV, span,
+        # D] with no copy), and a token's keys and values are one write.
         n_layers = len(inner.layers)
-        shape = (n_layers, slots, 2 * self.n_kv, width, self.head_dim)
+        shape = (n_layers, slots, self.n_kv, 2, width, self.head_dim)
         self.cache = torch.zeros(shape, dtype=dt, device=dev)
+        # Row offsets, within a slot, of position 0 of each of a token's 2 KV cache rows,
+        # in the order ``_qkv`` returns them (keys of heads 0..KV-1, then their values).
+        order = [(j % self.n_kv) * 2 + j // self.n_kv for j in range(2 * self.n_kv)]
+        self.kv_offsets = torch.tensor(order, device=dev)[None, :] * width  # [1, 2 KV]
+        self.slot_rows = 2 * self.n_kv * width  # cache rows per slot
         # The step's inputs, one entry per slot (the engine writes them between steps).
         self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -198,7 +217,7 @@ class DecoderRunner:
                         wd_t=f.down_proj.weight.t(),
                         window=win if win is not None and win < max_len else None,
                         kv=self.cache[i],
-                        kv_at=self.cache[i].transpose(1, 2),
+                        rows=self.cache[i].view(-1, self.head_dim),
                     )
                 )
                 if a.o_proj.bias is not None or f.down_proj.bias is not None:
@@ -280,11 +299,8 @@ class DecoderRunner:
         """Each layer's keys and values of slots [0, b), columns [0, span), as [b, KV, span, D]."""
         views = self._views.get((b, span))
         if views is None:
-            kv = self.n_kv
             views = [
-                tuple(  # type: ignore[misc]
-                    layer.kv[:b, part, :span] for part in (slice(0, kv), slice(kv, 2 * kv))
-                )
+                tuple(layer.kv[:b, :, part, :span] for part in (0, 1))  # type: ignore[misc]
                 for layer in self.layers
             ]
             self._views[(b, span)] = views  # type: ignore[assignment]
@@ -308,17 +324,44 @@ class DecoderRunner:
                     masks[layer.window] = self._mask(pos_col, span, layer.window).view(
                         b, 1, 1, span
                     )
+        rows = self._cache_rows(slot, pos)
         for layer, (kc, vc) in zip(self.layers, self._cache_views(b, span), strict=True):
             q, keys_values = self._qkv(layer, self._rms(x, layer.ln1), cos, sin)
-            layer.kv_at[slot, pos] = keys_values
+            layer.rows.index_put_((rows,), keys_values)
             # Grouped-query attention without repeating keys: one token per row, so the
             # `group` query heads sharing a KV head take the place of the query length.
-            att = F.scaled_dot_product_attention(
-                q.view(b, kv, g, d), kc, vc, attn_mask=masks[layer.window]
-            )
+            att = self._decode_attention(q.view(b, kv, g, d), kc, vc, masks[layer.window])
             x = torch.addmm(x, att.reshape(b, h * d), layer.wo_t)
             x = self._mlp_into(layer, x)
         return torch.mm(self._rms(x, self.norm), self.lm_head_t)
+
+    def _cache_rows(self, slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rows of a layer's cache (``_Layer.rows``) that the keys and values of tokens at
+        (``slot``, ``pos``) [N] go to, in ``_qkv``'s order: [N, 2 KV] (one ``index_put_``
+        of the [N, 2 KV, D] keys and values, no reshape)."""
+        return (slot * self.slot_rows + pos)[:, None] + self.kv_offsets
+
+    def _decode_attention(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of one query per row and head: q [b, KV, G, D] over kc, vc [b, KV,
+        span, D] (cache views) with an additive mask [b, 1, 1, span]; out [b, KV, G, D].
+
+        ``sdpa``: torch's fused kernel (on the CPU its flash kernel). ``bmm``: two batched
+        products over the b * KV heads, softmax in float32 between them: the cache views
+        flatten to [b * KV, span, D] without a copy, and a decode step (a handful of
+        queries per head) is the shape batched products are made for. ``auto``: by the
+        batch (``ATTENTION``); a row's last bits may then move with the batch's size, as
+        they do on CUDA anyway (cuBLAS picks kernels by shape).
+        """
+        b, kv, g, d = q.shape
+        if self.attention == "sdpa" or (self.attention == "auto" and b < BMM_FROM_ROWS):
+            return F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+        span = kc.shape[2]
+        scores = torch.bmm(q.reshape(b * kv, g, d), kc.flatten(0, 1).transpose(1, 2))
+        probs = scores.view(b, kv, g, span).float().mul_(d**-0.5).add_(mask).softmax(dim=-1)
+        out = torch.bmm(probs.to(vc.dtype).view(b * kv, g, span), vc.flatten(0, 1))
+        return out.view(b, kv, g, d)
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -346,9 +389,10 @@ class DecoderRunner:
         pos_np = start_np[:, None] + np.minimum(col, np.maximum(len_np, 1)[:, None] - 1)
         ids, pos, slot = (torch.from_numpy(a).to(dev) for a in (ids_np, pos_np, slot_np))
         flat_real = torch.from_numpy(np.flatnonzero(col < len_np[:, None])).to(dev)
-        # [n_rows, width, KV] cache rows of every token and head; the real tokens' only.
-        real_slot = slot[:, None].expand(-1, width).flatten()[flat_real]
-        real_pos = pos.flatten()[flat_real]
+        # The cache rows of every real token's keys and values (padding writes nothing).
+        real_rows = self._cache_rows(
+            slot[:, None].expand(-1, width).flatten()[flat_real], pos.flatten()[flat_real]
+        )
         span = round_up(max(start + len(t) for _, start, t in rows))
         flat_pos = pos.flatten()
         cos, sin = self.cos[flat_pos], self.sin_signed[flat_pos]
@@ -356,10 +400,10 @@ class DecoderRunner:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             q, keys_values = self._qkv(layer, self._rms(x, layer.ln1), cos, sin)
-            layer.kv_at[real_slot, real_pos] = keys_values[flat_real]
+            layer.rows.index_put_((real_rows,), keys_values[flat_real])
             if i == last:
                 break  # the last layer's output feeds only logits, which prefill skips
-            keys, vals = layer.kv[slot, :kv, :span], layer.kv[slot, kv:, :span]
+            keys, vals = layer.kv[slot, :, 0, :span], layer.kv[slot, :, 1, :span]
             mask = self._mask(flat_pos[:, None], span, layer.window).view(n_rows, 1, width, span)
             att = _attend(q.view(n_rows, width, kv, self.group, d), keys, vals, mask)
             x = torch.addmm(x, att.reshape(n_rows * width, h * d), layer.wo_t)
@@ -378,7 +422,7 @@ class DecoderRunner:
         for n, moves in by_len.items():
             src_idx = torch.tensor([m[0] for m in moves], device=self.device)
             dst_idx = torch.tensor([m[1] for m in moves], device=self.device)
-            self.cache[:, dst_idx, :, :n] = self.cache[:, src_idx, :, :n]
+            self.cache[:, dst_idx, :, :, :n] = self.cache[:, src_idx, :, :, :n]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

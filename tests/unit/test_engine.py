@@ -136,11 +136,13 @@ def full_logits(model: Any, tokens: list[int]) -> torch.Tensor:
 # -- the forward -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "bmm"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-window"])
-def test_decode_logits_equal_the_models_own_forward(arch: str) -> None:
+def test_decode_logits_equal_the_models_own_forward(arch: str, attention: str) -> None:
     """Prefill 12 tokens, decode 8 one by one (3 rows, a batch of 4): each decode step's
-    logits equal transformers' forward over the whole sequence (float32). Covers plain
-    MHA with tied embeddings, GQA with q/k norms, and a sliding window of 8."""
+    logits equal transformers' forward over the whole sequence (float32), with either
+    decode attention. Covers plain MHA with tied embeddings, GQA with q/k norms, and a
+    sliding window of 8."""
     if arch == "llama":
         cfg = LlamaConfig(vocab_size=106, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                           num_attention_heads=4, max_position_embeddings=MAX_POS, tie_word_embeddings=True)  # fmt: skip
@@ -157,7 +159,7 @@ def test_decode_logits_equal_the_models_own_forward(arch: str) -> None:
     )
     with torch.no_grad():
         ref = model(tokens).logits.float()
-    runner = DecoderRunner(model, slots=4, max_len=MAX_POS)
+    runner = DecoderRunner(model, slots=4, max_len=MAX_POS, attention=attention)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits.float(), ref, atol=0, rtol=0)  # fused views
         runner.prefill([(i, 0, tokens[i, :12].tolist()) for i in range(3)])
@@ -189,8 +191,8 @@ def test_a_prefix_copied_from_another_slot_equals_one_prefilled_in_place() -> No
         runner.prefill([(0, 0, prompt[:30])])
         runner.copy_prefix([(0, 1, 30)])
         runner.prefill([(1, 30, prompt[30:40]), (2, 0, prompt[:40])])
-        cache = runner.cache  # [layers, slots, 2 KV, S, D]
-        assert torch.equal(cache[:, 1, :, :40], cache[:, 2, :, :40])
+        cache = runner.cache  # [layers, slots, KV, 2, S, D]
+        assert torch.equal(cache[:, 1, :, :, :40], cache[:, 2, :, :, :40])
         runner.tokens[:3], runner.pos[:3] = prompt[40], 40
         logits = runner.decode(4, 41).float()
     assert torch.equal(logits[1], logits[2])
@@ -250,13 +252,14 @@ def test_logprobs_equal_teacher_forced_forward(engine: TorchEngine, renderer: Re
         )
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "bmm"])  # ("auto": either, by batch size)
 def test_a_request_gets_the_same_tokens_alone_batched_mid_decode_and_in_a_used_slot(
-    tiny_dir: Path, renderer: Renderer
+    tiny_dir: Path, renderer: Renderer, attention: str
 ) -> None:
     """Sampled requests (distinct seeds, prompts, budgets) get bitwise the same tokens and
     logprobs alone, in one batch, admitted while others decode, and in a slot another
-    request used before; another seed gives another completion."""
-    engine = make_engine(tiny_dir, stop_token_ids=[])
+    request used before; another seed gives another completion (either decode attention)."""
+    engine = make_engine(tiny_dir, stop_token_ids=[], attention=attention)
     prompts = prompts_of(renderer)
     budgets = [5, 30, 12, 20, 8, 25, 16, 10, 3, 40]
     reqs = [gen(str(i), p, seed=100 + i, temperature=1.0, max_completion_tokens=n)
@@ -460,7 +463,7 @@ def test_the_kv_budget_sizes_the_slots_and_one_too_small_is_refused(tiny_dir: Pa
         plan_slots(64, MAX_POS, per_token, 4 * MAX_POS * per_token - 1)
     small = TorchEngine(model, None, max_batch_size=64, kv_cache_bytes=10 * MAX_POS * per_token)
     heads = model.config.num_attention_heads
-    assert small.max_rows == 8 and small.runner.cache.shape[1:4] == (8, 2 * heads, MAX_POS)
+    assert small.max_rows == 8 and small.runner.cache.shape[1:5] == (8, heads, 2, MAX_POS)
     reqs = [gen(str(i), [5 + i, 6, 7], max_completion_tokens=4) for i in range(12)]
     assert [len(ids(r)) for r in small.generate(reqs)] == [4] * 12  # 12 requests, 8 slots
     short = TorchEngine(load_model(tiny_dir), None, max_model_len=16)
