@@ -1,6 +1,9 @@
-"""One deterministic, realistic instance of every event type (goldens and round trips)."""
+"""One deterministic, realistic instance of every event type (goldens and round trips),
+and a user's working directory (``user_dir``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import msgspec
 
@@ -112,3 +115,17 @@ def a_run_log(run: str) -> list[Event]:
         msgspec.structs.replace(e, stream_seq=10_000) if isinstance(e, DeadLettered) else e
         for e in every_event(run)
     ]
+
+
+def user_dir(tmp_path: Path) -> Path:
+    """A working directory as a prime-rl user has one: TOML files in ``configs/``, folders
+    named like rlbus's packages, and their own env in ``my_env.py``."""
+    work = tmp_path / "work"
+    (work / "configs").mkdir(parents=True)
+    (work / "configs" / "rl.toml").write_text('[model]\nname = "Qwen/Qwen3-0.6B"\n')
+    for name in ("schemas", "bus", "roles", "replay"):
+        (work / name).mkdir()
+        (work / name / "notes.txt").write_text("mine\n")
+    word_count = Path(__file__).resolve().parents[1] / "examples" / "word_count_env.py"
+    (work / "my_env.py").write_text(word_count.read_text().replace("word-count", "my-word-count"))
+    return work

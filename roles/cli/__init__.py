@@ -54,12 +54,10 @@ app.add_typer(nats.app, name="nats")
 
 
 def main() -> None:
-    """The ``rlbus`` script. Like ``python -m roles.cli`` (what the launcher starts roles
-    with), it imports user code (``--env my_envs.qa:make_env``) from the working
-    directory first."""
-    import os
-    import sys
+    """The ``rlbus`` script (and ``python -m roles.cli``, which role processes run): user
+    code (``--env my_envs.qa:make_env``) is found from the working directory, after
+    rlbus's own packages (``roles.lib.plugins.user_import_path``)."""
+    from roles.lib.plugins import user_import_path
 
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    user_import_path()
     app()

@@ -87,7 +87,28 @@ def role_argv(
     on, so the role resolves it to the same place as its launcher."""
     common = ["--run", paths.run, "--nats-url", url, "--config", str(config_path or paths.config)]
     common += ["--data-dir", str(paths.data_dir)]
-    return [sys.executable, "-m", "roles.cli", "role", *args, *common]
+    return [*PYTHON, "-m", "roles.cli", "role", *args, *common]
+
+
+# How role processes start Python: ``-P`` keeps the working directory off the front of the
+# import path, where a user's ``configs/`` folder (prime-rl's layout) or one named
+# ``schemas``, ``bus``, ``roles`` or ``replay`` would hide rlbus's package of that name
+# (an editable install's finder is only asked after the working directory). User code
+# is still found there, last (``roles.lib.plugins.user_import_path``).
+PYTHON = [sys.executable, "-P"]
+
+
+def import_path_env() -> dict[str, str]:
+    """What a role process needs to import rlbus without the working directory: when
+    rlbus runs from a source tree (its root holds ``pyproject.toml``), that root first on
+    ``PYTHONPATH``; an installed rlbus needs nothing."""
+    import roles
+
+    root = Path(roles.__file__).resolve().parent.parent
+    if not (root / "pyproject.toml").is_file():
+        return {}
+    have = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys([str(root), *have]))}
 
 
 def role_process(
@@ -100,7 +121,7 @@ def role_process(
         name,
         role_argv(args, paths, url, config_path),
         paths.log(name),
-        env=role_env(paths, args[0]),
+        env=import_path_env() | role_env(paths, args[0]),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from bus.runtime import Bus
 from bus.server import EmbeddedServer, running_server_url
 from bus.subjects import Topic
 from schemas import TraceCompleted
+from tests.samples import user_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -66,10 +68,17 @@ async def test_rollout_command_runs_and_summarises(tmp_path: Path) -> None:
 @pytest.mark.slow
 async def test_rollout_command_with_custom_env_by_import_path(tmp_path: Path) -> None:
     """A user env given as `module:function` runs through the real role processes (its bus key
-    is a valid subject token) and is scored by its own rubric."""
-    env = "examples.word_count_env:make_env"
-    proc = await asyncio.to_thread(rlbus_rollout, tmp_path, "ro2", "--env", env, "-n", "2", "--group-size", "2")  # fmt: skip
+    is a valid subject token) and is scored by its own rubric, started as a prime-rl user
+    would start it: from their own directory, beside a `configs/` folder of TOML files and
+    folders named like rlbus's other packages, with the env in `my_env.py` there."""
+    work = user_dir(tmp_path)
+    # As the `rlbus` script imports (the working directory not first on the path).
+    cmd = [sys.executable, "-P", "-m", "roles.cli", "rollout", "--run", "ro2", "--env", "my_env:make_env",
+           "-n", "2", "--group-size", "2", f"bus.data_dir={tmp_path}"]  # fmt: skip
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=280)
+    proc = await asyncio.to_thread(run, cmd, cwd=work)
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
     assert "rollouts: 2" in proc.stdout and "[system] 'Count the words.'" in proc.stdout
     events = await traces_on_stream(tmp_path, "ro2")
-    assert len(events) == 2 and {e.env for e in events} == {"examples-word_count_env-make_env"}
+    assert len(events) == 2 and {e.env for e in events} == {"my_env-make_env"}
+    assert all(e.trace.ok for e in events)
