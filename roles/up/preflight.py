@@ -25,6 +25,10 @@ it can check cheaply (no torch, no model load, no network), each problem naming 
   prompt built by extending the last one is the template's own rendering
   (``roles.lib.model.render.check_template``); this loads the tokenizer (transformers),
   for a model other than the tiny one;
+- a warm start by the scripted teacher (``orchestrator.warmup.actor`` of kind
+  ``teacher``) can read each train env's first prompt back into the messages it was
+  rendered from (the teacher answers from them: ``roles.teacher``), through the policy's
+  renderer;
 - ``trainer.device`` and ``inference.device``, when they name a CUDA device
   (``"cuda"``, ``"cuda:1"``), name one torch sees (``"auto"`` falls back to the CPU and
   is not checked); this imports torch, and only then;
@@ -80,6 +84,7 @@ def check(cfg: RunConfig, *, devices: bool = True) -> None:
         *backend_problems(cfg),
         *engine_problems(cfg),
         *template_problems(cfg),
+        *teacher_problems(cfg),
         *(device_problems(cfg) if devices else []),
         *sink_problems(cfg),
         *data_dir_problems(cfg),
@@ -247,16 +252,16 @@ def engine_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def template_problems(cfg: RunConfig) -> list[str]:
-    """The policy's chat template, rendered by ``model.renderer`` (docstring)."""
+def _policy_renderer(cfg: RunConfig) -> tuple[Any, list[str]]:
+    """The renderer the run's roles will build for the policy (``model.renderer`` over
+    ``model.path``'s tokenizer), or None and why not (nothing when ``model_problems``
+    says it already)."""
     path, arch = cfg.model.path, cfg.model.tiny.arch
-    if path == TINY and cfg.model.renderer == "auto":
-        return []  # a template built here, with its renderer (tests/unit/test_families.py)
     if _model_problem(path, cfg.model.local_files_only):
-        return []  # (model_problems says why)
+        return None, []  # (model_problems says why)
     from roles.lib.model.families import FAMILIES, SIZES, train_tokenizer
     from roles.lib.model.loading import load_tokenizer
-    from roles.lib.model.render import check_template, make_renderer
+    from roles.lib.model.render import make_renderer
     from roles.lib.model.tokenizer import build_tokenizer
 
     if path == TINY:
@@ -266,14 +271,26 @@ def template_problems(cfg: RunConfig) -> list[str]:
         try:
             tokenizer = load_tokenizer(path, local_files_only=cfg.model.local_files_only)
         except Exception as e:  # noqa: BLE001 - whatever transformers says, on one line
-            return [f"`model.path`: no tokenizer loads from {path}: {type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}"]  # fmt: skip
+            return None, [f"`model.path`: no tokenizer loads from {path}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}"]  # fmt: skip
     if getattr(tokenizer, "chat_template", None) is None:
-        return [f"`model.path`: {path} has no chat template (tokenizer_config.json)"]
+        return None, [f"`model.path`: {path} has no chat template (tokenizer_config.json)"]
     try:
-        renderer = make_renderer(tokenizer, cfg.model.renderer)
+        return make_renderer(tokenizer, cfg.model.renderer), []
     except (ValueError, AssertionError) as e:
-        return [f"`model.renderer` ({cfg.model.renderer!r}): {e}"]
+        return None, [f"`model.renderer` ({cfg.model.renderer!r}): {e}"]
+
+
+def template_problems(cfg: RunConfig) -> list[str]:
+    """The policy's chat template, rendered by ``model.renderer`` (docstring)."""
+    path = cfg.model.path
+    if path == TINY and cfg.model.renderer == "auto":
+        return []  # a template built here, with its renderer (tests/unit/test_families.py)
+    from roles.lib.model.render import check_template
+
+    renderer, problems = _policy_renderer(cfg)
+    if renderer is None:
+        return problems
     why = check_template(renderer)
     if why is None:
         return []
@@ -282,6 +299,48 @@ def template_problems(cfg: RunConfig) -> list[str]:
         f"`model.renderer` ({cfg.model.renderer!r} = {name!r}) cannot render the chat "
         f"template of {path} exactly: {why}; set `model.renderer` to its family's renderer"
     ]
+
+
+def teacher_problems(cfg: RunConfig) -> list[str]:
+    """A warm start by the scripted teacher (docstring): it reads each request's
+    conversation back from the prompt tokens, so the policy's renderer must give back
+    the messages it rendered, for each train env's first prompt."""
+    o = cfg.orchestrator
+    actor = o.models.get(o.warmup.actor)
+    if o.warmup.steps == 0 or actor is None or actor.kind != "teacher":
+        return []
+    renderer, _ = _policy_renderer(cfg)  # (template_problems reports why there is none)
+    if renderer is None:
+        return []
+    from roles.lib.envs.registry import make_env
+
+    for i, entry in enumerate(o.train.env):
+        try:
+            env = make_env(entry.id, dict(entry.args or {}))
+            messages = env.initial_messages(env.task("train", 0))
+            ids = renderer.render_prompt(messages, list(env.tools) or None)
+        except Exception:  # noqa: BLE001 - env_problems / template_problems say why
+            continue
+        try:
+            read = renderer.read_conversation(ids)
+            why = None if _said(read) == _said(messages) else f"read {_said(read)[:3]}"
+        except Exception as e:  # noqa: BLE001 - any failure to read back is the problem
+            why = f"{type(e).__name__}: {_one_line(e)}"
+        if why is not None:
+            name = getattr(renderer, "name", "rlbus")
+            return [
+                f"`orchestrator.warmup`: the scripted teacher (`orchestrator.models."
+                f"{o.warmup.actor}`) cannot read back the prompts of "
+                f"`orchestrator.train.env.{i}` ({entry.id!r}) rendered by renderer {name!r} "
+                f"for {cfg.model.path} ({why}); set `orchestrator.warmup.steps = 0`, or "
+                "`model.renderer` to the model's family (qwen3, llama-3)"
+            ]
+    return []
+
+
+def _said(messages: Any) -> list[tuple[str, str]]:
+    """(role, content) of each message: what the teacher needs to have read back."""
+    return [(m.get("role", ""), (m.get("content") or "").strip()) for m in messages]
 
 
 def _model_shape(cfg: RunConfig, path: str) -> ModelShape | None:

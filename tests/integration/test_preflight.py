@@ -224,3 +224,37 @@ def test_a_renderer_that_cannot_render_the_models_template_is_refused(tmp_path: 
     preflight.check(smoke(tmp_path, "model.tiny.arch=qwen3", "model.renderer=qwen3"))
     with pytest.raises(ConfigError, match=r"`model.renderer` \('rlbus' = 'rlbus'\) cannot"):
         preflight.check(smoke(tmp_path, "model.tiny.arch=qwen3", "model.renderer=rlbus"))
+
+
+# A ChatML template in the style of Qwen2's (no newline between turns), which rlbus's own
+# renderer renders exactly but the scripted teacher cannot read back (issue: a Hugging
+# Face model with `-c smoke` looped on the teacher's errors without training a step).
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+
+
+def test_a_warm_start_the_teacher_cannot_read_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A BPE model with a ChatML template, rendered by rlbus's renderer, under `-c smoke`
+    (which warms up with the scripted teacher): `rlbus up` refuses it in one line naming
+    `orchestrator.warmup` and what to set, before any role starts; without the warm start
+    it passes, and so does the Qwen3 family's template (its renderer reads prompts back)."""
+    import json
+
+    from roles.lib.model.families import build_family_model
+
+    model = build_family_model(tmp_path / "chatml", "qwen3")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHATML}))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    out = up(tmp_path, "-c", "smoke", f"model.path={model}", "model.renderer=rlbus")
+    assert_refused(out, tmp_path, "orchestrator.warmup")
+    assert "`orchestrator.warmup.steps = 0`" in out.stderr and "'reverse-text'" in out.stderr
+    preflight.check(
+        smoke(
+            tmp_path, f"model.path={model}", "model.renderer=rlbus", "orchestrator.warmup.steps=0"
+        )
+    )
+    assert preflight.teacher_problems(smoke(tmp_path, "model.tiny.arch=qwen3")) == []
