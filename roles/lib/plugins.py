@@ -23,12 +23,24 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+# rlbus's top-level packages (what a user's folder of the same name could hide).
+PACKAGES = ("configs", "schemas", "bus", "replay", "roles")
+
 
 def user_import_path() -> None:
-    """Put the working directory on the import path, last (see the module docstring)."""
+    """Put the working directory on the import path, last (see the module docstring).
+
+    rlbus's own packages are imported first: a folder without ``__init__.py`` anywhere on
+    the path is a namespace package, which wins over an editable install's finder even
+    from the end of the path. Once a package is imported, its modules are found inside
+    it, never on the path again.
+    """
     cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.append(cwd)
+    if cwd in sys.path:
+        return
+    for name in PACKAGES:
+        importlib.import_module(name)
+    sys.path.append(cwd)
 
 
 def _import(module_name: str) -> ModuleType:

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -39,29 +39,47 @@ def test_user_env_by_module_name_and_by_file_from_the_working_directory(
         make_env("nowhere.py:make_env")
 
 
-def test_a_role_process_imports_rlbus_not_the_users_folders_of_the_same_name(
-    tmp_path: Path,
-) -> None:
-    """A role process starts as the launcher starts it (``PYTHON``, ``import_path_env``)
-    in a working directory holding ``configs/`` (TOML files), ``schemas/``, ``bus/``,
-    ``roles/`` and ``replay/``: it imports rlbus's packages, and the user's env by name.
-    (Started with the working directory first on the path, a folder without
-    ``__init__.py`` there is a namespace package that hides an editable install's.)"""
-    work = user_dir(tmp_path)
-    probe = textwrap.dedent(
-        """
-        import roles.cli, configs, schemas, bus, replay
-        from configs import RunConfig
-        from roles.lib.envs.registry import make_env
-        print(make_env("my_env:make_env").name)
-        print(configs.__file__)
-        """
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | import_path_env()
+PROBE = """
+import sys
+from roles.lib.plugins import user_import_path
+user_import_path()  # what `rlbus` does first (roles.cli.main)
+from configs import RunConfig  # rlbus's packages, imported after it
+import schemas, bus, replay
+from roles.lib.envs.registry import make_env
+print(make_env("my_env:make_env").name, sys.modules["configs"].__file__, RunConfig.__name__)
+"""
+
+
+def probe(work: Path, env: dict[str, str]) -> list[str]:
+    """Run ``PROBE`` as rlbus starts Python (``PYTHON``: the working directory not first)."""
     out = subprocess.run(
-        [*PYTHON, "-c", probe], cwd=work, env=env, capture_output=True, text=True, timeout=120
+        [*PYTHON, "-c", PROBE], cwd=work, env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    name, configs_file = out.stdout.split()
-    assert name == "my-word-count"
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("process", ["launcher", "role"])
+def test_rlbus_imports_its_own_packages_not_the_users_folders_of_the_same_name(
+    tmp_path: Path, process: str
+) -> None:
+    """In a working directory holding ``configs/`` (TOML files), ``schemas/``, ``bus/``,
+    ``roles/`` and ``replay/``: the launcher (``rlbus``, as installed) and a role process
+    (as the launcher starts it: ``PYTHON`` and ``import_path_env``) import rlbus's
+    packages, also after the working directory is on the path, and the user's env by
+    name. (A folder without ``__init__.py`` there is a namespace package that hid an
+    editable install's package, from the front of the path or from its end.)"""
+    work = user_dir(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if process == "role":
+        env |= import_path_env()
+    elif (
+        importlib.util.find_spec("roles") is None
+        or subprocess.run(
+            [*PYTHON, "-c", "import roles"], cwd=tmp_path, env=env, capture_output=True
+        ).returncode
+    ):
+        pytest.skip("rlbus is not installed here (only importable from its checkout)")
+    name, configs_file, config_class = probe(work, env)
+    assert (name, config_class) == ("my-word-count", "RunConfig")
     assert Path(configs_file).resolve().is_relative_to(REPO)
