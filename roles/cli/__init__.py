@@ -53,11 +53,21 @@ app.add_typer(algorithm.app, name="algorithm")
 app.add_typer(nats.app, name="nats")
 
 
-def main() -> None:
-    """The ``rlbus`` script (and ``python -m roles.cli``, which role processes run): user
-    code (``--env my_envs.qa:make_env``) is found from the working directory, after
-    rlbus's own packages (``roles.lib.plugins.user_import_path``)."""
+def prepare_imports() -> None:
+    """rlbus's top-level packages imported, then the working directory on the import
+    path, last: user code (``--env my_envs.qa:make_env``) is found there, and a folder of
+    the user's named like one of those packages cannot hide it
+    (``roles.lib.plugins.user_import_path``)."""
+    import bus  # noqa: F401
+    import configs  # noqa: F401
+    import replay  # noqa: F401
+    import schemas  # noqa: F401
     from roles.lib.plugins import user_import_path
 
     user_import_path()
+
+
+def main() -> None:
+    """The ``rlbus`` script (and ``python -m roles.cli``, which role processes run)."""
+    prepare_imports()
     app()

@@ -93,9 +93,6 @@ Reply = GenerateResult | ScoreResult | InferenceFailed
 GPU_RESERVE = 0.10  # share of inference's GPU memory kept for activations and graphs
 PREFILL_TOKENS = 8192  # most (padded) tokens one prefill pass takes
 GRAPH_COLUMNS = 64  # CUDA graphs: length buckets are multiples of this (``bucket``)
-# The decode step's attention (``DecoderRunner._decode_attention``) on the CPU, on CUDA.
-# The CPU's is the same whatever the batch: a row's numbers must not depend on it.
-DEFAULT_ATTENTION = {False: "sdpa", True: "auto"}
 
 
 def bucket(n: int, smallest: int, largest: int) -> int:
@@ -196,8 +193,9 @@ class TorchEngine:
         self.asked_rows = max_batch_size
         self.max_rows = plan_slots(max_batch_size, round_up(self.max_len), per_token, budget)
         self.n_slots = round_up(self.max_rows, ROW_BLOCK)
-        if attention is None:
-            attention = DEFAULT_ATTENTION[self.device.type == "cuda"]
+        if attention is None:  # (``DecoderRunner._decode_attention``) the CPU's is the same
+            # whatever the batch: a row's numbers must not depend on it
+            attention = "auto" if self.device.type == "cuda" else "sdpa"
         self.runner = DecoderRunner(
             model, slots=self.n_slots, max_len=self.max_len, attention=attention
         )

@@ -23,24 +23,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-# rlbus's top-level packages (what a user's folder of the same name could hide).
-PACKAGES = ("configs", "schemas", "bus", "replay", "roles")
-
 
 def user_import_path() -> None:
     """Put the working directory on the import path, last (see the module docstring).
 
-    rlbus's own packages are imported first: a folder without ``__init__.py`` anywhere on
-    the path is a namespace package, which wins over an editable install's finder even
-    from the end of the path. Once a package is imported, its modules are found inside
-    it, never on the path again.
+    A folder without ``__init__.py`` anywhere on the path is a namespace package, which
+    wins over an editable install's finder even from the end of the path: rlbus's own
+    top-level packages must be imported before (``roles.cli.prepare_imports`` does, first
+    thing in every ``rlbus`` process); once imported, their modules are found inside
+    them, never on the path again.
     """
     cwd = os.getcwd()
-    if cwd in sys.path:
-        return
-    for name in PACKAGES:
-        importlib.import_module(name)
-    sys.path.append(cwd)
+    if cwd not in sys.path:
+        sys.path.append(cwd)
 
 
 def _import(module_name: str) -> ModuleType:

@@ -57,7 +57,7 @@ import importlib.util
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +76,31 @@ _WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.j
 def check(cfg: RunConfig, *, devices: bool = True) -> None:
     """Raise ``ConfigError`` with every problem found, on one line; return if none.
     ``devices=False`` leaves out ``device_problems`` (``rlbus up --dry-run``)."""
-    problems = [
+    global _memo
+    _memo = {}
+    try:
+        problems = _problems(cfg, devices)
+    finally:
+        _memo = None
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+# What one ``check`` built, for the checks that need the same thing (the policy's
+# renderer, each train env); None outside ``check``: each call builds afresh.
+_memo: dict[tuple[Any, ...], Any] | None = None
+
+
+def _once(key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    if _memo is None:
+        return build()
+    if key not in _memo:
+        _memo[key] = build()
+    return _memo[key]
+
+
+def _problems(cfg: RunConfig, devices: bool) -> list[str]:
+    return [
         *model_problems(cfg),
         *env_problems(cfg),
         *eval_env_problems(cfg),
@@ -90,8 +114,6 @@ def check(cfg: RunConfig, *, devices: bool = True) -> None:
         *data_dir_problems(cfg),
         *cpu_problems(cfg),
     ]
-    if problems:
-        raise ConfigError("; ".join(problems))
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -166,11 +188,11 @@ def _env_problem(
 ) -> str | None:
     """Why the env at config key ``where`` does not build with ``args`` (or cannot run on
     the run's model), or None."""
-    from roles.lib.envs.registry import UnknownEnv, make_env
+    from roles.lib.envs.registry import UnknownEnv
     from roles.lib.envs.vf import VerifiersHarness
 
     try:
-        env = make_env(env_id, dict(args or {}))
+        env = _built_env(env_id, args)
     except UnknownEnv as e:
         return f"`{where}.id`: {_one_line(e)}"
     except ValueError as e:  # make_env's own: args the env's constructor does not take
@@ -185,6 +207,14 @@ def _env_problem(
                 "the `renderers` package, which has no renderer for the character model; "
                 "set model.tiny.arch = qwen3|llama or model.path")  # fmt: skip
     return None
+
+
+def _built_env(env_id: str, args: dict[str, Any] | None) -> Any:
+    """``make_env(env_id, args)``, built once per ``check`` (two checks use it)."""
+    from roles.lib.envs.registry import make_env
+
+    key = ("env", env_id, json.dumps(args or {}, sort_keys=True, default=repr))
+    return _once(key, lambda: make_env(env_id, dict(args or {})))
 
 
 def algorithm_names(cfg: RunConfig) -> Iterator[tuple[str, str]]:
@@ -256,29 +286,38 @@ def _policy_renderer(cfg: RunConfig) -> tuple[Any, list[str]]:
     """The renderer the run's roles will build for the policy (``model.renderer`` over
     ``model.path``'s tokenizer), or None and why not (nothing when ``model_problems``
     says it already)."""
-    path, arch = cfg.model.path, cfg.model.tiny.arch
-    if _model_problem(path, cfg.model.local_files_only):
+    m = cfg.model
+    if _model_problem(m.path, m.local_files_only):
         return None, []  # (model_problems says why)
+    args = (m.path, m.tiny.arch, m.tiny.vocab_size, m.renderer, m.local_files_only)
+    renderer, problems = _once(("renderer", *args), lambda: _renderer_of(*args))
+    return renderer, list(problems)
+
+
+def _renderer_of(
+    path: str, arch: str, vocab_size: int | None, name: str, local_files_only: bool
+) -> tuple[Any, tuple[str, ...]]:
+    """``_policy_renderer``'s work (once per ``check``: two checks use it)."""
     from roles.lib.model.families import FAMILIES, SIZES, train_tokenizer
     from roles.lib.model.loading import load_tokenizer
     from roles.lib.model.render import make_renderer
     from roles.lib.model.tokenizer import build_tokenizer
 
     if path == TINY:
-        vocab = cfg.model.tiny.vocab_size or SIZES["tiny"]["vocab_size"]
+        vocab = vocab_size or SIZES["tiny"]["vocab_size"]
         tokenizer = build_tokenizer() if arch == "char" else train_tokenizer(FAMILIES[arch], vocab)
     else:
         try:
-            tokenizer = load_tokenizer(path, local_files_only=cfg.model.local_files_only)
+            tokenizer = load_tokenizer(path, local_files_only=local_files_only)
         except Exception as e:  # noqa: BLE001 - whatever transformers says, on one line
-            return None, [f"`model.path`: no tokenizer loads from {path}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}"]  # fmt: skip
+            return None, (f"`model.path`: no tokenizer loads from {path}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}",)  # fmt: skip
     if getattr(tokenizer, "chat_template", None) is None:
-        return None, [f"`model.path`: {path} has no chat template (tokenizer_config.json)"]
+        return None, (f"`model.path`: {path} has no chat template (tokenizer_config.json)",)
     try:
-        return make_renderer(tokenizer, cfg.model.renderer), []
+        return make_renderer(tokenizer, name), ()
     except (ValueError, AssertionError) as e:
-        return None, [f"`model.renderer` ({cfg.model.renderer!r}): {e}"]
+        return None, (f"`model.renderer` ({name!r}): {e}",)
 
 
 def template_problems(cfg: RunConfig) -> list[str]:
@@ -312,11 +351,9 @@ def teacher_problems(cfg: RunConfig) -> list[str]:
     renderer, _ = _policy_renderer(cfg)  # (template_problems reports why there is none)
     if renderer is None:
         return []
-    from roles.lib.envs.registry import make_env
-
     for i, entry in enumerate(o.train.env):
         try:
-            env = make_env(entry.id, dict(entry.args or {}))
+            env = _built_env(entry.id, entry.args)
             messages = env.initial_messages(env.task("train", 0))
             ids = renderer.render_prompt(messages, list(env.tools) or None)
         except Exception:  # noqa: BLE001 - env_problems / template_problems say why

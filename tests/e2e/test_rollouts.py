@@ -15,6 +15,7 @@ from bus.reader import read_log
 from bus.runtime import Bus
 from bus.server import EmbeddedServer, running_server_url
 from bus.subjects import Topic
+from roles.up.processes import PYTHON
 from schemas import TraceCompleted
 from tests.samples import user_dir
 
@@ -73,7 +74,7 @@ async def test_rollout_command_with_custom_env_by_import_path(tmp_path: Path) ->
     folders named like rlbus's other packages, with the env in `my_env.py` there."""
     work = user_dir(tmp_path)
     # As the `rlbus` script imports (the working directory not first on the path).
-    cmd = [sys.executable, "-P", "-m", "roles.cli", "rollout", "--run", "ro2", "--env", "my_env:make_env",
+    cmd = [*PYTHON, "-m", "roles.cli", "rollout", "--run", "ro2", "--env", "my_env:make_env",
            "-n", "2", "--group-size", "2", f"bus.data_dir={tmp_path}"]  # fmt: skip
     run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=280)
     proc = await asyncio.to_thread(run, cmd, cwd=work)

@@ -41,8 +41,8 @@ def test_user_env_by_module_name_and_by_file_from_the_working_directory(
 
 PROBE = """
 import sys
-from roles.lib.plugins import user_import_path
-user_import_path()  # what `rlbus` does first (roles.cli.main)
+from roles.cli import prepare_imports
+prepare_imports()  # what `rlbus` does first (roles.cli.main)
 from configs import RunConfig  # rlbus's packages, imported after it
 import schemas, bus, replay
 from roles.lib.envs.registry import make_env
