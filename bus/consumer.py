@@ -40,7 +40,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from bus import codec
 from bus.errors import BodyError, DecodeError, HandlerBroken, Rejected
 from bus.runtime import Bus
-from bus.subjects import TOPICS, Topic, TopicSpec, filter_subject
+from bus.subjects import TOPICS, Topic, TopicSpec, check_schema, filter_subject
 from schemas import DeadLettered, Event, derive_id
 
 
@@ -273,7 +273,7 @@ class Consumer:
             )
             return
         try:
-            event = await self.bus.decode_msg(msg, self.sub.types)
+            event = check_schema(msg.subject, await self.bus.decode_msg(msg, self.sub.types))
         except (DecodeError, BodyError) as e:
             await self._dead_letter(msg, delivery, type(e).__name__, str(e))
             return

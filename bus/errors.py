@@ -50,6 +50,11 @@ class UnknownSchema(DecodeError):
         self.schema = schema
 
 
+class WrongSchema(DecodeError):
+    """A readable event of another type than its subject declares (``MetricsReported``
+    on ``weights.published``): a buggy or hostile producer's, never handed to a fold."""
+
+
 class Rejected(BusError):
     """The event decoded but its reader's validation refuses it: an impossible value (an
     unknown phase, a step or version that cannot come next, a non-finite number). The

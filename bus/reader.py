@@ -54,7 +54,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
 from bus import codec
 from bus.errors import BodyError, DecodeError
 from bus.runtime import Bus
-from bus.subjects import Topic, filter_subject
+from bus.subjects import Topic, check_schema, filter_subject
 from schemas import EVENT_TYPES, Event
 from schemas.legacy import LEGACY_TYPES, upcast
 
@@ -68,17 +68,21 @@ Progress = Callable[[int, int | None], None]  # on_progress(done, total or None 
 StoredMsg = Msg
 
 
-def decode_event(payload: bytes | memoryview, schema: str | None = None) -> Event:
+def decode_event(
+    payload: bytes | memoryview, schema: str | None = None, subject: str | None = None
+) -> Event:
     """Decode a current or legacy event and upcast it (pure; raises ``DecodeError`` and
-    its subclass ``UnknownSchema``)."""
-    event: Event = codec.decode(payload, ALL_TYPES, schema)
-    return upcast(event)
+    its subclasses ``UnknownSchema`` and, when the event is not of the type its
+    ``subject`` declares, ``WrongSchema``)."""
+    event: Event = upcast(codec.decode(payload, ALL_TYPES, schema))
+    return event if subject is None else check_schema(subject, event)
 
 
 async def stored_event(bus: Bus, msg: Msg | RawStreamMsg) -> Event:
     """A stored message as a current event: body resolved, legacy versions upcast (raises
     ``DecodeError``/``BodyError`` on a message that is no readable event)."""
-    return decode_event(await bus.payload(msg), (msg.headers or {}).get(codec.H_SCHEMA))
+    headers = msg.headers or {}
+    return decode_event(await bus.payload(msg), headers.get(codec.H_SCHEMA), msg.subject)
 
 
 def ordered_config(
@@ -237,7 +241,7 @@ class LogReader:
         seq = msg.metadata.sequence.stream
         try:
             payload = await self.bus.payload(msg)
-            event = decode_event(payload, headers.get(codec.H_SCHEMA))
+            event = decode_event(payload, headers.get(codec.H_SCHEMA), msg.subject)
         except (DecodeError, BodyError) as e:
             self.skipped.append(Skipped(seq, msg.subject, schema, str(e)))
             self.bus.log.warning(

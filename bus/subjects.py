@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
+from bus.errors import WrongSchema
 from schemas import (
     EVENT_TYPES,
     AlgorithmAttached,
@@ -251,6 +252,33 @@ def subject_for(event: Event) -> str:
 def relative_subject(run: str, subj: str) -> str:
     """A subject without its ``rl.<run>.`` prefix (``trace.completed.reverse-text``)."""
     return subj.removeprefix(f"rl.{run}.")
+
+
+def declared_schema(subj: str) -> type[Event] | None:
+    """The schema a run subject (``rl.<run>.<topic>[.<key>]``) declares, or None for a
+    subject outside the topic table. A run id is one token, so the topic follows it."""
+    parts = subj.split(".", 2)
+    if len(parts) < 3 or parts[0] != "rl":
+        return None
+    rest = parts[2]
+    for t, spec in TOPICS.items():
+        if rest == t.value or rest.startswith(t.value + "."):
+            return spec.schema
+    return None
+
+
+def check_schema(subj: str, event: Event) -> Event:
+    """``event`` if it is of the type its subject declares; else ``WrongSchema``. Every
+    reader of the log calls it (durables, followers, folds, replay, the lake), so an
+    event of another type on a subject is refused the same way live, on restart and in
+    a replay (docs/architecture.md, the runtime's failure rules)."""
+    schema = declared_schema(subj)
+    if schema is not None and not isinstance(event, schema):
+        raise WrongSchema(
+            f"a {type(event).__name__} on {subj.split('.', 2)[-1]}, "
+            f"which carries {schema.__name__} only"
+        )
+    return event
 
 
 def topic_of_subject(run: str, subj: str) -> Topic:

@@ -47,7 +47,14 @@ from bus.errors import STORE_ERRORS, BusError, DecodeError
 from bus.offload import sha256_digest
 from bus.reader import LogReader, Progress, StoredMsg, read_log
 from bus.runtime import Bus
-from bus.subjects import Topic, objects_bucket, stream_subjects, topic_of_subject
+from bus.subjects import (
+    Topic,
+    declared_schema,
+    objects_bucket,
+    relative_subject,
+    stream_subjects,
+    topic_of_subject,
+)
 from configs.paths import RunPaths
 from schemas import EVENT_TYPES, Event, ObjectRef, RunStarted, WeightsPublished
 
@@ -374,6 +381,11 @@ async def _prepared(
         event = codec.decode(payload, EVENT_TYPES, r.headers.get(codec.H_SCHEMA))
     except (DecodeError, KeyError) as e:
         raise PortableError(f"message {r.seq} ({r.subject}) cannot be renamed: {e}") from e
+    if declared_schema(r.subject) not in (None, type(event)):
+        # An event of another type than its subject declares stays where it was, as it
+        # was: every reader refuses it there (bus.subjects.check_schema), as in the
+        # original run; renamed, it would move to its own type's subject and be believed.
+        return f"rl.{bus.run}.{relative_subject(old, r.subject)}", r.data, dict(r.headers)
     return await bus.prepare(renamed(event, bus.run))
 
 

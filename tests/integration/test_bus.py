@@ -298,3 +298,44 @@ async def test_trace_sized_events_pipeline(bus: Bus) -> None:
     acks = await bus.publish_many(evs)
     assert [a.seq for a in acks] == sorted(a.seq for a in acks)
     assert len({a.seq for a in acks}) == 300
+
+
+async def test_an_event_of_another_type_on_a_subject_is_refused_by_every_reader(
+    bus: Bus,
+) -> None:
+    """A schema-valid event of another type than its subject declares (a MetricsReported
+    on weights.published, as a buggy trainer might publish) reaches no handler: a durable
+    that also consumes metrics, a follower and a log fold each step over it, and the
+    durable and the follower dead-letter it as WrongSchema."""
+    from bus.reader import LogReader
+    from schemas import MetricsReported, WeightsPublished
+
+    sample = {type(e): e for e in every_event(bus.run)}
+    metrics, weights = sample[MetricsReported], sample[WeightsPublished]
+    await bus.js.publish(
+        subject(bus.run, Topic.WEIGHTS_PUBLISHED), codec.encode(metrics),
+        headers=codec.headers_for(metrics),
+    )  # fmt: skip
+    await bus.publish(weights)
+    both = [(Topic.WEIGHTS_PUBLISHED, None), (Topic.METRICS_REPORTED, None)]
+    got: list[Any] = []
+    consumer = await consume_until(
+        bus, Subscription("typed", both, collector(got)), lambda: len(got) == 1
+    )
+    followed: list[Any] = []
+    stop = asyncio.Event()
+    follower = Follower(bus, Follow("typed-fold", both, collector(followed)), "t")
+    task = asyncio.create_task(follower.run(stop))
+    async with asyncio.timeout(20):
+        while len(followed) < 1 or follower.skipped < 1:
+            await asyncio.sleep(0.02)
+    stop.set()
+    await task
+    reader = LogReader(bus, topics=both)
+    folded = [e async for e in reader.events()]
+    assert got == followed == folded == [weights]
+    assert consumer.dead_lettered == 1 and follower.skipped == 1 and len(reader.skipped) == 1
+    dead = await dead_letters(bus, 2)
+    assert {d.consumer for d in dead} == {"typed", "typed-fold"}
+    assert all(d.error_type == "WrongSchema" and d.stream_seq == 1 for d in dead)
+    assert "a MetricsReported on weights.published" in dead[0].error
