@@ -317,10 +317,48 @@ async def first_event(
 async def last_event(
     bus: Bus, topic: Topic, types: tuple[type, ...], key: str | None = None
 ) -> Any:
-    """The newest event on ``topic`` (decoded, offloaded body resolved, upcast), or None."""
+    """The newest readable event of ``types`` on ``topic`` (offloaded body resolved,
+    upcast), or None: an unreadable newer message is stepped over (``newest_first``)."""
+    async with contextlib.aclosing(newest_first(bus, topic, types, key)) as events:
+        async for event in events:
+            return event
+    return None
+
+
+async def newest_first(
+    bus: Bus, topic: Topic, types: tuple[type, ...], key: str | None = None
+) -> AsyncGenerator[Any, None]:
+    """The readable events of ``types`` on ``topic``, newest first. A message that is no
+    readable event (garbage, another type: ``check_schema``, a missing body) is stepped
+    over, so one bad message never hides the good ones before it.
+
+    JetStream reads forward only (a direct get of the next message on a subject at or
+    after a sequence), so it reads windows that grow 4x backwards from the newest
+    message: a subject's sparse messages among many others cost a few reads each."""
+    subj = filter_subject(bus.run, topic, key)
     try:
-        msg = await bus.js.get_last_msg(bus.stream, filter_subject(bus.run, topic, key))
+        newest = await bus.js.get_last_msg(bus.stream, subj)
     except nats.js.errors.NotFoundError:
-        return None
-    event = await stored_event(bus, msg)
-    return event if isinstance(event, types) else None
+        return
+    end, window = int(newest.seq or 0) + 1, 64  # the window: [end - window, end)
+    while end > 1:
+        start = max(1, end - window)
+        found: list[RawStreamMsg] = []
+        seq = start
+        while True:
+            try:
+                msg = await bus.js.get_msg(bus.stream, seq=seq, subject=subj, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            if int(msg.seq or 0) >= end:
+                break
+            found.append(msg)
+            seq = int(msg.seq or 0) + 1
+        for msg in reversed(found):
+            try:
+                event = await stored_event(bus, msg)  # type: ignore[arg-type]
+            except (DecodeError, BodyError):
+                continue
+            if isinstance(event, types):
+                yield event
+        end, window = start, window * 4

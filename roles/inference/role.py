@@ -13,7 +13,8 @@ each trace records what inference answered (tokens, logprobs, policy version).
 Which weights: the policy loads ``model.path`` ("tiny" = the locally built tiny model
 under the run directory); a key of ``orchestrator.models`` loads its ``path`` (or the
 base ``model.path`` when unset) and never changes. The policy replica follows
-``weights.published``: at start it loads the newest announcement on the stream, then
+``weights.published``: at start it loads the newest announcement on the stream that
+loads (an unreadable or refused one is stepped over for the one before it), then
 an ordered consumer (DeliverPolicy.LAST, NATS_NOTES #11) delivers new ones; the bytes
 come from the object store (``kind == "object"``) or a file (``kind == "path"`` on a
 shared filesystem, ``"shm"`` under /dev/shm on the trainer's host),
@@ -67,6 +68,7 @@ from roles.inference.weights_io import (
     read_latest_weights,
     retry_transient,
     weights_gone,
+    weights_newest_first,
 )
 from roles.lib.model import materialize_model
 from roles.runtime.context import RoleContext
@@ -78,6 +80,10 @@ from schemas import (
     ScoreRequest,
     WeightsPublished,
 )
+
+# At start, how many announcements (newest first) a replica tries before it serves the
+# initial weights: a few bad ones in a row are a fault; more is a flood, not a history.
+START_CANDIDATES = 8
 
 
 @dataclass(frozen=True)
@@ -202,9 +208,7 @@ class InferenceRole(Role):
         weights_dir = self.run_dir / "inference" / self.instance
         self.backend = await make_backend(self.cfg, path, weights_dir)
         if self.served.follows_weights:
-            latest = await self._newest_after(-1)  # an unreadable newest: the initial ones
-            if latest is not None:
-                await self._apply_weights(latest)
+            await self._load_newest_good()
         self.log.info(
             "inference.loaded",
             path=path,
@@ -400,6 +404,22 @@ class InferenceRole(Role):
         if newer is pending:
             return False
         return await self._apply_weights(newer)
+
+    async def _load_newest_good(self) -> None:
+        """At start, the newest announced weights that load: an unreadable announcement,
+        or one refused (a wrong digest, a missing object, a NaN), is stepped over for the
+        one before it, up to ``START_CANDIDATES`` of them, so a restarted replica never
+        serves the initial weights while good newer ones are on the log."""
+        async with contextlib.aclosing(weights_newest_first(self.bus)) as announced:
+            tried = 0
+            async for event in announced:
+                found = await snapshot_weights(self.bus, self.served.pin, event)
+                if found is not None and await self._apply_weights(found):
+                    return
+                tried += 1
+                if tried >= START_CANDIDATES:
+                    self.log.error("weights.none_loaded", tried=tried)
+                    return
 
     async def _newest_after(self, version: int) -> WeightsPublished | None:
         """The newest announcement on the log (a snapshot's: the newest up to its pin),

@@ -9,23 +9,29 @@ its bytes (object store or file) and bounded retries of transient fetch failures
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
 from bus.errors import TRANSIENT_ERRORS
-from bus.reader import last_event
+from bus.reader import last_event, newest_first
 from bus.runtime import Bus
 from bus.subjects import Topic
 from schemas import ObjectRef, WeightsPublished
 
 
 async def read_latest_weights(bus: Bus) -> WeightsPublished | None:
-    """The newest ``weights.published`` event of the run, or None before the first."""
+    """The newest readable ``weights.published`` event of the run, or None before the
+    first (an unreadable newer message is stepped over)."""
     event: WeightsPublished | None = await last_event(
         bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,)
     )
     return event
+
+
+def weights_newest_first(bus: Bus) -> AsyncGenerator[WeightsPublished, None]:
+    """The run's readable ``weights.published`` events, newest first."""
+    return newest_first(bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,))
 
 
 # Weights announced as a file: "path" (a shared filesystem) or "shm" (a file under

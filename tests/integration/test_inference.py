@@ -198,6 +198,25 @@ async def test_weights_follow_published_events_and_bad_ones_are_refused(
     assert "sha256:" + "0" * 64 in rejected[0]["error"]
 
 
+async def test_a_restarted_replica_loads_the_newest_good_weights_past_bad_announcements(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path, perturbed_weights: bytes
+) -> None:
+    """Newest first on the log: garbage, an event of another type, a wrong digest; before
+    them the good version 1. A replica starting now serves version 1, not the initial
+    weights (which would make every rollout stale, a livelock)."""
+    await _publish_weights(bus, 1, perturbed_weights)
+    await _publish_weights(bus, 2, perturbed_weights[::-1], digest="sha256:" + "0" * 64)
+    weights_subject = subject(bus.run, Topic.WEIGHTS_PUBLISHED)
+    metrics = MetricsReported(run=bus.run, role="trainer", step=3, values={"loss": 1.0})
+    await bus.js.publish(weights_subject, codec.encode(metrics), headers=codec.headers_for(metrics))
+    await bus.js.publish(weights_subject, b"\xc1 garbage", headers={"Nats-Msg-Id": "junk"})
+    client = InferenceClient(bus, timeout_s=30)
+    async with running_role(nats_server, bus.run, _cfg(tiny_path), tmp_path, "inf-a") as a:
+        assert a.backend is not None and a.backend.policy_version == 1
+        assert a.weights_rejected == 1  # version 2, its digest
+        assert (await _generate(client, "after-restart")).policy_version == 1
+
+
 async def test_bad_and_too_long_requests_get_typed_failures(
     bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path
 ) -> None:
