@@ -148,15 +148,21 @@ def env_load(
     )
 
 
-def inference_load(busy: Sequence[float], up_busy: float) -> Load:
-    """An inference pool's load from each replica's busy share (0..1)."""
+def inference_load(busy: Sequence[float | None], up_busy: float) -> Load:
+    """An inference pool's load from each replica's busy share (0..1; None: no report
+    lately). A replica reports only while it has traffic (and the vLLM backend never
+    does), so for the decisions a silent one counts as idle, while the text says how
+    many reported rather than show "busy 0%" for a pool nobody measured."""
     n = max(1, len(busy))
-    total = sum(busy)
-    return Load(
-        hot=total / n >= up_busy,
-        idle=total <= (n - 1) * up_busy / 2,
-        text=f"busy {total / n:.0%}",
-    )
+    reported = [b for b in busy if b is not None]
+    total = sum(reported)
+    if not reported:
+        text = "busy ? (no report lately)"
+    elif len(reported) < len(busy):
+        text = f"busy {total / len(reported):.0%} ({len(reported)} of {len(busy)} reporting)"
+    else:
+        text = f"busy {total / n:.0%}"
+    return Load(hot=total / n >= up_busy, idle=total <= (n - 1) * up_busy / 2, text=text)
 
 
 # -- names and bounds --------------------------------------------------------------------
@@ -385,13 +391,13 @@ class PoolKeeper:
             return None
         return env_load(*backlog, len(pool.members), self.up_backlog, pool.concurrency)
 
-    def _busy(self, pid: int | None, now_ns: int) -> float:
-        """The busy share the replica with ``pid`` last reported, 0 if none lately."""
+    def _busy(self, pid: int | None, now_ns: int) -> float | None:
+        """The busy share the replica with ``pid`` last reported (None: none lately)."""
         suffix = f"-{pid}"
         for producer, (ts_ns, share) in self.busy.items():
             if producer.endswith(suffix) and (now_ns - ts_ns) / 1e9 <= BUSY_STALE_S:
                 return share
-        return 0.0
+        return None
 
     def rows(self) -> list[tuple[str, str, str]]:
         return [p.row() for p in self.pools]

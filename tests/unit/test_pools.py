@@ -114,6 +114,12 @@ def test_the_inference_load_is_the_replicas_busy_share() -> None:
     assert not inference_load([0.3, 0.2], up_busy=0.9).idle
     assert inference_load([0.0], 0.9).idle and not inference_load([0.1], 0.9).idle
     assert inference_load([0.5, 1.0], 0.9).text == "busy 75%"
+    # A replica with no report lately (no traffic, or the vLLM backend) is idle for the
+    # decisions but not shown as "busy 0%".
+    assert inference_load([None], 0.9).idle
+    assert inference_load([None], 0.9).text == "busy ? (no report lately)"
+    assert inference_load([0.8, None], 0.9).text == "busy 80% (1 of 2 reporting)"
+    assert not inference_load([0.8, None], 0.9).hot
 
 
 # -- names, pools, the status table --------------------------------------------------------
@@ -314,7 +320,8 @@ async def test_the_inference_pool_grows_on_its_replicas_reported_busy_share(
         pool.members.pop(1)  # never started here; the pool of one reads its stale report
         pool.state.replicas = 1
         await keeper.check()
-        assert pool.load is not None and pool.load.text == "busy 0%" and pool.load.idle
+        assert pool.load is not None and pool.load.text == "busy ? (no report lately)"
+        assert pool.load.idle
     finally:
         first.terminate()
         first.wait(5)
