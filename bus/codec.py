@@ -2,8 +2,10 @@
 
 Headers carry only what a reader needs before decoding (see docs/architecture.md):
 ``Nats-Msg-Id`` (event id, for server-side dedup), ``Rl-Schema`` (tag ``name/version``),
-``Rl-Policy-Version`` when the event has one, and ``Rl-Body: ref`` on a payload that is a
-``BodyRef`` to an offloaded body. Run, producer and causation id live in the event's
+``Rl-Policy-Version`` when the event has one, ``Rl-Step`` on a batch (a weights follower
+checks an announced version against the newest batch step without reading the batch,
+which may be an offloaded body of megabytes: ``roles/inference``), and ``Rl-Body: ref``
+on a payload that is a ``BodyRef`` to an offloaded body. Run, producer and causation id live in the event's
 envelope (and the run in the subject): every header costs every message on both sides,
 measured in ``benchmarks/bus_bench.py``.
 
@@ -20,12 +22,13 @@ from typing import Any, Union
 import msgspec
 
 from bus.errors import DecodeError, UnknownSchema
-from schemas import BodyRef, Event
+from schemas import BatchAssembled, BodyRef, Event
 
 H_MSG_ID = "Nats-Msg-Id"
 H_SCHEMA = "Rl-Schema"
 H_POLICY = "Rl-Policy-Version"
 H_BODY = "Rl-Body"
+H_STEP = "Rl-Step"
 
 _encoder = msgspec.msgpack.Encoder()
 _ref_decoder = msgspec.msgpack.Decoder(BodyRef)
@@ -48,6 +51,8 @@ def headers_for(event: Event) -> dict[str, str]:
     version = getattr(event, "policy_version", None)
     if isinstance(version, int):
         h[H_POLICY] = str(version)
+    if isinstance(event, BatchAssembled):
+        h[H_STEP] = str(event.step)
     return h
 
 

@@ -55,7 +55,7 @@ from bus import codec
 from bus.errors import BodyError, DecodeError
 from bus.runtime import Bus
 from bus.subjects import Topic, check_schema, filter_subject
-from schemas import EVENT_TYPES, Event
+from schemas import EVENT_TYPES, BatchAssembled, Event
 from schemas.legacy import LEGACY_TYPES, upcast
 
 ALL_TYPES: tuple[type[Event], ...] = EVENT_TYPES + LEGACY_TYPES
@@ -330,7 +330,21 @@ async def newest_first(
 ) -> AsyncGenerator[Any, None]:
     """The readable events of ``types`` on ``topic``, newest first. A message that is no
     readable event (garbage, another type: ``check_schema``, a missing body) is stepped
-    over, so one bad message never hides the good ones before it.
+    over, so one bad message never hides the good ones before it."""
+    async with contextlib.aclosing(newest_messages(bus, topic, key)) as messages:
+        async for msg in messages:
+            try:
+                event = await stored_event(bus, msg)  # type: ignore[arg-type]
+            except (DecodeError, BodyError):
+                continue
+            if isinstance(event, types):
+                yield event
+
+
+async def newest_messages(
+    bus: Bus, topic: Topic, key: str | None = None
+) -> AsyncGenerator[RawStreamMsg, None]:
+    """The stored messages on ``topic``, newest first, undecoded.
 
     JetStream reads forward only (a direct get of the next message on a subject at or
     after a sequence), so it reads windows that grow 4x backwards from the newest
@@ -355,10 +369,26 @@ async def newest_first(
             found.append(msg)
             seq = int(msg.seq or 0) + 1
         for msg in reversed(found):
+            yield msg
+        end, window = start, window * 4
+
+
+async def newest_batch_step(bus: Bus) -> int:
+    """The step of the newest batch on the log (0 before the first), from the batch's
+    ``Rl-Step`` header: a batch may be an offloaded body of megabytes, never read here.
+    A message without the header (a log older than it) is decoded; one that is neither a
+    batch nor readable is stepped over."""
+    tag = codec.tag_of(BatchAssembled)
+    async with contextlib.aclosing(newest_messages(bus, Topic.BATCH_ASSEMBLED)) as messages:
+        async for msg in messages:
+            headers = msg.headers or {}
+            step = headers.get(codec.H_STEP)
+            if step is not None and step.isdigit() and headers.get(codec.H_SCHEMA) == tag:
+                return int(step)
             try:
                 event = await stored_event(bus, msg)  # type: ignore[arg-type]
             except (DecodeError, BodyError):
                 continue
-            if isinstance(event, types):
-                yield event
-        end, window = start, window * 4
+            if isinstance(event, BatchAssembled):
+                return int(event.step)
+    return 0

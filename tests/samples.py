@@ -117,6 +117,13 @@ def a_run_log(run: str) -> list[Event]:
     ]
 
 
+def batch_for(run: str, step: int) -> BatchAssembled:
+    """The batch of trainer step ``step``: on the log before the trainer announces
+    weights version ``step`` (inference refuses a version no batch made)."""
+    batch = next(e for e in every_event(run) if isinstance(e, BatchAssembled))
+    return msgspec.structs.replace(batch, step=step, event_id=f"e-batch-{step}")
+
+
 def user_dir(tmp_path: Path) -> Path:
     """A working directory as a prime-rl user has one: TOML files in ``configs/``, folders
     named like rlbus's packages, and their own env in ``my_env.py``."""

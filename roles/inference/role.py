@@ -56,6 +56,7 @@ import msgspec
 from bus.consumer import Delivery
 from bus.follower import Follow
 from bus.log import get_logger
+from bus.reader import newest_batch_step
 from bus.rpc import Serve
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_replica_subject, infer_subject
@@ -84,6 +85,10 @@ from schemas import (
 # At start, how many announcements (newest first) a replica tries before it serves the
 # initial weights: a few bad ones in a row are a fault; more is a flood, not a history.
 START_CANDIDATES = 8
+
+
+class VersionAhead(ValueError):
+    """An announced weights version beyond the newest batch step: refused for good."""
 
 
 @dataclass(frozen=True)
@@ -341,11 +346,13 @@ class InferenceRole(Role):
         try:
             if event.format != "safetensors":
                 raise ValueError(f"unsupported weights format {event.format!r}")
+            await self._check_version(event)
             data = await self._fetch(event)
             held_s = await self.pins.hold_swap(previous, event.version)
             await self.backend.load_weights(data, event.weights.digest, event.version)
         except Exception as e:  # noqa: BLE001 - bad weights are refused, serving goes on
-            if not isinstance(e, WeightsNotFinite) and await weights_gone(self.bus, event.weights):
+            gone_is_news = not isinstance(e, WeightsNotFinite | VersionAhead)
+            if gone_is_news and await weights_gone(self.bus, event.weights):
                 return await self._load_newer_than(event, e)
             self._reject(event, e, previous)
             return False
@@ -365,6 +372,24 @@ class InferenceRole(Role):
             pin_held_s=round(held_s, 4),
         )
         return True
+
+    async def _check_version(self, event: WeightsPublished) -> None:
+        """Refuse a version no batch made: the trainer announces version v after training
+        batch v, so v beyond the newest batch step on the log is a forged or buggy
+        announcement (the orchestrator's fold refuses it by the same rule). Served, a
+        version 1e9 would shadow every real version after it."""
+        newest = await retry_transient(
+            lambda: newest_batch_step(self.bus),
+            attempts=self.fetch_attempts,
+            backoff_s=self.fetch_backoff_s,
+            on_retry=lambda attempt, delay_s, error: None,
+            sleep=self.sleep,
+        )
+        if event.version > newest:
+            raise VersionAhead(
+                f"weights.published version {event.version}, but the newest batch is step "
+                f"{newest}: no trainer step made it"
+            )
 
     async def _fetch(self, event: WeightsPublished) -> bytes:
         """The announced bytes, transient errors retried (``retry_transient``)."""

@@ -38,6 +38,7 @@ from schemas import (
     WeightsPublished,
 )
 from schemas.arrays import f32, i32
+from tests.samples import batch_for
 
 pytestmark = pytest.mark.nats
 
@@ -109,6 +110,7 @@ async def _publish_weights(bus: Bus, version: int, data: bytes, digest: str | No
     name = f"weights.v{version}"
     real = await bus.objects.put(name, data)
     ref = ObjectRef(kind="object", location=name, bucket=bus.objects.bucket, size=len(data), digest=digest or real)  # fmt: skip
+    await bus.publish(batch_for(bus.run, version))  # as a trainer step follows its batch
     await bus.publish(WeightsPublished(run=bus.run, version=version, step=version, weights=ref))
 
 
@@ -217,6 +219,30 @@ async def test_a_restarted_replica_loads_the_newest_good_weights_past_bad_announ
         assert (await _generate(client, "after-restart")).policy_version == 1
 
 
+async def test_a_version_no_batch_made_is_refused_and_later_versions_still_load(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path, perturbed_weights: bytes
+) -> None:
+    """An announcement of version 1e9 naming real weights and their real digest (a buggy
+    trainer's) is refused: no batch made it. Served, it would shadow every real version
+    after it; refused, the real version 1 still loads."""
+    name = "weights.v0"
+    tiny = (tiny_path / "model.safetensors").read_bytes()
+    real = await bus.objects.put(name, tiny)
+    ref = ObjectRef(kind="object", location=name, bucket=bus.objects.bucket, size=len(tiny), digest=real)  # fmt: skip
+    client = InferenceClient(bus, timeout_s=30)
+    async with running_role(nats_server, bus.run, _cfg(tiny_path), tmp_path, "inf-a") as a:
+        forged = WeightsPublished(run=bus.run, version=10**9, step=10**9, weights=ref)
+        await bus.publish(forged)
+        await _until(_when(lambda: a.weights_rejected == 1))
+        assert "no trainer step made it" in (a.last_weights_error or "")
+        await _publish_weights(bus, 1, perturbed_weights)
+
+        async def on_v1() -> bool:
+            return (await _generate(client, "poll")).policy_version == 1
+
+        await _until(on_v1)
+
+
 async def test_bad_and_too_long_requests_get_typed_failures(
     bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path
 ) -> None:
@@ -310,6 +336,7 @@ async def test_weights_in_a_shm_file_load_like_a_path_and_report_their_lag(
     assert not await weights_gone(bus, ref)
     async with running_role(nats_server, bus.run, _cfg(tiny_path), tmp_path, "inf-shm") as role:
         event = WeightsPublished(run=bus.run, version=1, step=1, weights=ref, ts_ns=announced)
+        await bus.publish(batch_for(bus.run, 1))
         await bus.publish(event)
 
         async def reported() -> bool:  # traffic, so that a report is due

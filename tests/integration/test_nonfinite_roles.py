@@ -42,6 +42,7 @@ from tests.integration.test_trainer import (
     trainer_config,
     wait_for_version,
 )
+from tests.samples import batch_for
 from tests.unit.test_trainer_core import synthetic_batch
 
 
@@ -160,6 +161,7 @@ async def publish_weights(bus: Bus, version: int, data: bytes) -> None:
     name = f"weights.v{version}"
     stored = await bus.objects.put(name, data)
     ref = ObjectRef(kind="object", location=name, bucket=bus.objects.bucket, size=len(data), digest=stored)  # fmt: skip
+    await bus.publish(batch_for(bus.run, version))  # as a trainer step follows its batch
     await bus.publish(WeightsPublished(run=bus.run, version=version, step=version, weights=ref))
 
 
