@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -135,7 +135,12 @@ def _step(node: Any, key: str, path: list[str], nxt: str | None) -> Any:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of `raw` with each `dotted.key=value` override set, in order."""
+    """A copy of `raw` with each `dotted.key=value` override set, in order.
+
+    A value that is a table or a list of tables keeps what it does not name (`_merged`):
+    `orchestrator.train.env=[{id="reverse-text",max_replicas=3}]` changes one key of the
+    preset's env and keeps its filters and group_size.
+    """
     root = copy.deepcopy(raw)
     for item in overrides:
         keys, value = parse_override(item)
@@ -144,33 +149,86 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             nxt = keys[i + 1] if i + 1 < len(keys) else None
             parent, slot = _step(node, key, keys[: i + 1], nxt)
             if nxt is None:
-                parent[slot] = value
+                old = parent[slot] if isinstance(parent, list) else parent.get(slot)
+                parent[slot] = _merged(old, value, _type_at(keys))
             else:
                 node = parent[slot]
     return root
 
 
-def _unwrap_optional(tp: Any) -> Any:
+def _merged(old: Any, new: Any, tp: Any) -> Any:
+    """`new` set where `old` was, `tp` the schema's type there (None: not in the schema).
+
+    The rule, so that an override keeps what it does not name (docs/configuration.md,
+    "Overrides"):
+    - a config table (a pydantic section, e.g. `trainer`) merges key by key, recursively;
+    - a list of tables with an `id` (`orchestrator.train.env`, `orchestrator.eval.env`,
+      `orchestrator.algorithms`) and a table of named tables (`orchestrator.models`,
+      `cpus.roles`) name their entries: each given entry merges into the existing one of the same id (or
+      key), a new id is added, and an entry not given is dropped (the list written is
+      the list wanted);
+    - anything else is replaced: values, lists of values, tables without an identity
+      (`filters`), and free-form tables (`args`, `options`), which may mean "exactly this".
+    """
+    tp = _unwrap(tp)
+    if isinstance(new, dict) and isinstance(old, dict):
+        if _is_section(tp):
+            fields = tp.model_fields
+            out = dict(old)
+            for key, value in new.items():
+                field = fields.get(key)
+                out[key] = _merged(old.get(key), value, field.annotation if field else None)
+            return out
+        if get_origin(tp) is dict and _is_section(entry := _unwrap(get_args(tp)[-1])):
+            return {key: _merged(old.get(key), value, entry) for key, value in new.items()}
+    if isinstance(new, list) and isinstance(old, list) and get_origin(tp) is list:
+        entry = _unwrap(get_args(tp)[0])
+        if _is_section(entry) and "id" in entry.model_fields:
+            by_id = {_id(e): e for e in old if _id(e) is not None}
+            return [_merged(by_id.get(_id(e)), e, entry) if isinstance(e, dict) else e for e in new]
+    return new
+
+
+def _id(entry: Any) -> str | None:
+    """An entry's identity: its `id` when that is a string (anything else fails validation)."""
+    ident = entry.get("id") if isinstance(entry, dict) else None
+    return ident if isinstance(ident, str) else None
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _unwrap(tp: Any) -> Any:
+    """`X` for `X | None` and `Annotated[X, ...]`; None for a union of several types."""
+    if get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
     if get_origin(tp) in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else None
+        return _unwrap(args[0]) if len(args) == 1 else None
     return tp
 
 
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
-    """Field names of the model at `loc` under RunConfig (for "did you mean")."""
+def _type_at(loc: Sequence[Any]) -> Any:
+    """The schema's type at `loc` (keys and list indexes) under RunConfig; None where the
+    schema says nothing (an unknown key, or inside a free-form table)."""
     tp: Any = RunConfig
     for step in loc:
-        tp = _unwrap_optional(tp)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
+        tp = _unwrap(tp)
+        if _is_section(tp):
             field = tp.model_fields.get(str(step))
             tp = field.annotation if field else None
         elif get_origin(tp) in (list, dict):
             tp = get_args(tp)[-1]
         else:
-            return []
-    tp = _unwrap_optional(tp)
-    return list(tp.model_fields) if isinstance(tp, type) and issubclass(tp, BaseModel) else []
+            return None
+    return tp
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the model at `loc` under RunConfig (for "did you mean")."""
+    tp = _unwrap(_type_at(loc))
+    return list(tp.model_fields) if _is_section(tp) else []
 
 
 def describe_error(err: Any) -> str:

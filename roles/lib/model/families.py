@@ -346,7 +346,8 @@ def build_family_model(
     with ``shape``'s keys (a run's ``model.tiny``) over it (None: the size's)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
-    from transformers.utils import logging as hf_logging
+
+    from roles.lib.model.tiny import save_pretrained
 
     if arch not in FAMILIES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(FAMILIES)}")
@@ -364,8 +365,6 @@ def build_family_model(
         eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in family.stops],
         pad_token_id=config.pad_token_id,
     )
-    hf_logging.disable_progress_bar()
     out = Path(out_dir)
-    model.eval().save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    save_pretrained(model.eval(), tokenizer, out)
     return out

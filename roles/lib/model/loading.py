@@ -122,6 +122,7 @@ def ensure_tiny_model(
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".initial-", dir=target.parent))
+    tmp.chmod(target.parent.stat().st_mode & 0o777)  # mkdtemp's 0700 would stay on the model
     try:
         if arch == "char":
             build_tiny_model(tmp, seed=seed, **sizes)

@@ -108,12 +108,26 @@ def build_tiny_model(
         eos_token_id=[tokenizer.convert_tokens_to_ids(END), tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id,
     )
+    save_pretrained(model, tokenizer, out)
+    return out
+
+
+def save_pretrained(model: Any, tokenizer: Any, out: Path) -> None:
+    """Model and tokenizer in Hugging Face layout under `out`, every file with one mode.
+
+    safetensors (0.8) writes `model.safetensors` to a temporary file, created 0600, and
+    renames it into place, so the weights alone would be readable by their owner only
+    (another user's inference, a container running as non-root). They get the mode the
+    umask gave `config.json`, written by a plain `open` beside them.
+    """
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per tiny file is noise in role logs
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    return out
+    mode = (out / "config.json").stat().st_mode & 0o777
+    for weights in out.glob("*.safetensors"):
+        weights.chmod(mode)
 
 
 def count_params(model: torch.nn.Module) -> int:
