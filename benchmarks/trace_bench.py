@@ -7,19 +7,25 @@ over it (train ones and an eval one):
 - **full scan** (what ``rlbus trace`` did before): read every event of the seven topics
   ``trace_chain`` looks at (median of ``--repeats``), load the tokenizer through
   transformers, build the chain;
-- **lake index** (what it does now): sync the lake if the stream moved past it (the
-  first time a whole sync, then a check), look the chain's events up in the lake,
-  fetch those by sequence, load the tokenizer from its ``tokenizer.json``, build the chain.
+- **trace index** (what it does now): sync the lake if the stream moved past the index
+  (a run recorded by ``rlbus up`` has its lake written live: a check), look the chain's
+  events up in the index (``replay.trace_index``), fetch those by sequence, load the
+  tokenizer from its ``tokenizer.json``, build the chain.
 
 The chain JSON must be the same both ways for every rollout (asserted). Then the
 command itself, as a user types it after the run (a new process, which starts the run's
-embedded server): ``rlbus trace <run> <rollout prefix> --json`` and ``--no-tokens``,
-median wall time of 3, its output asserted equal to the full scan's chain with the
-transformers tokenizer (the old command's output). Tokenizer loads are timed in fresh
-processes (their imports are most of their cost).
+embedded server): ``rlbus trace --run <run> <rollout prefix> --json`` and
+``--no-tokens``, median wall time of 3, its output asserted equal to the full scan's
+chain with the transformers tokenizer (the old command's output). And the **first**
+trace after the run, each on its own copy of the run (median of 3): as ``rlbus up``
+left it (``cli_first_trace_s``: the lake and its index written by the live lake role),
+and with the lake deleted (``cli_first_trace_no_lake_s``: a run without the live role,
+whose first trace syncs the whole log; ``full_sync_s`` is that sync alone). Tokenizer
+loads are timed in fresh processes (their imports are most of their cost).
 
     python -m benchmarks.trace_bench [--preset default] [--steps 60] [--rollouts 10]
     python -m benchmarks.trace_bench --data-dir runs --run smoke1    # an existing run
+    python -m benchmarks.trace_bench --data-dir runs --run smoke1 --name trace_smoke
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,8 +50,8 @@ from bus.runtime import Bus
 from bus.server import reachable_server
 from configs.paths import RunPaths
 from replay.inspect import TOPICS, TYPES, trace_chain
-from replay.lake import lake_dir, sync_if_behind
-from replay.trace_index import chain_seqs, fetch, index_frames, resolve
+from replay.lake import sync_run
+from replay.trace_index import IndexPart, chain_seqs, fetch, load_index, resolve, sync_if_behind
 
 RUN = "bench-trace"
 CLI = [sys.executable, "-m", "roles.cli"]
@@ -61,13 +68,18 @@ def record(root: Path, preset: str, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def spread(frames: dict[str, Any], n: int) -> list[str]:
+def spread(index: IndexPart, n: int) -> list[str]:
     """``n - 1`` train rollouts evenly over the log, and the first eval one."""
-    rows = frames["rollouts"].select("rollout_id", "split", "seq").sort("seq").collect()
-    train = rows.filter(rows["split"] == "train")["rollout_id"].unique(maintain_order=True)
-    evals = rows.filter(rows["split"] == "eval")["rollout_id"].to_list()[:1]
+    topic = {event_id: t for _, event_id, t in index.events}
+    train: dict[str, None] = {}
+    evals: list[str] = []
+    for _, event_id, rollout_id, *_ in sorted(index.rollouts):
+        if topic.get(event_id) == "eval.completed":
+            evals.append(rollout_id)
+        else:
+            train.setdefault(rollout_id)
     step = max(1, len(train) // max(1, n - 1))
-    return [*train.to_list()[::step][: n - 1], *evals]
+    return [*list(train)[::step][: n - 1], *evals[:1]]
 
 
 def old_token_text(paths: RunPaths) -> Callable[[list[int]], list[str]]:
@@ -95,28 +107,30 @@ def as_json(chain: dict[str, Any]) -> str:
 
 async def both_ways(paths: RunPaths, url: str, n: int, repeats: int) -> dict[str, Any]:
     """Both paths on the same rollouts (the chains must be equal), phase by phase."""
-    t0 = time.perf_counter()
-    synced = await sync_if_behind(paths.run, url, paths.data_dir)
-    sync_s = time.perf_counter() - t0
-    lake = lake_dir(paths.data_dir, paths.run)
+    lake = paths.lake
     bus = await Bus.connect(url, run=paths.run, producer="bench")
     try:
+        with tempfile.TemporaryDirectory(prefix="rlbus-trace-bench-lake-") as tmp:
+            full_sync = await sync_run(bus, Path(tmp))  # the whole log into an empty lake
+        t0 = time.perf_counter()
+        synced = await sync_if_behind(bus, lake)
+        sync_s = time.perf_counter() - t0
         scans, full = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             full = [e async for e in read_log(bus, TOPICS, TYPES)]
             scans.append(time.perf_counter() - t0)
-        rollouts = spread(index_frames(lake), n)
+        rollouts = spread(load_index(lake), n)
         token_text = old_token_text(paths)
         phases: dict[str, list[float]] = {"check": [], "lookup": [], "fetch": [], "chain": [],
                                           "full_chain": []}  # fmt: skip
         fetched = []
         for rid in rollouts:
             t = [time.perf_counter()]
-            await sync_if_behind(paths.run, url, paths.data_dir)
+            await sync_if_behind(bus, lake)
             t.append(time.perf_counter())
-            frames = index_frames(lake)
-            wanted = chain_seqs(frames, resolve(frames, rid[:8]))
+            index = load_index(lake)
+            wanted = chain_seqs(index, resolve(index, rid[:8]))
             t.append(time.perf_counter())
             events = await fetch(bus, wanted)
             t.append(time.perf_counter())
@@ -141,8 +155,10 @@ async def both_ways(paths: RunPaths, url: str, n: int, repeats: int) -> dict[str
         "stream_events_read_by_full_scan": len(full),
         "rollouts_compared": len(rollouts),
         "chains_equal": True,
-        "first_lake_sync_s": round(sync_s, 3),
-        "first_lake_sync_events": synced.events if synced else 0,
+        "full_sync_s": round(full_sync.seconds, 3),
+        "full_sync_events": full_sync.events,
+        "first_lake_sync_s": round(sync_s, 3),  # the lake as the run left it: a check
+        "lake_was_current": not synced,
         "full_scan_read_ms": round(median(scans) * 1e3, 1),
         "full_scan_chain_ms": ms["full_chain_ms"],
         "lake_sync_check_ms": ms["check_ms"],
@@ -151,7 +167,7 @@ async def both_ways(paths: RunPaths, url: str, n: int, repeats: int) -> dict[str
         "lake_chain_ms": ms["chain_ms"],
         "lake_total_ms": round(median(lake_path) * 1e3, 1),
         "lake_total_max_ms": round(max(lake_path) * 1e3, 1),
-        "events_fetched_median": median(fetched),
+        "events_fetched_median": statistics.median(fetched),
         "speedup": round(old_s / median(lake_path), 1),
         "rollouts": rollouts,
         "_old": old,
@@ -160,29 +176,53 @@ async def both_ways(paths: RunPaths, url: str, n: int, repeats: int) -> dict[str
 
 def command(paths: RunPaths, *args: str) -> tuple[float, str]:
     """(median wall seconds of 3, stdout) of ``rlbus <args>`` with the run's data dir."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
-    env["RLBUS_DATA_DIR"] = str(paths.data_dir)
     times, stdout = [], ""
     for _ in range(3):
-        t0 = time.perf_counter()
-        r = subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, check=True)
-        times.append(time.perf_counter() - t0)
-        stdout = r.stdout
-    return round(median(times), 3), stdout.strip()
+        seconds, stdout = once(paths.data_dir, *args)
+        times.append(seconds)
+    return round(median(times), 3), stdout
+
+
+def once(data_dir: Path, *args: str) -> tuple[float, str]:
+    """(wall seconds, stdout) of one ``rlbus <args>`` with ``data_dir``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_")}
+    env["RLBUS_DATA_DIR"] = str(data_dir)
+    t0 = time.perf_counter()
+    r = subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, check=True)
+    return time.perf_counter() - t0, r.stdout.strip()
+
+
+def first_trace(paths: RunPaths, prefix: str, keep_lake: bool) -> float:
+    """Median wall seconds of the first ``rlbus trace`` on each of 3 copies of the run
+    (with its lake as the run left it, or without one)."""
+    times = []
+    for _ in range(3):
+        with tempfile.TemporaryDirectory(prefix="rlbus-trace-bench-copy-") as tmp:
+            copy = RunPaths(Path(tmp), paths.run)
+            shutil.copytree(paths.dir, copy.dir, symlinks=True)
+            if not keep_lake:
+                shutil.rmtree(copy.lake, ignore_errors=True)
+            times.append(once(copy.data_dir, "trace", "--run", paths.run, prefix, "--json")[0])
+    return round(median(times), 3)
 
 
 def bench(paths: RunPaths, n: int, repeats: int) -> dict[str, Any]:
+    first = spread(load_index(paths.lake), n) if paths.lake.is_dir() else []
+    # Before anything here syncs: the run as `rlbus up` left it (its lake written live).
+    live = first_trace(paths, first[0][:8], keep_lake=True) if first else None
     with reachable_server(paths.nats) as url:
         assert url is not None, f"no store at {paths.nats}"
         r = asyncio.run(both_ways(paths, url, n, repeats))
     old, prefix = r.pop("_old"), r["rollouts"][0][:8]
-    cli_s, printed = command(paths, "trace", paths.run, prefix, "--json")
-    bare_s, bare = command(paths, "trace", paths.run, prefix, "--json", "--no-tokens")
+    cli_s, printed = command(paths, "trace", "--run", paths.run, prefix, "--json")
+    bare_s, bare = command(paths, "trace", "--run", paths.run, prefix, "--json", "--no-tokens")
     if (printed, bare) != (old["tokens"], old["no_tokens"]):
         raise AssertionError("rlbus trace printed another chain than the old command")
     model = paths.initial_model
     return {
         **r,
+        "cli_first_trace_s": live,  # None: the run had no lake (recorded without the live role)
+        "cli_first_trace_no_lake_s": first_trace(paths, prefix, keep_lake=False),
         "cli_trace_json_s": cli_s,
         "cli_trace_json_no_tokens_s": bare_s,
         "cli_help_s": command(paths, "--help")[0],  # the process start every command pays
@@ -203,6 +243,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="full scans timed (median)")
     parser.add_argument("--data-dir", type=Path, help="reuse a recorded run under this dir")
     parser.add_argument("--run", help="the recorded run to reuse (with --data-dir)")
+    parser.add_argument(
+        "--name", default="trace", help="results file: benchmarks/results/<name>.json"
+    )
     args = parser.parse_args()
     if args.data_dir is not None:
         paths = RunPaths(args.data_dir, args.run or RUN)
@@ -213,7 +256,7 @@ def main() -> None:
             wall = record(paths.data_dir, args.preset, args.steps)
             results = {"preset": args.preset, "steps": args.steps, "run_wall_s": round(wall, 1),
                        **bench(paths, args.rollouts, args.repeats)}  # fmt: skip
-    print(save("trace", results).read_text())
+    print(save(args.name, results).read_text())
 
 
 if __name__ == "__main__":

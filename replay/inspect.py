@@ -8,13 +8,15 @@ full scan); ``rlbus trace`` passes only the few the lake's index names
 (``replay.trace_index``) and gets the same chain. What it holds:
 
 - the trace itself: task, messages (role, content; for sampled messages, per token: id,
-  text, sampled mask, logprob, and the advantage each algorithm gave it), reward(s),
-  errors, timings;
+  text, sampled mask, logprob, and what each algorithm trains it with: ``advantage``,
+  the policy-gradient weight of an algorithm whose sample has an RL channel, and
+  ``sft``, the cross-entropy weight of one whose sample has an SFT channel: the warm
+  start's ``sft`` algorithm, or tool outputs trained as SFT), reward(s), errors, timings;
 - **backward**: the ``task.requested`` that asked for it (``request_id``) and the weights
   that sampled its tokens (each ``weights.published`` with a version in
   ``[policy_min, policy_max]``; version 0 is the run's initial weights);
 - **forward**: the ``samples.scored`` of every algorithm that scored it (advantage per
-  branch), each ``batch.assembled`` that trained one of its samples (step, phase, which
+  branch, and the tokens each branch trains with SFT), each ``batch.assembled`` that trained one of its samples (step, phase, which
   algorithm's samples), and the ``weights.published`` that came out of that batch.
 
 ``render_chain`` prints it with rich. A rollout id may be given by a unique prefix
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -107,17 +110,16 @@ def trace_chain(
         for e in events
         if isinstance(e, SamplesScored) and any(s.rollout_id == rid for s in e.samples)
     ]
-    advantages = {  # algorithm -> branch -> per-token advantages
-        e.algorithm: {s.branch: arrays.f32(s.advantages) for s in e.samples if s.rollout_id == rid}
-        for e in scored
-    }
+    advantages, sft = channels(scored, rid)
     source_algorithm = {e.event_id: e.algorithm for e in events if isinstance(e, SamplesScored)}
     batches = []
     for b in (e for e in events if isinstance(e, BatchAssembled)):
         if not any(s.rollout_id == rid for s in b.samples):
             continue
         out = next((w for w in weights.values() if w.batch_id == b.event_id), None)
-        algos = sorted({source_algorithm.get(src, "?") for src in b.sources} & set(advantages))
+        algos = sorted(
+            {source_algorithm.get(src, "?") for src in b.sources} & {e.algorithm for e in scored}
+        )
         batches.append({
             "step": b.step, "event_id": b.event_id, "phase": b.phase, "algorithms": algos,
             "weights": None if out is None else
@@ -150,8 +152,7 @@ def trace_chain(
             mask = arrays.mask(m.sampled).tolist()
             entry["tokens"] = [
                 {"id": t, "text": texts[i], "sampled": bool(mask[i]), "logprob": lps[i],
-                 "advantage": {a: float(adv[branch][offset + i]) for a, adv in advantages.items()
-                               if branch in adv and offset + i < len(adv[branch])}}
+                 "advantage": _at(advantages, branch, offset + i), "sft": _at(sft, branch, offset + i)}
                 for i, t in enumerate(ids)
             ]  # fmt: skip
         messages.append(entry)
@@ -173,7 +174,8 @@ def trace_chain(
         },
         "forward": {
             "scored": [{"algorithm": e.algorithm, "event_id": e.event_id, "zero_advantage": e.zero_advantage,
-                        "advantage": {s.branch: _scalar(s) for s in e.samples if s.rollout_id == rid}}
+                        "advantage": {s.branch: _scalar(s) for s in e.samples if s.rollout_id == rid},
+                        "sft_tokens": _sft_tokens(e, rid)}
                        for e in scored],
             "batches": batches,
         },
@@ -181,9 +183,67 @@ def trace_chain(
     }  # fmt: skip
 
 
+Channel = dict[str, dict[int, np.ndarray]]  # algorithm -> branch -> a weight per token
+
+
+def channels(scored: Sequence[SamplesScored], rollout_id: str) -> tuple[Channel, Channel]:
+    """(advantages, SFT weights) of ``rollout_id``'s samples, per algorithm and branch.
+
+    An algorithm appears under ``advantages`` when one of its samples trains a token by
+    policy gradient (``mask``), under SFT when one carries cross-entropy weights
+    (``ce_weights``, else 1 on ``sft_mask``). So the warm start's ``sft`` samples show
+    what SFT trained, not a column of zero advantages (their RL channel is empty)."""
+    advantages: Channel = {}
+    sft: Channel = {}
+    for e in scored:
+        mine = [s for s in e.samples if s.rollout_id == rollout_id]
+        if any(arrays.mask(s.mask).any() for s in mine):
+            advantages[e.algorithm] = {s.branch: arrays.f32(s.advantages) for s in mine}
+        ce = {s.branch: _ce_weights(s) for s in mine if s.sft_mask is not None or s.ce_weights is not None}  # fmt: skip
+        if any(w.any() for w in ce.values()):
+            sft[e.algorithm] = ce
+    return advantages, sft
+
+
+def _ce_weights(sample: Any) -> np.ndarray:
+    if sample.ce_weights is not None:
+        return arrays.f32(sample.ce_weights)
+    return arrays.mask(sample.sft_mask).astype(np.float32)
+
+
+def _at(channel: Channel, branch: int, i: int) -> dict[str, float]:
+    """Each algorithm's weight of token ``i`` of ``branch`` (where its sample has one)."""
+    return {a: float(w[branch][i]) for a, w in channel.items() if branch in w and i < len(w[branch])}  # fmt: skip
+
+
+def _sft_tokens(event: SamplesScored, rollout_id: str) -> dict[int, int]:
+    """Tokens trained with SFT per branch of ``rollout_id``; empty when none is."""
+    n = {s.branch: int(arrays.mask(s.sft_mask).sum()) for s in event.samples
+         if s.rollout_id == rollout_id and s.sft_mask is not None}  # fmt: skip
+    return n if any(n.values()) else {}
+
+
 def _scalar(sample: Any) -> float:
     mask = arrays.mask(sample.mask)
     return float(arrays.f32(sample.advantages)[mask][0]) if mask.any() else 0.0
+
+
+def token_table(tokens: list[dict[str, Any]]) -> Table:
+    """One row per token: what each algorithm trains it with. ``adv <algorithm>``: the
+    policy-gradient advantage; ``ce <algorithm>``: the SFT (cross-entropy) weight, blank
+    on a token SFT does not train."""
+    adv = sorted({a for t in tokens for a in t["advantage"]})
+    sft = sorted({a for t in tokens for a in t.get("sft", {})})
+    table = Table("#", "token", "sampled", "logprob", *[f"adv {a}" for a in adv],
+                  *[f"ce {a}" for a in sft])  # fmt: skip
+    for i, t in enumerate(tokens):
+        text = repr(t["text"]) if t["text"] is not None else str(t["id"])
+        weights = [t.get("sft", {}).get(a, 0.0) for a in sft]
+        table.add_row(str(i), text, "x" if t["sampled"] else "",
+                      f"{t['logprob']:.4f}" if t["sampled"] else "",
+                      *[f"{t['advantage'].get(a, 0.0):+.4f}" for a in adv],
+                      *[f"{w:.2f}" if w else "" for w in weights])  # fmt: skip
+    return table
 
 
 def render_chain(chain: dict[str, Any], console: Console, tokens: bool = True) -> None:
@@ -200,14 +260,7 @@ def render_chain(chain: dict[str, Any], console: Console, tokens: bool = True) -
         extra = f" (v{m['policy_version']}, {m['finish_reason']})" if m["n_sampled"] else ""
         c.print(f"[bold cyan]{m['role']}[/]{extra}: {m['content']!r}")
         if tokens and m.get("tokens"):
-            algos = sorted({a for t in m["tokens"] for a in t["advantage"]})
-            table = Table("#", "token", "sampled", "logprob", *[f"adv {a}" for a in algos])
-            for i, t in enumerate(m["tokens"]):
-                text = repr(t["text"]) if t["text"] is not None else str(t["id"])
-                table.add_row(str(i), text, "x" if t["sampled"] else "",
-                              f"{t['logprob']:.4f}" if t["sampled"] else "",
-                              *[f"{t['advantage'].get(a, 0.0):+.4f}" for a in algos])  # fmt: skip
-            c.print(table)
+            c.print(token_table(m["tokens"]))
     back, fwd = chain["backward"], chain["forward"]
     c.rule("backward")
     r = back["request"]
@@ -219,7 +272,12 @@ def render_chain(chain: dict[str, Any], console: Console, tokens: bool = True) -
         c.print(f"tokens sampled by {what} {w['digest']}")
     c.rule("forward")
     for s in fwd["scored"]:
-        c.print(f"scored by {s['algorithm']} ({s['event_id']}): advantage {s['advantage']}")
+        trains = []
+        if s["sft_tokens"]:  # an SFT sample: what it trains, not its empty RL channel
+            trains.append(f"SFT on {s['sft_tokens']} tokens (per branch)")
+        if not s["sft_tokens"] or any(s["advantage"].values()):
+            trains.append(f"advantage {s['advantage']}")
+        c.print(f"scored by {s['algorithm']} ({s['event_id']}): {', '.join(trains)}")
     for b in fwd["batches"]:
         w = b["weights"]
         out = "not trained yet" if w is None else f"-> weights v{w['version']} {w['digest']}"

@@ -7,11 +7,13 @@
 
 Layout: ``runs/<run>/lake/<table>/part-<first_seq>-<last_seq>.parquet`` (sequences
 zero-padded so names sort), one folder per table of ``replay.tables.SCHEMAS``, and
-``_state.json``: the last stream sequence each table covers. A sync reads the log from
-the oldest table's position + 1 (``bus.reader.LogReader``: legacy events upcast,
+``_trace/part-<first_seq>-<last_seq>.msgpack``: the trace index (``replay.trace_index``:
+the few ids per event that name a rollout's chain, for ``rlbus trace``), and
+``_state.json``: the last stream sequence each table and the index cover. A sync reads
+the log from the oldest position + 1 (``bus.reader.LogReader``: legacy events upcast,
 unreadable ones reported and skipped), keeps for each table only rows past that
-table's position, writes each table's new rows as one part (temp file + rename), then
-records the new positions. Running it twice adds nothing.
+table's position, writes each table's new rows as one part (temp file + rename), and
+the index's entries past its position as one index part, then records the new positions. Running it twice adds nothing.
 
 Crash safety without a transaction: a part's name says the last sequence it holds, so
 on start the positions are raised to the newest part of each table (a part renamed
@@ -47,10 +49,17 @@ from bus.reader import LogReader, Progress, Skipped
 from bus.runtime import Bus
 from configs.paths import RunPaths
 from replay.tables import DYNAMIC_PREFIX, SCHEMAS, TABLES, rows_for
+from replay.trace_index import (
+    STATE,
+    IndexPart,
+    index_part,
+    index_parts,
+    index_seq,
+    write_index_part,
+)
 from schemas import RunStopped
 
 PART = re.compile(r"^part-(\d+)-(\d+)\.parquet$")
-STATE = "_state.json"
 NULL_IF_NEGATIVE = {"policy_versions"}  # -1 = no policy sampled this token
 COMPACT_AT = 64
 _NP = {pl.Int32: np.int32, pl.Float32: np.float32, pl.Boolean: np.bool_}
@@ -149,7 +158,8 @@ def write_part(lake: Path, table: str, frame: pl.DataFrame) -> Path:
 
 
 def load_state(lake: Path) -> dict[str, Any]:
-    """``{"tables": {table: last seq covered}, "stopped": bool}``, reconciled with the parts."""
+    """``{"tables": {table: last seq covered}, "trace_index": last seq covered, "stopped":
+    bool}``, reconciled with the parts (``index_seq`` reads the index's position alone)."""
     try:
         state = json.loads((lake / STATE).read_text())
     except FileNotFoundError:
@@ -158,7 +168,8 @@ def load_state(lake: Path) -> dict[str, Any]:
     for t in TABLES:
         if found := parts(lake, t):
             tables[t] = max(tables[t], found[-1][1])
-    return {"tables": tables, "stopped": bool(state.get("stopped", False))}
+    stopped = bool(state.get("stopped", False))
+    return {"tables": tables, "trace_index": index_seq(lake), "stopped": stopped}
 
 
 def save_state(lake: Path, state: dict[str, Any]) -> None:
@@ -169,10 +180,9 @@ def save_state(lake: Path, state: dict[str, Any]) -> None:
 
 def repair(lake: Path) -> None:
     """Delete leftover temp files and parts contained in another part's range."""
-    for tmp in lake.glob("*/.part-*.tmp"):
+    for tmp in lake.glob("*/.part-*.tmp"):  # the index's too
         tmp.unlink(missing_ok=True)
-    for t in TABLES:
-        found = parts(lake, t)
+    for found in [*(parts(lake, t) for t in TABLES), index_parts(lake)]:
         for a in found:
             if any(b is not a and b[0] <= a[0] and a[1] <= b[1] for b in found):
                 a[2].unlink(missing_ok=True)
@@ -225,23 +235,29 @@ async def sync_run(
         repair(lake)
         state = load_state(lake)
         pos: dict[str, int] = state["tables"]
-        start = min(pos.values()) + 1
+        start = min(*pos.values(), state["trace_index"]) + 1
         until = await stream_last_seq(bus)
         result = SyncResult(run=bus.run, start_seq=start, last_seq=start - 1)
         reader = LogReader(bus, from_seq=start, until_seq=until)
         buffer: dict[str, list[dict[str, Any]]] = {t: [] for t in TABLES}
+        index = IndexPart()  # the trace index's entries, written with the tables' parts
 
         def report() -> None:  # by sequence: skipped messages are read too
             if on_progress is not None and until >= start:
                 on_progress(reader.last_seq - start + 1, until - start + 1)
 
         def flush(upto: int) -> None:
+            nonlocal index
             for t in TABLES:
                 if buffer[t]:
                     write_part(lake, t, to_frame(t, buffer[t]))
                     result.rows[t] = result.rows.get(t, 0) + len(buffer[t])
                     buffer[t] = []
                 pos[t] = max(pos[t], upto)
+            if len(index):
+                write_index_part(lake, index)
+                index = IndexPart()
+            state["trace_index"] = max(state["trace_index"], upto)
             save_state(lake, state)
 
         async for e in reader.entries():
@@ -250,12 +266,14 @@ async def sync_run(
             for t, rows in tables.items():
                 if e.seq > pos[t]:
                     buffer[t].extend(rows)
+            if e.seq > state["trace_index"]:
+                index_part(tables, index)
             state["stopped"] = state["stopped"] or isinstance(e.event, RunStopped)
             result.events += 1
             if result.events % chunk_events == 0:
                 flush(e.seq)
             report()
-        flush(max(reader.last_seq, min(pos.values())))
+        flush(max(reader.last_seq, start - 1))
         report()
         result.skipped = reader.skipped
         result.last_seq = min(pos.values())
@@ -277,8 +295,10 @@ def compact(lake: Path, table: str) -> Path | None:
 
 
 def synced_seq(lake: Path) -> int:
-    """The last stream sequence every table of the lake covers (0: never synced)."""
-    return min(load_state(lake)["tables"].values())
+    """The last stream sequence every table of the lake and its trace index cover (0:
+    never synced)."""
+    state = load_state(lake)
+    return min(*state["tables"].values(), state["trace_index"])
 
 
 async def stream_last_seq(bus: Bus) -> int:

@@ -93,13 +93,10 @@ def run_figure(curves: RunCurves) -> Figure:
     )
     panels = plotting.draw_learning_panels(curves, ax["reward"], ax["evals"], ax["sft"], ax["rl"])
     stale, rate, tps = ax["stale"], ax["rate"], ax["tps"]
-    plotting.line(stale, curves.series(curves.train, "staleness_mean"), "mean", color="C0")
-    # Dashed on top of the mean: where all of a batch is equally stale, both stay visible.
-    plotting.line(
-        stale, curves.series(curves.train, "staleness_max"), "max", "", ls="--", color="C1"
+    train = curves.train
+    plotting.draw_staleness(
+        stale, curves.series(train, "staleness_mean"), curves.series(train, "staleness_max")
     )
-    stale.set(title="staleness", xlabel=plotting.STEP, ylabel="policy versions behind")
-    plotting.integer_ticks(stale, axis="y")  # staleness counts versions too
     rollouts = curves.rollout_rate()
     plotting.line(rate, rollouts, "rollouts/s", marker="")
     if not rollouts:

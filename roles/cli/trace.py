@@ -5,13 +5,15 @@
                                        # of an eval.completed / samples.scored with one rollout
     rlbus trace <run> <id> --json | --no-tokens
 
-It syncs the run's lake when the stream moved past it (``replay.lake.sync_if_behind``),
-looks up in the lake the stream sequences of the few events the chain needs
-(``replay.trace_index``), fetches only those messages and hands them to the pure
-``replay.inspect.trace_chain``, which builds the chain it built from a scan of every
-event of the seven topics (a cost that grew with the run; ``benchmarks/trace_bench.py``
-compares the two). An id that names no rollout fails in one line (exit 2). Registered
-by ``roles.cli``.
+It looks up in the run's trace index (``replay.trace_index``, written with the lake: by
+``rlbus up``'s live lake role as the run goes) the stream sequences of the few events the
+chain needs, syncing the lake first only when the stream moved past the index (a run
+without the live role: its first trace reads the whole log once), fetches only those
+messages and hands them to the pure ``replay.inspect.trace_chain``, which builds the
+chain it built from a scan of every event of the seven topics (a cost that grew with the
+run; ``benchmarks/trace_bench.py`` compares the two). Nothing on this path imports
+polars, pyarrow or torch. An id that names no rollout fails in one line (exit 2).
+Registered by ``roles.cli``.
 """
 
 from __future__ import annotations
@@ -22,30 +24,30 @@ from typing import Any
 
 import typer
 
-from roles.cli.common import fail, run_async, run_paths, server_for
+from roles.cli.common import fail, run_async, run_option, run_paths, server_for
 
 URL = typer.Option(None, "--nats-url", help="NATS URL (default: the run's embedded server).")
 
 
 async def _load(url: str, run: str, ident: str) -> tuple[str, list[Any]]:
-    """(rollout id, the events of its chain) from the run's lake, synced first."""
+    """(rollout id, the events of its chain) from the run's trace index, the lake synced
+    first if the stream moved past it (not after a run whose live lake role kept it)."""
     from bus.runtime import Bus
-    from replay.lake import sync_if_behind
-    from replay.trace_index import trace_events
+    from replay.trace_index import sync_if_behind, trace_events
     from roles.cli.progress import progress
 
-    paths = run_paths(run)
-    with progress(f"lake sync {run}", unit="events") as update:
-        await sync_if_behind(run, url, paths.data_dir, on_progress=update)
+    lake = run_paths(run).lake
     bus = await Bus.connect(url, run=run, producer="cli-trace")
     try:
-        return await trace_events(bus, paths.lake, ident)
+        with progress(f"lake sync {run}", unit="events") as update:
+            await sync_if_behind(bus, lake, on_progress=update)
+        return await trace_events(bus, lake, ident)
     finally:
         await bus.close()
 
 
 def trace(
-    run: str = typer.Argument(..., help="Run id."),
+    run: str = run_option(),
     rollout_or_event: str = typer.Argument(
         ..., help="Rollout id (or a unique prefix), or an event id that names one."
     ),

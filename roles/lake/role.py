@@ -2,10 +2,13 @@
 
     rlbus role lake --run <run> [--interval 5]
 
-An optional live role: SQL and the analytics API see the run while it trains without a
-manual ``rlbus lake sync``. Every ``interval_s`` it syncs the lake under the run
-directory (then merges small parts past ``COMPACT_AT``), and once more on SIGTERM so
-the lake ends with the run's last events. It is the one role that imports ``replay``:
+``rlbus up`` starts it with every run (not in the supervisor's stop order, so it stops
+last): SQL and the analytics API see the run while it trains, and after the run the
+lake and its trace index (``replay.trace_index``) are current, so neither the first
+``rlbus sql`` nor the first ``rlbus trace`` syncs the whole log (33 s for a default
+run's first trace before). Every ``interval_s`` it syncs the lake under the run
+directory (then merges small parts past ``COMPACT_AT``, the index's too), and once more
+on SIGTERM so the lake ends with the run's last events. It is the one role that imports ``replay``:
 the lake is replay's library, and this role only schedules it (an import contract
 allows exactly this).
 """
@@ -18,6 +21,7 @@ from typing import Any
 from bus.runtime import Bus
 from replay.lake import COMPACT_AT, compact, locked, parts, sync_run
 from replay.tables import TABLES
+from replay.trace_index import compact_index, index_parts
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 
@@ -57,6 +61,8 @@ class LakeRole(Role):
             for t in TABLES:
                 if len(parts(self.lake, t)) >= COMPACT_AT:
                     compact(self.lake, t)
+            if len(index_parts(self.lake)) >= COMPACT_AT:
+                compact_index(self.lake)
 
 
 async def main(

@@ -16,7 +16,13 @@ Every habit lives here once, so both pictures read the same:
 - noisy per-step series (train reward, RL loss) are drawn faint, with a centred rolling
   mean over them (its window named in the legend);
 - the SFT loss (cross-entropy, ~1-5) and the RL loss (policy gradient, ~0 +- 0.1) get
-  panels of their own: on one axis the RL loss would be a flat line at zero.
+  panels of their own: on one axis the RL loss would be a flat line at zero. When SFT
+  happens only in the warm start, the SFT panel's x axis is the warm start's steps alone
+  (shared with the RL steps, its points sat in the first few percent of the width);
+- eval scores carry error bars: the standard error the orchestrator reports beside each
+  ``avg@k`` (``<key>_stderr``, over the eval's tasks);
+- staleness (``rlbus plot``): the max as a shaded step band under the mean, integer y
+  ticks (a dashed max zigzagging over the mean between whole versions did not read).
 
 Which metric is which loss: the trainer reports ``loss`` (the step's total) and its
 channels ``loss_ce`` / ``loss_rl`` / ``loss_ref`` with their token counts
@@ -198,7 +204,11 @@ def draw_learning_panels(
             "markersize": max(3, 8 - 2 * i),
             "zorder": 2 + i,
         }
-        line(evals, points, key, color=f"C{i + 1}", **marks)
+        errors = [curves.stderr(key, int(v)) for v, _ in points]
+        if any(e is not None for e in errors):
+            error_bars(evals, points, [e or 0.0 for e in errors], key, color=f"C{i + 1}", **marks)
+        else:
+            line(evals, points, key, color=f"C{i + 1}", **marks)
     evals.set(title="eval reward", xlabel=VERSION, ylabel="score (avg@k / pass@k)")
     if not scores:
         note(evals, "no eval yet")
@@ -215,7 +225,44 @@ def draw_learning_panels(
     rl.set(title="RL loss", xlabel=STEP, ylabel="policy-gradient loss")
     if not rl_loss:
         note(rl, "no RL step yet")
+    if warm_start_only(sft_loss, curves.warmup_steps):
+        w = curves.warmup_steps
+        sft.set(title="SFT loss (warm start, " + (f"steps 1-{w})" if w > 1 else "step 1)"))
+        sft.set_xlim(0.5, w + 0.5)
+        if w <= 10:  # a tick per step (the locator falls back to fractions under two)
+            sft.set_xticks(range(1, w + 1))
+        else:
+            integer_ticks(sft)
+        return [reward, evals, rl]  # the SFT panel keeps its own x range
     return [reward, evals, sft, rl]
+
+
+def warm_start_only(sft_loss: Series, warmup_steps: int) -> bool:
+    """Whether every SFT step is a warm-start step (none in RL: no tool SFT), so the SFT
+    panel needs only the warm start's x range."""
+    return warmup_steps > 0 and bool(sft_loss) and all(s <= warmup_steps for s, _ in sft_loss)
+
+
+def error_bars(ax: Axes, points: Series, errors: Sequence[float], label: str, **kw: Any) -> None:
+    """A line with a +-``errors`` bar at each point (a standard error)."""
+    xs, ys = zip(*points, strict=True)
+    kw.setdefault("markersize", 3 if len(points) > 60 else 6)
+    ax.errorbar(xs, ys, yerr=errors, label=f"{label} (± stderr)", capsize=3, elinewidth=1, **kw)
+
+
+def draw_staleness(ax: Axes, mean: Series, most: Series) -> None:
+    """Staleness per step: the max as a shaded step band (each step's value held across
+    it), the mean as a line over it; integer y ticks (versions are counts)."""
+    if most:
+        xs, ys = zip(*most, strict=True)
+        ax.fill_between(xs, ys, step="mid", color="C1", alpha=0.25, lw=0, label="max")
+        ax.step(xs, ys, where="mid", color="C1", lw=0.8)
+    line(ax, mean, "mean", color="C0")
+    ax.set(title="staleness", xlabel=STEP, ylabel="policy versions behind")
+    if not (mean or most):
+        note(ax, "no RL batch yet")
+    ax.set_ylim(bottom=0)
+    integer_ticks(ax, axis="y")
 
 
 def step_axes(axes: Sequence[Axes], warmup_steps: int) -> None:

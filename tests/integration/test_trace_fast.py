@@ -23,7 +23,7 @@ from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from replay.inspect import TOPICS, TYPES, TraceNotFound, trace_chain
 from replay.lake import lake_dir, sync_run
-from replay.trace_index import chain_seqs, fetch, index_frames, resolve
+from replay.trace_index import chain_seqs, fetch, load_index, resolve
 from schemas import (
     BatchAssembled,
     Event,
@@ -75,19 +75,19 @@ async def test_the_index_gives_the_full_scans_chain(bus: Bus, tmp_path: Path) ->
     full = [e async for e in read_log(bus, TOPICS, TYPES)]
     lake = lake_dir(tmp_path, bus.run)
     await sync_run(bus, lake)
-    frames = index_frames(lake)
+    index = load_index(lake)
     for rollout in ("r0", "r1"):
-        events = await fetch(bus, chain_seqs(frames, rollout))
+        events = await fetch(bus, chain_seqs(index, rollout))
         assert as_json(trace_chain(events, rollout)) == as_json(trace_chain(full, rollout))
-    wanted = chain_seqs(frames, "r0")
+    wanted = chain_seqs(index, "r0")
     fetched = [type(e) for e in await fetch(bus, wanted)]
     assert fetched == [RunStarted, TaskRequested, TraceCompleted, SamplesScored, BatchAssembled,
                        WeightsPublished, SamplesScored]  # fmt: skip
     assert len(wanted.seqs) < len(full)
 
-    assert resolve(frames, "r1") == "r1"
-    assert resolve(frames, "e-trace-r") == "r1"  # a prefix of an event id
-    assert resolve(frames, "e-scored") == "r0"  # samples.scored holding one rollout
+    assert resolve(index, "r1") == "r1"
+    assert resolve(index, "e-trace-r") == "r1"  # a prefix of an event id
+    assert resolve(index, "e-scored") == "r0"  # samples.scored holding one rollout
     for ident, error in [
         ("r", "2 rollouts start with 'r'"),
         ("e-shadow", "event e-shadow (samples.scored) holds 2 rollouts (r0, r1)"),
@@ -95,7 +95,7 @@ async def test_the_index_gives_the_full_scans_chain(bus: Bus, tmp_path: Path) ->
         ("nope", "no rollout id or event id 'nope'"),
     ]:
         with pytest.raises(TraceNotFound, match=error.replace("(", r"\(").replace(")", r"\)")):
-            resolve(frames, ident)
+            resolve(index, ident)
 
 
 async def test_cli_syncs_the_lake_and_accepts_event_ids(
