@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from roles.cli.common import run_async, server_for
+from roles.cli.common import run_async, run_option, server_for
 
 if TYPE_CHECKING:
     from bus.reader import Progress
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 app = typer.Typer(help="Attach, detach and list algorithm workers of a run.", no_args_is_help=True)
 
-RUN = typer.Option(..., "--run", "-r", help="Run id.")
+RUN = run_option()
 URL = typer.Option(None, "--nats-url", help="NATS URL (default: the run's embedded server).")
 
 
@@ -62,6 +62,7 @@ def attach(
     from_start: bool = typer.Option(False, "--from-start", help="Score every trace of the log, not only new ones."),
     algorithm_id: str | None = typer.Option(None, "--id", help="Worker id (default: the name's last part)."),
     option: list[str] = typer.Option(None, "--option", "-o", help="Algorithm option key=value (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="The worker's log lines as JSON (default: plain lines)."),
 ) -> None:  # fmt: skip
     """Attach an algorithm worker to a live run and run it here until Ctrl-C or detach."""
     from bus.log import configure
@@ -73,7 +74,7 @@ def attach(
     options = _options(option or [])
     with server_for(run, nats_url, existing=True, identity="attach") as url:
         ctx = run_async(role_context(run, url, "algorithm", None, wid))
-        configure(run=run, role="algorithm", instance=ctx.instance)
+        configure(run=run, role="algorithm", instance=ctx.instance, json=as_json)
         attached = run_async(
             _publish_attach(ctx, wid, name, options, env or [], shadow, from_start)
         )
@@ -194,7 +195,7 @@ def detach(
 @app.command("list")
 def list_algorithms(run: str = RUN, nats_url: str | None = URL) -> None:
     """Every algorithm of the run: config or attached, training or shadow, envs and lag."""
-    from rich.console import Console
+    from roles.cli.common import wide_console
 
     async def main(url: str) -> None:
         from roles.runtime.context import role_context
@@ -202,7 +203,7 @@ def list_algorithms(run: str = RUN, nats_url: str | None = URL) -> None:
         ctx = await role_context(run, url, "cli", None)
         bus = await ctx.connect()
         try:
-            Console().print(await algorithm_rich_table(bus, ctx.cfg))
+            wide_console().print(await algorithm_rich_table(bus, ctx.cfg))
         finally:
             await bus.close()
 

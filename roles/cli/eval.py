@@ -294,9 +294,32 @@ def run_checkpoint(data_dir: Path, spec: str) -> Path:
     if not found:
         fail(f"error: --checkpoint {spec!r}: no checkpoint under {paths.checkpoints}")
     if step and int(step) not in found:
-        fail(f"error: --checkpoint {spec!r}: no step {int(step)} (steps: "
-             f"{', '.join(map(str, sorted(found)))})")  # fmt: skip
+        fail(
+            f"error: --checkpoint {spec!r}: {missing_step(int(step), sorted(found), paths.config)}"
+        )
     return found[int(step) if step else max(found)]
+
+
+def missing_step(step: int, kept: list[int], config: Path) -> str:
+    """Why a run has no checkpoint of ``step``, in a phrase: the steps it kept and the keys
+    that keep more, with the run's values when its ``config`` reads
+    (``roles.trainer.core.checkpoints_to_delete`` is the rule)."""
+    from configs import ConfigError, load_config
+
+    try:
+        t = load_config(str(config)).trainer if config.exists() else None
+    except ConfigError:
+        t = None
+
+    def key(name: str) -> str:
+        return f"trainer.{name}" + ("" if t is None else f" ({getattr(t, name)})")
+
+    return (
+        f"no step {step} (kept: {', '.join(map(str, kept))}): the trainer writes a checkpoint "
+        f"every {key('checkpoint_interval')} steps and keeps the newest "
+        f"{key('keep_checkpoints')} and each step that is a multiple of "
+        f"{key('checkpoint_keep_every')}; set them for a run to keep more"
+    )
 
 
 def served_dir(source: ModelSource, models: Path, base_path: str) -> Path:

@@ -1,7 +1,7 @@
 """``rlbus lake sync|info`` and ``rlbus sql``: a run's Parquet lake, and SQL over it.
 
-    rlbus lake sync smoke1                         # materialise new events (idempotent)
-    rlbus lake info smoke1                         # parts, rows and position per table
+    rlbus lake sync --run smoke1                   # materialise new events (idempotent)
+    rlbus lake info --run smoke1                   # parts, rows and position per table
     rlbus sql --run smoke1 "select step, avg(reward) from rollouts group by step"
     rlbus sql --run smoke1 -f csv -o rewards.csv "select * from rollouts"
     rlbus sql --run smoke1                         # interactive: end statements with ';'
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import typer
 
-from roles.cli.common import fail, local_runs, no_run, run_async, server_for
+from roles.cli.common import fail, local_runs, no_run, run_async, run_option, server_for
 
 if TYPE_CHECKING:
     import duckdb
@@ -47,7 +47,7 @@ def _data_dir(data_dir: str | None) -> Path:
 
 @lake_app.command("sync")
 def sync(
-    run: str = typer.Argument(..., help="Run id."),
+    run: str = run_option(),
     nats_url: str | None = URL,
     data_dir: str | None = DATA,
 ) -> None:
@@ -66,7 +66,7 @@ def sync(
 
 
 @lake_app.command("info")
-def info(run: str = typer.Argument(..., help="Run id."), data_dir: str | None = DATA) -> None:
+def info(run: str = run_option(), data_dir: str | None = DATA) -> None:
     """Parts, rows and last synced sequence of every table of a run's lake."""
     import polars as pl
     from rich.console import Console
@@ -80,7 +80,7 @@ def info(run: str = typer.Argument(..., help="Run id."), data_dir: str | None = 
     if not lake.exists():
         if run not in local_runs(root):
             no_run(run, f"no run data under {root}", local_runs(root))
-        fail(f"no lake at {lake}: run `rlbus lake sync {run}`")
+        fail(f"no lake at {lake}: run `rlbus lake sync --run {run}`")
     state = load_state(lake)
     table = Table("table", "parts", "rows", "synced to seq", title=f"lake of {run}")
     for t in TABLES:
@@ -185,7 +185,7 @@ def repl(con: duckdb.DuckDBPyConnection, stdin: TextIO, fmt: str = "table") -> N
 
 def sql(
     query: str | None = typer.Argument(None, help="SQL; without it, an interactive shell."),
-    run: str | None = typer.Option(None, "--run", "-r", help="Run id (default: every run)."),
+    run: str | None = run_option(None, "Run id (default: every run)."),
     fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json | parquet."),
     out: str | None = typer.Option(None, "--out", "-o", help="Write the result to this file."),
     no_sync: bool = typer.Option(False, "--no-sync", help="Query the lake as it is."),

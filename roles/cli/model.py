@@ -54,7 +54,7 @@ def init(
 
 @app.command("export")
 def export(
-    run: str = typer.Argument(..., help="Run id whose trained policy to export."),
+    run: str = typer.Option(..., "--run", "-r", help="Run id whose trained policy to export."),
     out: Path = typer.Option(..., "--out", "-o", help="Directory to write the model to."),
     step: int | None = typer.Option(None, "--step", help="Checkpoint step (default: newest)."),
     data_dir: Path = typer.Option(

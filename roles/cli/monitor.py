@@ -1,8 +1,8 @@
 """``rlbus monitor``: a run's metrics into TensorBoard or W&B, read from its log.
 
-    rlbus monitor <run> --to tensorboard              # runs/<run>/tb (tensorboard --logdir)
-    rlbus monitor <run> --to wandb                    # runs/<run>/wandb, offline
-    rlbus monitor <run> --to tensorboard --out /tmp/tb
+    rlbus monitor --run <run> --to tensorboard        # runs/<run>/tb (tensorboard --logdir)
+    rlbus monitor --run <run> --to wandb              # runs/<run>/wandb, offline
+    rlbus monitor --run <run> --to tensorboard --out /tmp/tb
 
 The same feed as the live monitor role (``roles.monitor``): it reads the log to its end
 and exits. A sink directory remembers how far it got, so pointing the command at the
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from roles.cli.common import fail, run_async, run_paths, server_for
+from roles.cli.common import fail, run_async, run_option, run_paths, server_for
 
 if TYPE_CHECKING:
     from configs import MonitorConfig, RunPaths
@@ -31,7 +31,7 @@ DATA = typer.Option(
 
 
 def monitor(
-    run: str = typer.Argument(..., help="Run id."),
+    run: str = run_option(),
     to: list[str] = typer.Option(..., "--to", help="Sink: tensorboard or wandb (repeatable)."),
     out: Path | None = typer.Option(None, "--out", help="Directory to write (one sink only)."),
     wandb_mode: str | None = typer.Option(None, "--wandb-mode", help="offline or online."),

@@ -1,10 +1,10 @@
 """``rlbus replay``, ``export``, ``import``, ``plot``: the run is its log.
 
-    rlbus replay <run> trainer [--until N] [--fork NEW --from N key=value ...]
-    rlbus replay <run> algorithm <id>
-    rlbus replay <run> rubric [--env KEY] [--no-eval]
-    rlbus export <run> run.tar ; rlbus import run.tar [--data-dir D] [--run NEW]
-    rlbus plot <run> [--out curves.png]
+    rlbus replay --run <run> trainer [--until N] [--fork NEW --from N key=value ...]
+    rlbus replay --run <run> algorithm <id>
+    rlbus replay --run <run> rubric [--env KEY] [--no-eval]
+    rlbus export --run <run> run.tar ; rlbus import run.tar [--data-dir D] [--run NEW]
+    rlbus plot --run <run> [--out curves.png]
 
 Thin wrappers over ``replay.*``: they find (or start) the run's NATS server
 (``server_for``), read what they need, stop the server, then compute. Reading, replaying,
@@ -24,7 +24,7 @@ from typing import Any
 
 import typer
 
-from roles.cli.common import run_async, run_paths, server_for
+from roles.cli.common import run_async, run_option, run_paths, server_for
 
 replay_app = typer.Typer(
     help="Replay a recorded run's pure roles (trainer, algorithms, rubric) and diff.",
@@ -46,8 +46,21 @@ async def _connect(url: str, run: str, producer: str = "replay") -> Any:
 
 
 @replay_app.callback()
-def _replay(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."), nats_url: str | None = URL) -> None:  # fmt: skip
+def _replay(
+    ctx: typer.Context, run: str | None = run_option(None), nats_url: str | None = URL
+) -> None:
+    # Optional here, so that `rlbus replay trainer --help` works; each command asks (_run).
     ctx.obj = {"run": run, "nats_url": nats_url}
+
+
+def _run(ctx: typer.Context) -> str:
+    """The run the replay is of: ``rlbus replay --run R trainer`` (or ``replay R trainer``)."""
+    from roles.cli.common import fail
+
+    run: str | None = ctx.obj["run"]
+    if run is None:
+        fail(f"rlbus replay {ctx.info_name}: which run? --run RUN")
+    return run
 
 
 @contextlib.contextmanager
@@ -75,7 +88,7 @@ def trainer(
     from replay.trainer import ReplayError, publish_fork, replay_run, run_fork
     from roles.cli.progress import progress
 
-    run, nats_url, console = ctx.obj["run"], ctx.obj["nats_url"], _console()
+    run, nats_url, console = _run(ctx), ctx.obj["nats_url"], _console()
     if (fork is None) != (from_step is None) or (overrides and fork is None):
         raise typer.BadParameter("--fork NEW and --from STEP go together (overrides need them)")
     try:
@@ -169,7 +182,7 @@ def algorithm(ctx: typer.Context, name: str = typer.Argument(..., help="Algorith
     )
     from roles.cli.progress import progress
 
-    run, console = ctx.obj["run"], _console()
+    run, console = _run(ctx), _console()
 
     async def load(url: str, update: Any) -> Any:
         bus = await _connect(url, run)
@@ -215,7 +228,7 @@ def rubric(
     from replay.rubric import read_rubric_log, rescore
     from roles.cli.progress import progress
 
-    run, console = ctx.obj["run"], _console()
+    run, console = _run(ctx), _console()
 
     async def load(url: str, update: Any) -> Any:
         bus = await _connect(url, run)
@@ -240,7 +253,7 @@ def rubric(
 
 
 def export(
-    run: str = typer.Argument(..., help="Run id."),
+    run: str = run_option(),
     file: Path = typer.Argument(..., help="Archive to write (.tar, or .tar.gz to compress)."),
     model: bool = typer.Option(True, "--model/--no-model", help="Include the initial model dir."),
     all_weights: bool = typer.Option(
@@ -319,7 +332,7 @@ def import_run(
 
 
 def plot(
-    run: str = typer.Argument(..., help="Run id."),
+    run: str = run_option(),
     out: Path | None = typer.Option(None, "--out", help="PNG to write (default <run>/plot.png)."),
     nats_url: str | None = URL,
 ) -> None:

@@ -19,11 +19,11 @@ from typing import Any
 import typer
 
 from bus.subjects import token_for
-from roles.cli.common import run_async, server_for
+from roles.cli.common import run_async, run_option, server_for
 
 app = typer.Typer(help="Run one role process (attach it to a live run).", no_args_is_help=True)
 
-RUN = typer.Option(..., "--run", "-r", help="Run id.")
+RUN = run_option()
 URL = typer.Option(None, "--nats-url", help="NATS URL (default: the run's embedded server).")
 CONFIG = typer.Option(
     None, "--config", "-c", help="Config (default: the run's run.started config)."

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from roles.cli.common import fail
+from roles.cli.common import fail, run_option
 
 if TYPE_CHECKING:
     from configs import RunConfig
@@ -53,7 +53,7 @@ def rollout(
     group_size: int = typer.Option(8, "--group-size", "-g", help="Rollouts per task."),
     config: str = typer.Option("smoke", "--config", "-c", help="Preset name or TOML file."),
     nats_url: str | None = typer.Option(None, "--nats-url", help="Use this NATS server."),
-    run: str | None = typer.Option(None, "--run", "-r", help="Run id (default: a new one)."),
+    run: str | None = run_option(None, "Run id (default: a new one)."),
     split: str = typer.Option("train", "--split", help="train or eval."),
     model: str = typer.Option("policy", "--model", "-m", help="Inference model that acts."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every trace."),

@@ -23,7 +23,7 @@ from typing import Any
 
 import typer
 
-from roles.cli.common import fail
+from roles.cli.common import fail, run_option
 
 
 def serve(
@@ -32,7 +32,7 @@ def serve(
     port: int = typer.Option(8000, "--port", "-p", help="Port (0: any free one)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
     config: str = typer.Option("smoke", "--config", "-c", help="Preset name or TOML file."),
-    run: str | None = typer.Option(None, "--run", "-r", help="Run id (default: a new one)."),
+    run: str | None = run_option(None, "Run id (default: a new one)."),
     nats_url: str | None = typer.Option(None, "--nats-url", help="Use this NATS server."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the endpoint."),
 ) -> None:  # fmt: skip

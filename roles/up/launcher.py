@@ -79,6 +79,9 @@ def role_commands(cfg: RunConfig) -> list[tuple[str, list[str]]]:
         specs.append(("monitor", ["monitor"]))
     if cfg.gateway.enabled:
         specs.append(("gateway", ["gateway"]))
+    # The lake and its trace index written as the run goes (stopped last: it ends with the
+    # run's last events), so `rlbus trace` and `rlbus sql` after the run sync nothing.
+    specs.append(("lake", ["lake"]))
     return specs
 
 
@@ -130,20 +133,25 @@ def new_run_id() -> str:
 
 
 def launch(
-    cfg: RunConfig, nats_url: str | None = None, live_view: bool = True, mode: Mode = "new"
+    cfg: RunConfig,
+    nats_url: str | None = None,
+    live_view: bool = True,
+    mode: Mode = "new",
+    json_lines: bool = False,
 ) -> int:
     """Run the whole thing; returns the process exit code. ``mode`` says what to do with
-    an earlier launch of the same run id (``roles.up.run_guard``)."""
+    an earlier launch of the same run id (``roles.up.run_guard``); ``json_lines``: the
+    launcher's log lines as JSON (``rlbus up --json``; ``log_as_json``)."""
     run = cfg.run or new_run_id()
     cfg.run = run
     paths = RunPaths.of(cfg)  # cfg.bus.data_dir is settled by the command
     try:
         with RunLock(paths):  # before anything of the run is touched
             previous = previous_run(paths)
-            check_previous(paths, mode, previous)
+            check_previous(paths, mode, previous, cfg.max_steps)
             if mode == "fresh" and previous is not None:
                 start_over(paths)
-            return _launch_locked(cfg, paths, nats_url, live_view, mode)
+            return _launch_locked(cfg, paths, nats_url, live_view, mode, json_lines)
     except RunRefused as e:
         print(f"rlbus up: {e}", file=sys.stderr)
         if [p.name for p in paths.dir.iterdir()] == [LOCK_FILE]:
@@ -151,8 +159,21 @@ def launch(
         return 2
 
 
+def log_as_json(live_view: bool, json_lines: bool, stdout_tty: bool) -> bool:
+    """Whether the launcher's log lines on stderr are JSON: asked for (``--json``), or
+    ``--no-view`` on a pipe (a program reads them: the e2e tests read ``role.started``).
+    Otherwise a person reads them, live view or not: plain lines (``bus.log``). Either
+    way ``logs/launcher.log`` holds them as JSON."""
+    return json_lines or (not live_view and not stdout_tty)
+
+
 def _launch_locked(
-    cfg: RunConfig, paths: RunPaths, nats_url: str | None, live_view: bool, mode: Mode
+    cfg: RunConfig,
+    paths: RunPaths,
+    nats_url: str | None,
+    live_view: bool,
+    mode: Mode,
+    json_lines: bool = False,
 ) -> int:
     from bus.log import configure
     from bus.server import running_server_url
@@ -160,12 +181,19 @@ def _launch_locked(
     run = paths.run
     paths.logs.mkdir(parents=True, exist_ok=True)
     live = live_view and sys.stdout.isatty()
-    # With the live view on a terminal, routine lines would scroll it away: warnings only.
-    configure(run=run, role="launcher", json=not live, level="WARNING" if live else "INFO")
+    # With the live view on a terminal, routine lines would scroll it away: warnings only
+    # there (every line still goes to logs/launcher.log).
+    configure(
+        run=run, role="launcher", json=log_as_json(live_view, json_lines, sys.stdout.isatty()),
+        level="WARNING" if live else "INFO", json_file=paths.log("launcher"),
+    )  # fmt: skip
     # --nats-url or bus.url, else the run's own embedded server(s) (started unless
     # running), with authentication on. Only servers this launcher started are watched
     # and restarted when they die.
     given = nats_url or cfg.bus.url
+    # Said at once: torch's import (devices, the tiny model) takes seconds before the
+    # view has anything to show.
+    print(f"rlbus up: run {run}: starting the server, the model and the roles", flush=True)
     with contextlib.ExitStack() as stack:
         servers: list[EmbeddedServer] = []
         url = given or running_server_url(paths.nats)

@@ -61,13 +61,23 @@ def test_monitor_command_writes_the_same_scalars(
 ) -> None:
     data, _ = smoke
     out = tmp_path / "tb"
-    args = ["monitor", RUN, "--to", "tensorboard", "--out", str(out), "--data-dir", str(data)]
+    args = [
+        "monitor",
+        "--run",
+        RUN,
+        "--to",
+        "tensorboard",
+        "--out",
+        str(out),
+        "--data-dir",
+        str(data),
+    ]
     result = CliRunner().invoke(cli(), args)
     assert result.exit_code == 0, result.output
     same(tensorboard_scalars(out), tensorboard_scalars(data / RUN / "tb"))
     # Pointed at the live sink's directory, it finds nothing left to write.
     again = CliRunner().invoke(
-        cli(), ["monitor", RUN, "--to", "tensorboard", "--data-dir", str(data)]
+        cli(), ["monitor", "--run", RUN, "--to", "tensorboard", "--data-dir", str(data)]
     )
     assert again.exit_code == 0, again.output
     assert "tensorboard: 0 metrics events" in again.output
