@@ -182,8 +182,14 @@ class Consumer:
         info = await self.bus.js.consumer_info(self.bus.stream, self.sub.durable)
         return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
 
-    async def run(self, stop: asyncio.Event, drain_timeout_s: float = 30.0) -> None:
-        """Consume until ``stop`` is set, then finish in-flight work (or nak it) and return."""
+    async def run(
+        self,
+        stop: asyncio.Event,
+        drain_timeout_s: float = 30.0,
+        hand_back: asyncio.Event | None = None,
+    ) -> None:
+        """Consume until ``stop`` is set, then finish in-flight work (or nak it) and return;
+        once ``hand_back`` is set, in-flight work is naked at once instead of finished."""
         await self.ensure()
         psub = await self.bus.js.pull_subscribe_bind(self.sub.durable, self.bus.stream)
         sequential = self.sub.concurrency <= 1
@@ -217,7 +223,7 @@ class Consumer:
                         self._inflight.add(task)
                         task.add_done_callback(self._inflight.discard)
         finally:
-            await self._drain(drain_timeout_s)
+            await self._drain(drain_timeout_s, hand_back)
             keepalive.cancel()
             # What is still held (a sequential consumer stopped by an error) is not kept
             # alive any more: the server redelivers it after ack_wait.
@@ -235,14 +241,31 @@ class Consumer:
     def _free_slots(self) -> int:
         return max(0, min(self.sub.batch, self.sub.concurrency - len(self._inflight)))
 
-    async def _drain(self, timeout_s: float) -> None:
+    async def _drain(self, timeout_s: float, hand_back: asyncio.Event | None) -> None:
+        """Wait for the in-flight handlers up to ``timeout_s`` or until ``hand_back`` is
+        set; those still running are cancelled, which naks their inputs."""
         if not self._inflight:
             return
         self.log.info("consumer.draining", inflight=len(self._inflight))
-        _, pending = await asyncio.wait(set(self._inflight), timeout=timeout_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        pending = set(self._inflight)
+        told = asyncio.create_task((hand_back or asyncio.Event()).wait())
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        try:
+            while pending and not told.done():
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait(
+                    {*pending, told}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending -= done
+        finally:
+            if pending and told.done():
+                self.log.info("consumer.handing_back", inflight=len(pending))
+            told.cancel()
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _process_release(self, msg: Msg) -> None:
         try:

@@ -238,6 +238,13 @@ class TrainerConfig(_Section):
     micro_batch_size: int | None = Field(default=None, ge=1)  # None = pack by seq_len only
     device: str = "auto"
     checkpoint_interval: int = Field(default=10, ge=0)  # steps between checkpoints; 0 = off
+    # Newest checkpoints kept in <run dir>/checkpoints (older ones are deleted as a new one
+    # is written); 0 = keep every checkpoint.
+    keep_checkpoints: int = Field(default=2, ge=0)
+    # Besides those, a checkpoint whose step is a multiple of this is kept for good; 0 =
+    # none. Checkpoints are written every `checkpoint_interval` steps and at a graceful
+    # stop, so the steps kept are those that are multiples of both (100 and 10: 100, 200).
+    checkpoint_keep_every: int = Field(default=100, ge=0)
     # Newest published weights versions kept in the run's object store (older ones are
     # deleted once a newer one is announced; the initial weights always stay); 0 = keep all.
     keep_weights: int = Field(default=4, ge=0)

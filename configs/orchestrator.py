@@ -292,6 +292,10 @@ class OrchestratorConfig(_Section):
     stall_factor: float = Field(default=5.0, gt=0)
     stall_min_s: float = Field(default=30.0, gt=0)
     stall_stop_s: float = Field(default=900.0, gt=0)
+    # Rollouts that only error: no trainer step and not one rollout that could train for
+    # this long, while rollouts keep erroring, stops the run (reason "rollout_errors")
+    # naming the most frequent error, long before a stall would (0 = never).
+    error_stop_s: float = Field(default=120.0, ge=0)
     # Tasks dead-lettered because env code raised (a bug, not a flaky model) before the
     # run stops with reason "env_error", naming the env and the error.
     max_env_errors: int = Field(default=3, ge=1)

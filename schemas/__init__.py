@@ -32,7 +32,14 @@ from schemas.rollout import (
     TraceCompleted,
     TraceError,
 )
-from schemas.run import ObjectRef, RunStarted, RunStopped, run_started_id, run_stopped_id
+from schemas.run import (
+    ObjectRef,
+    RunStarted,
+    RunStopped,
+    run_resumed_id,
+    run_started_id,
+    run_stopped_id,
+)
 from schemas.training import (
     AlgorithmAttached,
     AlgorithmDetached,
@@ -70,6 +77,7 @@ def schema_of(cls: type[msgspec.Struct]) -> tuple[str, int]:
 
 __all__ = [
     "batch_id",
+    "run_resumed_id",
     "run_started_id",
     "run_stopped_id",
     "EVENT_TYPES",

@@ -24,6 +24,8 @@ class RunStarted(Event, frozen=True, tag="run_started/1"):
     seed: int
     model_path: str
     initial_weights: ObjectRef | None = None  # weights of policy version 0
+    # A later start: the config in force from here on (``rlbus up --resume`` with changed
+    # keys: id ``run_resumed_id``; a replay's fork).
     resumed: bool = False
 
 
@@ -34,13 +36,22 @@ def run_started_id(run: str) -> str:
     return derive_id(run, "started")
 
 
-def run_stopped_id(run: str) -> str:
-    """The id of the orchestrator's ``run.stopped`` (a run stops once): the orchestrator
-    and the launcher take no other."""
-    return derive_id(run, "stopped")
+def run_resumed_id(run: str, segment: int) -> str:
+    """The id of the orchestrator's ``run.started`` with ``resumed=True`` that opens
+    segment ``segment`` (1, 2, ...) of a run: ``rlbus up --resume`` with changed keys."""
+    return derive_id(run, "started", segment)
+
+
+def run_stopped_id(run: str, segment: int = 0) -> str:
+    """The id of the orchestrator's ``run.stopped`` (a run stops once per segment: its
+    start, then each ``run_resumed_id``): the orchestrator and the launcher take no other.
+    Segment 0's is the run's stop as it always was."""
+    return derive_id(run, "stopped", segment) if segment else derive_id(run, "stopped")
 
 
 class RunStopped(Event, frozen=True, tag="run_stopped/1"):
-    reason: str  # "max_steps" | "no_learning_signal" | "user" | "error"
+    # "max_steps" | "no_learning_signal" | "env_error" | "stalled" | "rollout_errors"
+    # (the orchestrator's: roles/orchestrator) | "user" | "error"
+    reason: str
     step: int = 0
     detail: str = ""

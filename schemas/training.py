@@ -104,6 +104,10 @@ class SamplesScored(Event, frozen=True, tag="samples_scored/1"):
     # The members whose branches those errored rollouts would have trained, in group
     # order (what ``rae`` updates its baselines with at reward 0).
     excluded_members: list[str] = msgspec.field(default_factory=list)
+    # Why they errored: each distinct first error, ``<kind>: <its message's first line>``
+    # (cut to 200 characters), with how many of the group's rollouts had it; what the
+    # orchestrator's error stop names (``orchestrator.error_stop_s``).
+    excluded_errors: dict[str, NonNegative] = msgspec.field(default_factory=dict)
     # Rollouts an enforcing filter flagged (``Trace.is_filtered``): their rewards are in
     # ``rewards`` and the baseline, their samples are not here.
     filtered: NonNegative = 0

@@ -32,7 +32,7 @@ Nothing here reads the clock, the RNG or the network: replay calls the same func
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,8 +278,21 @@ def score_group(
         excluded_members=[
             b.member for e in events if not e.trace.ok for b in e.trace.branches if b.member
         ],
+        excluded_errors=error_counts(e.trace for e in events),
         zero_advantage=not any(has_signal(s) for s in samples),
     )
+
+
+def error_counts(traces: Iterable[Trace]) -> dict[str, int]:
+    """Each errored trace's first error as ``<kind>: <first line of its message>`` (cut
+    to 200 characters), counted: ``SamplesScored.excluded_errors``."""
+    out: dict[str, int] = {}
+    for t in traces:
+        if t.errors:
+            e = t.errors[0]
+            line = f"{e.kind}: {(e.message.strip().splitlines() or [''])[0]}"[:200]
+            out[line] = out.get(line, 0) + 1
+    return out
 
 
 class GroupBuffer:

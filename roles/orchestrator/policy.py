@@ -16,6 +16,7 @@ Asynchrony, the two documented bounds:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any, Literal
 
 import msgspec
@@ -291,7 +292,7 @@ class Decider:
         self.emit(
             RunStopped(
                 run=self.run,
-                event_id=run_stopped_id(self.run),
+                event_id=run_stopped_id(self.run, s.segment),
                 reason=reason,
                 step=s.trainer_version,
                 detail=detail or "",
@@ -310,6 +311,60 @@ def env_error_detail(state: OrchestratorState) -> str:
         f"{len(failures)} task(s) of env {', '.join(envs)} dead-lettered by the env server: "
         f"{last.headline} (the traceback: `rlbus events {last.run} "
         "--topic dead.lettered --json`)"
+    )
+
+
+# What to change, by the kind of a rollout's first error (``TraceError.kind``).
+ERROR_ADVICE = {
+    "context_too_long": (
+        "prompts outgrow the model: raise `inference.max_model_len` or shorten the env's "
+        "prompts and `max_completion_tokens`"
+    ),
+    "inference_timeout": (
+        "the model's server answers too slowly or not at all: read its log, or raise "
+        "`inference.request_timeout_s`"
+    ),
+    "inference_error": "the model's server could not be reached: read its log",
+    "no_responders": "no server answers for the model: read its log",
+    "internal": "the model's server raised on every request: its log has the traceback",
+    "bad_request": "the model's server refused the requests: its log says why",
+    "bad_reply": "the model's replies are malformed: read its server's log",
+    "render_error": (
+        "the renderer cannot extend the conversation token for token: check "
+        "`model.renderer` (docs/models.md)"
+    ),
+    "no_actor_turn": "the learner never spoke: check the env's members and seating",
+}
+DEFAULT_ADVICE = "read the env server's and the model's role logs"
+
+
+def error_stop(state: OrchestratorState, cfg: RunConfig, erroring_s: float) -> str | None:
+    """The stop message of a run whose rollouts only error, or None while it may go on.
+
+    ``erroring_s``: how long (the watch's clock) rollouts have errored with no rollout
+    that could train and no trainer step since (the later of the two). Past
+    ``orchestrator.error_stop_s`` (0: never) it stops: one line naming how many errored,
+    the most frequent error (kind and message), the env and model, and what to change.
+    A stall would stop the run too, but only past ``stall_stop_s`` and naming what it
+    waits for, not why: every errored rollout is replaced by a new one, silently.
+    """
+    limit = cfg.orchestrator.error_stop_s
+    if limit <= 0 or state.error_streak == 0 or erroring_s < limit:
+        return None
+    # The most frequent kind (messages differ in their numbers), with its most frequent one.
+    by_kind: Counter[str] = Counter()
+    for headline, n in state.streak_errors.items():
+        by_kind[headline.split(":", 1)[0]] += n
+    kind, count = by_kind.most_common(1)[0]
+    headline = max(
+        (h for h in state.streak_errors if h.split(":", 1)[0] == kind),
+        key=lambda h: state.streak_errors[h],
+    )
+    return (
+        f"{state.error_streak} rollouts in a row errored and none could train "
+        f"(no trainer step for {erroring_s:.0f} s); {count} of them {headline} "
+        f"[{state.streak_source}]; {ERROR_ADVICE.get(kind, DEFAULT_ADVICE)} "
+        f"(stopped by `orchestrator.error_stop_s` = {limit:g}; 0 never stops)"
     )
 
 

@@ -16,25 +16,32 @@ released (a ``samples.scored`` with ``failed="deadline ..."`` for each algorithm
 still waits for, folded like any other), and a run with no new batch for longer than
 the stall threshold is reported (``run.stalled`` with what it waits for, in the
 heartbeat's info for ``rlbus status`` and the live view, a ``metrics.reported.stall``)
-and, past ``stall_stop_s``, stopped with reason "stalled". What the watch publishes
-is on the log, so a restart and a replay fold the same releases and the same stop.
+and, past ``stall_stop_s``, stopped with reason "stalled". Rollouts that only error
+(none could train, no trainer step) for ``error_stop_s`` stop the run sooner, with
+reason "rollout_errors" and the most frequent error (``policy.error_stop``): every
+errored rollout is replaced by a new one, so such a run would otherwise loop silently
+until the stall stop. What the watch publishes is on the log, so a restart and a replay
+fold the same releases and the same stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import statistics
 import time
 from collections import deque
+from typing import Any
 
 from bus.consumer import Delivery, Effects
 from bus.errors import Rejected
 from bus.follower import Follow
 from bus.offload import OBJECT_STORE_MAX_BYTES
+from bus.reader import read_log
 from bus.registry import is_alive
 from bus.subjects import Topic
-from configs import RunConfig
-from roles.orchestrator.policy import decide, trains_on, waits_for
+from configs import RunConfig, resolve
+from roles.orchestrator.policy import decide, error_stop, trains_on, waits_for
 from roles.orchestrator.state import OrchestratorState
 from roles.runtime.context import RoleContext, read_run_started
 from roles.runtime.role import Role, serve_role
@@ -48,6 +55,7 @@ from schemas import (
     SamplesScored,
     derive_id,
     new_id,
+    run_resumed_id,
     run_started_id,
     run_stopped_id,
 )
@@ -70,6 +78,7 @@ class Orchestrator(Role):
         self.applied = 0
         self.stall: Stall | None = None  # the current stall, while there is one
         self.caught_up = False  # folded the whole log once (the watch waits for it)
+        self._configs: dict[str, RunConfig] = {}  # by run.started id (``config_in_force``)
 
     async def setup(self) -> None:
         await self.start_run()
@@ -85,15 +94,25 @@ class Orchestrator(Role):
         return [self._watch()]
 
     async def status(self) -> dict[str, object]:
-        info = {"assembled": str(self.state.assembled)}
+        s = self.state
+        # Rollout counts of the groups folded so far, for the launcher's view and report
+        # (their sum is every scored train rollout; errored and filtered ones never train).
+        info = {
+            "assembled": str(s.assembled), "trainable_rollouts": str(s.trainable_rollouts),
+            "errored_rollouts": str(s.errored_rollouts),
+            "filtered_rollouts": str(s.filtered_rollouts),
+        }  # fmt: skip
+        if s.error_streak:
+            info["erroring"] = s.streak_errors.most_common(1)[0][0]
         if self.stall is not None:
             info["stalled_s"] = f"{self.stall.seconds():.0f}"
             info["waiting_for"] = "; ".join(self.stall.waiting_for)
         return {"policy_version": self.state.trainer_version, "info": info}
 
     async def start_run(self) -> None:
-        if await read_run_started(self.bus) is not None:
-            self.log.info("orchestrator.resuming")
+        first = await read_run_started(self.bus)
+        if first is not None:
+            await self._resume(first)
             return
         weights_dir = self.ctx.model_dir()
         initial = None
@@ -128,6 +147,51 @@ class Orchestrator(Role):
         )
         self.log.info("run.started", model=str(weights_dir))
 
+    async def _resume(self, first: RunStarted) -> None:
+        """A restart, or ``rlbus up --resume``: when this process's config differs from
+        the one in force (the newest of the run's starts), publish it as the start of the
+        run's next segment (``resumed=True``, ``run_resumed_id``), which the fold, the
+        launcher and a replay read as the config from there on."""
+        starts = [first]
+        events = read_log(self.bus, [(Topic.RUN_STARTED, None)], (RunStarted,))
+        async with contextlib.aclosing(events):
+            async for e in events:
+                if e.resumed and e.event_id == run_resumed_id(self.run, len(starts)):
+                    starts.append(e)
+        in_force = starts[-1]
+        if self._config_of(in_force) is self.cfg:
+            self.log.info("orchestrator.resuming", segment=len(starts) - 1)
+            return
+        resumed = RunStarted(
+            run=self.run, event_id=run_resumed_id(self.run, len(starts)),
+            causation_id=in_force.event_id, config=self.cfg.model_dump(mode="json"),
+            seed=self.cfg.seed, model_path=first.model_path,
+            initial_weights=first.initial_weights, resumed=True,
+        )  # fmt: skip
+        await self.bus.publish(resumed)
+        changed = changed_keys(_decisive(self._config_of(in_force)), _decisive(self.cfg))
+        self.log.info("run.resumed", segment=len(starts), changed=changed)
+
+    def config_in_force(self) -> RunConfig:
+        """The config of the newest start folded so far (``state.started``): a resumed
+        run's log is re-decided under the config each part of it was decided with, so its
+        decisions come out the same, with the same ids."""
+        started = self.state.started
+        if started is None:
+            return self.cfg
+        if started.event_id not in self._configs:
+            self._configs[started.event_id] = self._config_of(started)
+        return self._configs[started.event_id]
+
+    def _config_of(self, started: RunStarted) -> RunConfig:
+        """``started``'s config; this process's own (the same object) when they agree but
+        for where the run lives."""
+        cfg = resolve(started.config, source=f"run.started {started.event_id} of {self.run}")
+        if _decisive(cfg) == _decisive(self.cfg):
+            return self.cfg
+        cfg.run = self.run
+        return cfg
+
     async def on_event(self, event: Event, delivery: Delivery) -> Effects:
         """Fold one event, then decide: what the decision returns is published."""
         self.caught_up = self.caught_up or delivery.pending == 0
@@ -139,12 +203,13 @@ class Orchestrator(Role):
             # samples, so it is released now, and what that frees is decided at once.
             self.state.fail_group(event, reason)
             raise Rejected(reason, outputs=self._decide(event))
-        self.state.apply(event, skip_zero=self.cfg.orchestrator.skip_zero_advantage_groups)
+        skip_zero = self.config_in_force().orchestrator.skip_zero_advantage_groups
+        self.state.apply(event, skip_zero=skip_zero)
         self.applied += 1
         return self._decide(event)
 
     def _decide(self, event: Event) -> Effects:
-        out = decide(self.state, self.cfg, cause=event.event_id)
+        out = decide(self.state, self.config_in_force(), cause=event.event_id)
         return Effects(out, after_publish=lambda: self._log_decisions(out))
 
     # -- the watch: what depends on the clock --------------------------------------------
@@ -154,6 +219,7 @@ class Orchestrator(Role):
         dispatched: dict[str, float] = {}  # group id -> when the watch first saw it in flight
         batches: deque[float] = deque(maxlen=11)  # when the newest batches were seen
         assembled, progress = -1, time.monotonic()
+        erroring = ErrorClock()
         while not await self.sleep(interval_s):
             s, now = self.state, time.monotonic()
             if s.started is None or s.stopped is not None or not self.caught_up:
@@ -173,6 +239,9 @@ class Orchestrator(Role):
                 if now - since > o.group_timeout_s and group.request.phase != "eval":
                     await self._release(group, now - since)
                     dispatched[gid] = now  # asked once; a later pass asks again if needed
+            if detail := error_stop(s, self.cfg, erroring.seconds(s, now)):
+                await self._stop("rollout_errors", detail)
+                continue
             steps = [b - a for a, b in zip(batches, list(batches)[1:], strict=False)]
             threshold = max(o.stall_min_s, o.stall_factor * statistics.median(steps or [0.0]))
             if now - progress > threshold:
@@ -226,16 +295,21 @@ class Orchestrator(Role):
             await self.bus.publish(metrics)
         if seconds > self.cfg.orchestrator.stall_stop_s:
             detail = f"no batch for {seconds:.0f} s; waiting for: " + "; ".join(wants)
-            self.log.error("run.stopping_stalled", detail=detail)
-            await self.bus.publish(
-                RunStopped(
-                    run=self.run,
-                    event_id=run_stopped_id(self.run),
-                    reason="stalled",
-                    step=self.state.trainer_version,
-                    detail=detail,
-                )  # fmt: skip
-            )
+            await self._stop("stalled", detail)
+
+    async def _stop(self, reason: str, detail: str) -> None:
+        """Stop the run from the watch (the fold reads the ``run.stopped`` back; until
+        then a second one has the same id and is dropped)."""
+        self.log.error("run.stopping", reason=reason, detail=detail)
+        await self.bus.publish(
+            RunStopped(
+                run=self.run,
+                event_id=run_stopped_id(self.run, self.state.segment),
+                reason=reason,
+                step=self.state.trainer_version,
+                detail=detail,
+            )  # fmt: skip
+        )
 
     def _stall_over(self) -> None:
         if self.stall is not None:
@@ -268,6 +342,44 @@ class Orchestrator(Role):
             elif isinstance(e, MetricsReported) and e.role == "eval":
                 values = {k.replace("/", "_").replace("@", "_at_"): v for k, v in e.values.items()}
                 self.log.info("eval.reported", version=e.step, **values)
+
+
+def _decisive(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as JSON without what says where the run lives (its id, data directory and
+    server), which a resume may spell differently without changing anything."""
+    return cfg.model_dump(mode="json", exclude={"run": True, "bus": {"data_dir", "url"}})
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two configs (as JSON), for the log."""
+    out = []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += changed_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+class ErrorClock:
+    """How long rollouts have only errored (``policy.error_stop``): since the later of
+    when the watch saw the error streak begin and when it saw the newest weights."""
+
+    def __init__(self) -> None:
+        self.version = -1  # the trainer version last seen, and when (monotonic)
+        self.version_at = 0.0
+        self.streak_at: float | None = None  # when the current error streak was first seen
+
+    def seconds(self, state: OrchestratorState, now: float) -> float:
+        if state.trainer_version != self.version:
+            self.version, self.version_at = state.trainer_version, now
+        if state.error_streak == 0:
+            self.streak_at = None
+            return 0.0
+        if self.streak_at is None:
+            self.streak_at = now
+        return now - max(self.version_at, self.streak_at)
 
 
 class Stall:

@@ -11,11 +11,16 @@ ones, since the check is a function of the fold so far). The rule that catches m
 forgeries: the orchestrator's own decisions are always folded before they are read back
 (live, applied when made; on a restart, re-made from the same prefix of the log), so a
 batch, a train or eval dispatch or an eval report it has not made is not its own.
+
+A run resumed with changed keys (``rlbus up --resume max_steps=600``) has a later start
+on its log, ``resumed=True`` with the id ``run_resumed_id``: it opens the run's next
+segment, in which an earlier stop no longer holds. The role decides under the config of
+the newest start folded, so the log before it is re-decided exactly as it was.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -36,6 +41,7 @@ from schemas import (
     SamplesScored,
     TaskRequested,
     WeightsPublished,
+    run_resumed_id,
     run_stopped_id,
 )
 
@@ -76,8 +82,12 @@ class OrchestratorState:
     # which algorithms' samples train an env's groups: {"rl": {env: {...}}, "sft": {env: {...}}};
     # starts from the config, then algorithm.attached/detached events change it
     trains_on: dict[str, dict[str, set[str]]]
-    started: RunStarted | None = None
+    started: RunStarted | None = None  # the newest of the run's starts: its config is in force
     stopped: RunStopped | None = None
+    # Resumed starts folded (``run_resumed_id``): each opens a segment that goes on after a
+    # stop (``rlbus up --resume max_steps=...`` trains a finished run on), whose own stop
+    # has the segment's id (``run_stopped_id``).
+    segment: int = 0
     trainer_version: int = 0  # newest WeightsPublished version
     assembled: int = 0  # step of the newest batch
     dispatched: int = 0  # train groups dispatched so far (the group counter)
@@ -96,6 +106,13 @@ class OrchestratorState:
     no_signal_streak: int = 0  # consecutive RL groups without learning signal
     errored_rollouts: int = 0
     filtered_rollouts: int = 0  # kept out of training by an enforcing rollout filter
+    trainable_rollouts: int = 0  # neither errored nor filtered (zero-advantage ones too)
+    # Errored rollouts since the last group with a trainable one, and what they said
+    # (``SamplesScored.excluded_errors``) with the env and model of the newest: what the
+    # error stop names (``policy.error_stop``).
+    error_streak: int = 0
+    streak_errors: Counter[str] = field(default_factory=Counter)
+    streak_source: str = ""  # "env <key>, model <key>" of the newest errored group
     filtered_groups: int = 0  # RL groups whose every rollout was filtered
     released: int = 0  # groups closed without training (an algorithm failed, a deadline)
     last_release: str = ""  # why the newest one was released
@@ -111,11 +128,11 @@ class OrchestratorState:
         if self.has_seen(event):
             return None  # our own decision coming back, or a duplicate: apply skips it
         match event:
-            case RunStarted() if self.started is not None:
+            case RunStarted() if self.started is not None and not self.resumes(event):
                 return f"a second run.started (the run started with {self.started.event_id})"
             case AlgorithmAttached() if not event.name or not is_token(event.algorithm):
                 return f"algorithm.attached with no algorithm name or a bad id {event.algorithm!r}"
-            case RunStopped() if event.event_id != run_stopped_id(event.run):
+            case RunStopped() if event.event_id != run_stopped_id(event.run, self.segment):
                 return "a run.stopped that is not the orchestrator's"
             case TaskRequested(phase="rl" | "sft" | "eval"):
                 return f"a {event.phase} task.requested this run's orchestrator did not dispatch"
@@ -138,6 +155,10 @@ class OrchestratorState:
                 )
         return None
 
+    def resumes(self, event: RunStarted) -> bool:
+        """Whether ``event`` is the orchestrator's start of the run's next segment."""
+        return event.resumed and event.event_id == run_resumed_id(event.run, self.segment + 1)
+
     def has_seen(self, event: Event) -> bool:
         return (type(event).__name__, event.event_id) in self.seen
 
@@ -153,6 +174,9 @@ class OrchestratorState:
         self.seen.add((type(event).__name__, event.event_id))
         match event:
             case RunStarted():
+                if self.started is not None:  # a resumed segment (``check`` let it in)
+                    self.segment += 1
+                    self.stopped = None  # the run goes on under the new config
                 self.started = event
             case RunStopped():
                 self.stopped = event
@@ -236,6 +260,20 @@ class OrchestratorState:
         if not group.waiting_for:
             self._complete(event.group_id, skip_zero)
 
+    def _count_errors(self, request: TaskRequested, scored: SamplesScored) -> None:
+        """A group with a rollout that can train ends the error streak; one whose
+        rollouts only errored (or were filtered) extends it with what they said."""
+        trainable = len(scored.rewards) - scored.filtered
+        self.trainable_rollouts += trainable
+        if trainable > 0:
+            self.error_streak = 0
+            self.streak_errors.clear()
+        elif scored.excluded:
+            self.error_streak += scored.excluded
+            # An algorithm from before ``excluded_errors`` says only how many.
+            self.streak_errors.update(scored.excluded_errors or {"unknown error": scored.excluded})
+            self.streak_source = f"env {request.env}, model {request.model}"
+
     def _complete(self, group_id: str, skip_zero: bool) -> None:
         """Every algorithm the group waited for has answered: queue its merged samples,
         or release it when one of them failed on it (nothing of it trains)."""
@@ -250,6 +288,9 @@ class OrchestratorState:
         first = events[0]  # every algorithm saw the same traces
         self.errored_rollouts += first.excluded
         self.filtered_rollouts += first.filtered
+        self._count_errors(group.request, first)
+        if not first.rewards:
+            return  # every rollout errored: nothing to train, and no verdict on the rewards
         phase = group.request.phase
         if phase == "rl" and first.rewards and first.filtered == len(first.rewards):
             self.filtered_groups += 1  # every rollout filtered: nothing to train, and not

@@ -9,6 +9,14 @@ drains. Its handlers return the events they cause (or ``Effects``: events
 plus an after-publish hook); the runtime publishes them, then acks the input. Tests of
 a role's logic need no broker, and replay runs the roles' pure cores over the log.
 
+Two ways to stop. SIGTERM (``request_stop()``) drains: consumers finish the work they
+hold, so a retired replica or a finished run loses nothing. SIGINT, or a second SIGTERM
+(``request_stop(now=True)``), stops now: consumers hand back what they hold instead
+(each input naked, so it is redelivered, to this role's next process or another replica),
+which is what ``rlbus up`` asks of the env servers and algorithms on Ctrl-C, when their
+work would not be trained before the run resumes. A consumer that takes one message at a
+time finishes that one either way (the trainer's current step).
+
 Every role is built the same way, ``SomeRole(bus, ...)``: the bus first, then what the
 role needs. Periodic work (metrics every few seconds) uses ``report_every`` and
 ``sleep``, which end when the role stops; work in ``setup`` that outlasts a heartbeat
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -50,6 +59,7 @@ class Role:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.log = bus.log.bind(role=self.role, instance=instance)
         self.stop_event = asyncio.Event()
+        self.stop_now = asyncio.Event()  # stop without finishing in-flight work (see above)
         self.consumers: list[Consumer] = []
         self.followers: list[Follower] = []
         self.answering: list[Served] = []
@@ -81,7 +91,11 @@ class Role:
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def request_stop(self) -> None:
+    def request_stop(self, now: bool = False) -> None:
+        """Stop, draining in-flight work; ``now`` (or a second request while draining):
+        hand it back instead."""
+        if now or self.stop_event.is_set():
+            self.stop_now.set()
         self.stop_event.set()
 
     async def sleep(self, seconds: float) -> bool:
@@ -122,11 +136,12 @@ class Role:
 
 
 async def serve_role(role: Role, *, install_signals: bool = True) -> None:
-    """Run ``role`` until SIGTERM/SIGINT (or ``role.request_stop()``), then drain and exit."""
+    """Run ``role`` until SIGTERM/SIGINT (or ``role.request_stop()``), then drain (SIGTERM)
+    or hand back in-flight work (SIGINT, a second signal) and exit."""
     loop = asyncio.get_running_loop()
     if install_signals:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, role.request_stop)
+        loop.add_signal_handler(signal.SIGTERM, role.request_stop)
+        loop.add_signal_handler(signal.SIGINT, role.request_stop, True)
     try:
         await role.bus.ensure_stream()
         await role.setup()
@@ -149,7 +164,9 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     heartbeat.start()
     role.ready.set()
     role.log.info("role.started")
-    tasks = [asyncio.create_task(c.run(role.stop_event)) for c in role.consumers]
+    tasks = [
+        asyncio.create_task(c.run(role.stop_event, hand_back=role.stop_now)) for c in role.consumers
+    ]
     tasks += [asyncio.create_task(f.run(role.stop_event)) for f in role.followers]
     background = [asyncio.ensure_future(a) for a in role.background()]
     tasks += background
@@ -192,3 +209,8 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
         role.log.info("role.stopped")
+        if install_signals:
+            # The process exits next. Its final collections would walk every object the
+            # role made (torch's among them: seconds on a busy machine, while ``rlbus up``
+            # waits for this exit to stop the next role); frozen, they are skipped.
+            gc.freeze()

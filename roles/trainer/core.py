@@ -23,7 +23,10 @@ over exactly the same batches and reach the same weights.
 A checkpoint is a snapshot of the fold: ``<run_dir>/checkpoints/step-<8 digits>/`` with
 ``model.safetensors``, ``optimizer.pt`` and ``state.json`` (step, weights digest, the
 caller's ``extra``). It is written to a temporary sibling and renamed into place, so a
-crash never leaves a half checkpoint; the newest two are kept.
+crash never leaves a half checkpoint. Which stay is ``checkpoints_to_delete``: the newest
+``trainer.keep_checkpoints``, and for good every one whose step is a multiple of
+``trainer.checkpoint_keep_every`` (so a run's early policies can still be evaluated or
+exported after it moved on).
 
     core = TrainerCore(cfg, "runs/x/model/initial")
     for batch in batches:                 # steps 1, 2, 3, ... in order
@@ -55,8 +58,6 @@ from roles.lib.threads import torch_threads
 from roles.trainer.loss import PHASES, LossStats, loss_denominators, policy_loss
 from roles.trainer.packing import MicroBatch, collate, pack
 from schemas import BatchAssembled, stable_seed
-
-KEEP_CHECKPOINTS = 2
 
 
 class StepOutOfOrder(Exception):
@@ -346,7 +347,8 @@ class TrainerCore:
     # -- checkpoints --------------------------------------------------------------------
 
     def save_checkpoint(self, run_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Snapshot under ``<run_dir>/checkpoints/step-N`` (atomic); keeps the newest two."""
+        """Snapshot under ``<run_dir>/checkpoints/step-N`` (atomic), then delete those
+        ``checkpoints_to_delete`` names (never the one just written)."""
         paths = RunPaths.at(run_dir)
         root = paths.checkpoints
         root.mkdir(parents=True, exist_ok=True)
@@ -369,8 +371,10 @@ class TrainerCore:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
-        for stale in _checkpoints(root)[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(stale, ignore_errors=True)
+        found = {_step_of(p): p for p in _checkpoints(root)}
+        t = self.cfg.trainer
+        for step in checkpoints_to_delete(list(found), t.keep_checkpoints, t.checkpoint_keep_every):
+            shutil.rmtree(found[step], ignore_errors=True)
         return final
 
     def write_snapshot(self, folder: Path) -> dict[str, Any]:
@@ -410,6 +414,23 @@ def _norm(total: torch.Tensor) -> float:
     """A norm as a float; a sharded model's is a DTensor whose full value is the norm."""
     full = getattr(total, "full_tensor", None)
     return float(full() if full is not None else total)
+
+
+def checkpoints_to_delete(steps: list[int], keep: int, keep_every: int) -> list[int]:
+    """The checkpoint steps to delete, oldest first: all but the newest ``keep`` (0: none
+    is deleted) and those that are a multiple of ``keep_every`` (0: no such rule).
+
+    Pure, so the rule is tested alone; the newest checkpoint, which a restart resumes
+    from, is never among them.
+    """
+    if keep == 0:
+        return []
+    ordered = sorted(steps)
+    return [s for s in ordered[:-keep] if not (keep_every and s % keep_every == 0)]
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix(CHECKPOINT_PREFIX))
 
 
 def _checkpoints(root: Path) -> list[Path]:

@@ -44,7 +44,9 @@ step (that would hide it from the catch-up), and the input is acked after both. 
 whose announcement failed stays pending and is announced again, with the same ids,
 before anything else. Weights go to the run's object store as ``weights.v<N>``,
 or, past 200 MB, to ``<run_dir>/weights/v<N>.safetensors`` (an ``ObjectRef`` of kind
-``path``). Checkpoints every ``trainer.checkpoint_interval`` steps and on graceful stop.
+``path``). Checkpoints every ``trainer.checkpoint_interval`` steps and on graceful stop;
+the newest ``trainer.keep_checkpoints`` stay, and each whose step is a multiple of
+``trainer.checkpoint_keep_every`` (``core.checkpoints_to_delete``).
 
 Old weights are deleted by the trainer (``roles.trainer.retention`` says which: all but
 the newest ``trainer.keep_weights`` versions and the initial weights), in the same

@@ -57,9 +57,11 @@ class RoleProcess:
         """The end of the role's log, for error messages."""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def terminate(self) -> None:
+    def terminate(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """SIGTERM: drain and stop; SIGINT: hand back in-flight work and stop
+        (``roles.runtime.role``)."""
         if self.alive and self.proc is not None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
 
     def retire(self) -> None:
         """Retired from its pool: SIGTERM, so it stops fetching and finishes what it holds;

@@ -8,11 +8,18 @@ refused before it touches anything of X.
 A run id that already has data (a run directory with a config, or a stream on a given
 server) is refused too, unless the user says what to do with it:
 
-    rlbus up --run X --resume   # continue an interrupted X, with X's own config
-    rlbus up --run X --fresh    # delete X (its store, logs, checkpoints) and start over
+    rlbus up --run X --resume                 # continue an interrupted X, with X's own config
+    rlbus up --run X --resume max_steps=600   # ... changing keys a run may change mid-way
+    rlbus up --run X --fresh                  # delete X (its store, logs, checkpoints), start over
 
-A finished X (its summary records why it stopped) cannot be resumed: nothing is left to
-do, and the orchestrator would stop again at once.
+``--resume`` may change only ``RESUMABLE`` keys (``resume_override_problem``): those no
+step already trained or decided depends on. The orchestrator records the changed config
+as a ``run.started`` with ``resumed=True`` that opens the run's next segment, so a
+replay switches config where the run did (``replay.trainer``). A finished X (its
+summary records why it stopped) resumes only to train on: it stopped at ``max_steps``
+and the new ``max_steps`` is above the steps it trained; anything else has nothing left
+to do (the orchestrator would stop again at once). An interrupted X is refused a
+``max_steps`` below the steps it trained.
 """
 
 from __future__ import annotations
@@ -24,10 +31,38 @@ import shutil
 from dataclasses import dataclass
 from typing import IO, Literal
 
-from configs.paths import RunPaths
+from configs.paths import CHECKPOINT_PREFIX, RunPaths
 
 Mode = Literal["new", "resume", "fresh"]
 LOCK_FILE = "launcher.lock"
+
+# Keys ``--resume`` may change, each because no step trained or decided so far depends on
+# it: how far the run trains, which later versions are evaluated, when a stall stops the
+# run, and how checkpoints are written and kept. The list is short on purpose: a key not
+# here (the learning rate, the batch size, the envs) would make the log say one thing
+# and the run do another.
+RESUMABLE = (
+    "max_steps",
+    "orchestrator.eval.interval",
+    "orchestrator.stall_stop_s",
+    "trainer.checkpoint_interval",
+    "trainer.keep_checkpoints",
+    "trainer.checkpoint_keep_every",
+)
+# Where the run lives, not a change to it (``bus.data_dir`` finds the run directory).
+_LOCATING = ("bus.data_dir",)
+
+
+def resume_override_problem(overrides: list[str]) -> str | None:
+    """Why ``rlbus up --resume`` refuses ``overrides`` (dotted ``key=value``), or None."""
+    for override in overrides:
+        key = override.partition("=")[0].strip()
+        if key not in RESUMABLE and key not in _LOCATING:
+            return (
+                f"--resume cannot change {key}: a run resumes with its own config, and may "
+                f"change only {', '.join(RESUMABLE)}"
+            )
+    return None
 
 
 class RunRefused(Exception):
@@ -58,6 +93,21 @@ def previous_run(paths: RunPaths) -> PreviousRun | None:
         return PreviousRun(stopped=None, steps=None)  # no summary: the launcher was killed
     stopped = summary.get("stopped") or {}
     return PreviousRun(stopped=stopped.get("reason"), steps=summary.get("steps"))
+
+
+def steps_done(paths: RunPaths, previous: PreviousRun) -> int | None:
+    """Steps the run has trained, as far as its directory tells: what its last summary
+    saw, else its newest checkpoint's step (a launcher that was killed wrote no summary);
+    None when neither is there."""
+    if previous.steps is not None:
+        return previous.steps
+    steps = [
+        int(suffix)
+        for p in paths.checkpoints.glob(f"{CHECKPOINT_PREFIX}*")
+        if (suffix := p.name.removeprefix(CHECKPOINT_PREFIX)).isdigit()
+        and (p / "state.json").exists()
+    ]
+    return max(steps, default=None)
 
 
 class RunLock:
@@ -94,16 +144,31 @@ class RunLock:
             self._file = None
 
 
-def check_previous(paths: RunPaths, mode: Mode, previous: PreviousRun | None) -> None:
-    """Raise ``RunRefused`` unless ``mode`` says what to do with an earlier launch."""
+def check_previous(
+    paths: RunPaths, mode: Mode, previous: PreviousRun | None, max_steps: int | None = None
+) -> None:
+    """Raise ``RunRefused`` unless ``mode`` says what to do with an earlier launch;
+    ``max_steps``: the resumed config's (None: a finished run is never resumed)."""
     run = paths.run
     if mode == "resume":
         if previous is None:
             raise RunRefused(f"nothing to resume: run {run!r} has no data under {paths.dir}")
-        if previous.stopped:
+        done = steps_done(paths, previous)
+        extends = max_steps is not None and done is not None and max_steps > done
+        if previous.stopped and not (previous.stopped == "max_steps" and extends):
+            more = (
+                f"raise max_steps above {done} to train on (--resume max_steps=N), or "
+                if previous.stopped == "max_steps" and done is not None
+                else ""
+            )
             raise RunRefused(
                 f"run {run!r} is {previous.describe()}: nothing to resume; "
-                "--fresh deletes it and starts over"
+                f"{more}--fresh deletes it and starts over"
+            )
+        if max_steps is not None and done is not None and max_steps < done:
+            raise RunRefused(
+                f"run {run!r} has trained {done} steps: max_steps = {max_steps} is below them; "
+                f"resume with max_steps >= {done}"
             )
     elif mode == "new" and previous is not None:
         raise RunRefused(

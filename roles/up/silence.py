@@ -16,11 +16,21 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from bus.registry import RoleHeartbeat
 from bus.runtime import Bus
 from roles.up.processes import RoleProcess
 
 if TYPE_CHECKING:
     from roles.up.view import LiveView
+
+
+async def live_beats(bus: Bus) -> list[RoleHeartbeat] | None:
+    """The run's heartbeats, or None while the server cannot say (down, restarting): a
+    watch that polls them tries again at its next check."""
+    try:
+        return await bus.live_roles()
+    except Exception:  # noqa: BLE001 - the server may be down; the next check sees
+        return None
 
 
 def silence_limit_s(heartbeat_interval_s: float) -> float:
@@ -63,9 +73,8 @@ class SilenceWatch:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def check(self) -> None:
-        try:
-            beats = await self.bus.live_roles()
-        except Exception:  # noqa: BLE001 - the server may be down; the next check sees
+        beats = await live_beats(self.bus)
+        if beats is None:
             return
         last_seen: dict[str, float] = {}
         pids: dict[str, int] = {}

@@ -5,16 +5,25 @@ events (and only the headers of completed traces and evals, to count rollouts) w
 ordered consumers (``RunFollower``), restarts a role process that dies and shows the last
 error of its log (``RoleKeeper``), restarts the embedded nats-server it started when that
 dies, on the same port and store (``ServerKeeper``), says when a running role stops
-beating (``roles.up.silence.SilenceWatch``), resizes the elastic env and inference pools
-(``roles.up.pools.PoolKeeper``), and on ``run.stopped``, Ctrl-C, SIGTERM or SIGHUP (the
-terminal closed) stops every role with SIGTERM, in order, so each drains its in-flight
-work (``stop_in_order``), the view showing which role is draining.
+beating (``roles.up.silence.SilenceWatch``), reads the heartbeats for which roles are
+still starting and for the orchestrator's rollout counts and stalls, a stall said once
+on the console (``BeatWatch``), resizes the elastic env and inference pools
+(``roles.up.pools.PoolKeeper``), prints the orchestrator's reason in one line when the
+run stops (``run stopped: <reason>: <detail>``), and on ``run.stopped`` stops every
+role with SIGTERM, in order, so each drains its in-flight work (``stop_in_order``), the
+view showing which role is draining. Ctrl-C, SIGTERM or SIGHUP (the terminal closed)
+pause the run instead: nothing is waited for that would not be trained before it
+resumes (``INTERRUPT_ORDER``), a second one kills the roles, and the report and
+``summary.json`` say how to go on (``rlbus up --run R --resume``). Each launch of a run
+is a segment of its summary (``begin_segment``; ``roles.up.monitor``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import json
 import os
 import signal
 import time
@@ -29,13 +38,13 @@ from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, topic_of_subject
 from configs import RunConfig
-from configs.paths import RunPaths
+from configs.paths import RunPaths, resolve_data_dir
 from roles.runtime.context import bus_settings
-from roles.up.monitor import RunMonitor
+from roles.up.monitor import RunMonitor, earlier_segments
 from roles.up.pools import Pool, PoolKeeper
 from roles.up.processes import RoleProcess, write_summary
 from roles.up.role_errors import exit_text, last_error
-from roles.up.silence import SilenceWatch, silence_limit_s
+from roles.up.silence import SilenceWatch, live_beats, silence_limit_s
 from schemas import MetricsReported, RunStarted, RunStopped, WeightsPublished
 
 if TYPE_CHECKING:
@@ -108,6 +117,7 @@ class RunFollower:
                     # nats-py (an invalid bucket name). Its owner dead-letters it.
                     self.monitor.unreadable(msg.metadata.sequence.stream, msg.subject, e)
                     continue
+                self.monitor.passed(msg.metadata.sequence.stream)
                 if isinstance(event, TYPES):
                     self.monitor.apply(event)
 
@@ -116,7 +126,18 @@ class RunFollower:
             if topic_of_subject(self.bus.run, msg.subject) is Topic.EVAL_COMPLETED:
                 self.monitor.eval_completed()
             else:
-                self.monitor.trace_completed()
+                meta = msg.metadata
+                stored_ns = int(meta.timestamp.timestamp() * 1e9) if meta.timestamp else None
+                self.monitor.trace_completed(seq=meta.sequence.stream, ts_ns=stored_ns)
+
+    @property
+    def folded_seq(self) -> int:
+        """The newest stream sequence either reader has read."""
+        return max(self.events.last_seq, self.counts.last_seq)
+
+    async def newest_seq(self) -> int:
+        """The newest stream sequence of what the follower reads, on the server now."""
+        return max([await last_seq(self.bus, t) for t in (*self.EVENTS, *self.COUNTED)])
 
 
 @dataclass
@@ -210,10 +231,71 @@ class ServerKeeper:
         return None
 
 
-# Producers stop before the roles they depend on: the orchestrator stops dispatching, env
-# servers drain their rollouts while inference still answers, inference goes last.
-# The monitor goes last: it writes the metrics the others report as they stop.
-STOP_ORDER = ("orchestrator", "env-", "algorithm-", "trainer", "teacher-", "inference-", "monitor")
+@dataclass
+class BeatWatch:
+    """Reads the run's heartbeats every interval: tells the view which role processes
+    beat (a live one that has not is still starting), gives the monitor the
+    orchestrator's rollout counts and stall, and says once per stall, on the console,
+    that the run is stalled and what it waits for (the orchestrator's ``run.stalled``
+    otherwise reaches only its own log)."""
+
+    bus: Bus
+    monitor: RunMonitor
+    view: LiveView
+    log: Any
+    roles: list[RoleProcess]
+    stalled: bool = False  # the current stall was told
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def check(self) -> None:
+        beats = await live_beats(self.bus)
+        if beats is None:
+            return
+        names = {r.proc.pid: r.name for r in self.roles if r.proc is not None}
+        self.view.beating = {names[hb.pid] for hb in beats if hb.pid in names}
+        orchestrators = [hb for hb in beats if hb.role == "orchestrator"]
+        if not orchestrators:
+            return
+        newest = max(orchestrators, key=lambda hb: hb.last_seen_ns)
+        self.monitor.orchestrator_beat(newest.info)
+        if self.monitor.stall and not self.stalled:
+            self.log.warning("run.stalled", stall=self.monitor.stall)
+            self.view.note(f"run stalled: {self.monitor.stall}")
+        self.stalled = bool(self.monitor.stall)
+
+    async def run(self, every_s: float) -> None:
+        """Until ``stop`` is set, then once more (the orchestrator's last counts)."""
+        while not self.stop.is_set():
+            await self.check()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), every_s)
+        await self.check()
+
+
+def stopped_line(stopped: RunStopped) -> str:
+    """``run stopped: <reason>: <detail>``, the orchestrator's word on why, in one line."""
+    detail = " ".join(stopped.detail.split())
+    return f"run stopped: {stopped.reason}" + (f": {detail}" if detail else "")
+
+
+# The run stopped (run.stopped): producers stop before the roles they depend on. The
+# orchestrator stops dispatching, env servers drain their rollouts while inference still
+# answers, inference goes last. The monitor goes last: it writes the metrics the others
+# report as they stop. (Roles no prefix names, the lake and the gateway, go after it.)
+STOP_ORDER: tuple[str | tuple[str, ...], ...] = (
+    "orchestrator", "env-", "algorithm-", "trainer", "teacher-", "inference-", "monitor",
+)  # fmt: skip
+# Interrupted (Ctrl-C, SIGTERM, SIGHUP): the run pauses, to resume (``rlbus up --resume``),
+# so nothing waits for work that would not be trained before then. At once: the
+# orchestrator stops dispatching, the trainer finishes its current step and checkpoints,
+# and the env servers and algorithms hand back what they hold (``HAND_BACK``: SIGINT,
+# ``roles.runtime.role``), each input naked, so the resumed run's roles get it again
+# from their durable consumers. Then what they called (the teacher, inference), then the
+# rest. Once more, and every role still running is killed (the log makes that safe too).
+INTERRUPT_ORDER: tuple[str | tuple[str, ...], ...] = (
+    ("orchestrator", "trainer", "env-", "algorithm-"), ("teacher-", "inference-"), "monitor",
+)  # fmt: skip
+HAND_BACK = ("env-", "algorithm-")
 
 
 class StopWatcher(Protocol):
@@ -224,34 +306,46 @@ class StopWatcher(Protocol):
     def refresh(self) -> None: ...
 
 
-def stop_groups(roles: list[RoleProcess]) -> list[list[RoleProcess]]:
-    """The roles grouped by ``STOP_ORDER``, first to stop first."""
+def stop_groups(
+    roles: list[RoleProcess], order: tuple[str | tuple[str, ...], ...] = STOP_ORDER
+) -> list[list[RoleProcess]]:
+    """The roles grouped by ``order`` (each entry a name prefix, or several stopped
+    together), first to stop first."""
     rank = {
-        r.name: next((i for i, p in enumerate(STOP_ORDER) if r.name.startswith(p)), len(STOP_ORDER))
+        r.name: next((i for i, p in enumerate(order) if r.name.startswith(p)), len(order))
         for r in roles
     }
     return [[r for r in roles if rank[r.name] == level] for level in sorted(set(rank.values()))]
 
 
 async def stop_in_order(
-    roles: list[RoleProcess], timeout_s: float = 30.0, watcher: StopWatcher | None = None
+    roles: list[RoleProcess],
+    timeout_s: float = 30.0,
+    watcher: StopWatcher | None = None,
+    interrupted: bool = False,
 ) -> None:
-    """SIGTERM each group of roles in ``STOP_ORDER`` and wait for it to drain (a role that
-    does not within ``timeout_s`` is killed), telling ``watcher`` as each role goes from
-    draining to stopped and refreshing it meanwhile."""
-    for group in stop_groups(roles):
-        await stop_group(group, timeout_s, watcher)
+    """Signal each group of roles in ``STOP_ORDER`` (``interrupted``: ``INTERRUPT_ORDER``,
+    ``HAND_BACK`` roles told to hand back their work) and wait for it to stop (a role
+    that does not within ``timeout_s`` is killed), telling ``watcher`` as each role goes
+    from draining to stopped and refreshing it meanwhile."""
+    order, hand_back = (INTERRUPT_ORDER, HAND_BACK) if interrupted else (STOP_ORDER, ())
+    for group in stop_groups(roles, order):
+        await stop_group(group, timeout_s, watcher, hand_back)
 
 
 async def stop_group(
-    group: list[RoleProcess], timeout_s: float, watcher: StopWatcher | None
+    group: list[RoleProcess],
+    timeout_s: float,
+    watcher: StopWatcher | None,
+    hand_back: tuple[str, ...] = (),
 ) -> None:
     started = time.monotonic()
     draining = [r for r in group if r.alive]
     for r in draining:
-        r.terminate()
+        now = r.name.startswith(hand_back)
+        r.terminate(signal.SIGINT if now else signal.SIGTERM)
         if watcher:
-            watcher.role_state(r.name, "draining")
+            watcher.role_state(r.name, "draining (handing back its work)" if now else "draining")
     while draining and time.monotonic() - started < timeout_s:
         for r in [r for r in draining if not r.alive]:
             draining.remove(r)
@@ -289,7 +383,10 @@ async def keep_running(
             return failed
         follower.check()
         view.refresh()
-        await asyncio.sleep(0.5)
+        with contextlib.suppress(TimeoutError):  # a signal ends the wait at once
+            await asyncio.wait_for(stop.wait(), 0.5)
+    if follower.monitor.stopped is not None:
+        view.note(stopped_line(follower.monitor.stopped))
     return None
 
 
@@ -302,6 +399,41 @@ def stop_reason(monitor: RunMonitor, failed: str | None, signals: list[str]) -> 
     if monitor.stopped is not None:
         return monitor.stopped.reason
     return "the launcher failed"
+
+
+def kill_roles(roles: list[RoleProcess], view: LiveView, sig: str) -> None:
+    """SIGKILL every role still running (a second Ctrl-C while they stop): what they held
+    is on the log, and the resumed run does it again."""
+    alive = [r for r in roles if r.alive and r.proc is not None]
+    for r in alive:
+        r.proc.kill()  # type: ignore[union-attr]
+    if alive:
+        view.note(f"second {sig}: killed {', '.join(r.name for r in alive)}")
+
+
+async def begin_segment(monitor: RunMonitor, follower: RunFollower, paths: RunPaths) -> None:
+    """Tell ``monitor`` where this launch's segment of the run begins: after the newest
+    sequence on the stream now, and after the segments the run's previous summary
+    recorded (``roles.up.monitor``, segments)."""
+    monitor.resume_seq = await follower.newest_seq()
+    previous = None
+    with contextlib.suppress(OSError, ValueError):
+        previous = json.loads(paths.summary.read_text())
+    monitor.earlier = earlier_segments(previous if isinstance(previous, dict) else None)
+    ends = [s.get("end_seq") for s in monitor.earlier]
+    if ends and all(isinstance(e, int) for e in ends):
+        monitor.covered_seq = min(max(e for e in ends if isinstance(e, int)), monitor.resume_seq)
+    elif ends:  # a summary without sequences (before rlbus kept segments) covers it all
+        monitor.covered_seq = monitor.resume_seq
+
+
+def resume_command(paths: RunPaths) -> str:
+    """How to go on with an interrupted run: ``rlbus up --run R --resume``, naming its
+    data directory when the command alone would not find it."""
+    command = f"rlbus up --run {paths.run} --resume"
+    if resolve_data_dir().resolve() != paths.data_dir.resolve():
+        command += f" bus.data_dir={paths.data_dir}"
+    return command
 
 
 def detach_from_terminal(log: Path) -> None:
@@ -346,21 +478,26 @@ async def supervise(
             view.detach()
         signals.append(sig.name)
         interrupted.set()
+        if len(signals) == 2:  # a second Ctrl-C: no more waiting (``INTERRUPT_ORDER``)
+            kill_roles(roles, view, sig.name)
 
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     bus = await Bus.connect(url, run=run, producer="launcher", settings=bus_settings(cfg))
     await bus.ensure_run()
+    follower = RunFollower(bus, monitor)
+    await begin_segment(monitor, follower, paths)  # before any role publishes
     keeper = RoleKeeper(roles, view, log)
     for r in roles:
         keeper.start(r)
-    follower = RunFollower(bus, monitor)
     follower.start()
     server_keeper = ServerKeeper(servers or [], view, log)
     interval = cfg.bus.heartbeat_interval_s
     watch = SilenceWatch(bus, view, log, roles, silence_limit_s(interval))
     watching = asyncio.create_task(watch.run(interval))
+    beat_watch = BeatWatch(bus, monitor, view, log, roles)
+    beating = asyncio.create_task(beat_watch.run(interval))
     e = cfg.env_server
     pool_keeper = PoolKeeper(
         pools or [], roles, keeper.start, bus, view, log, e.scale_check_s, e.scale_up_backlog,
@@ -378,19 +515,20 @@ async def supervise(
                 pool_keeper.stop.set()  # no replica starts or retires while the roles stop
                 await asyncio.wait([pooling], timeout=10.0)
                 view.stopping(stop_reason(monitor, failed, signals))
-                await stop_in_order(roles, watcher=view)
+                await stop_in_order(roles, watcher=view, interrupted=bool(signals) and not failed)
                 await follower.finish()
     finally:
         watch.stop.set()
         pool_keeper.stop.set()
-        for task in (watching, pooling):
+        beat_watch.stop.set()
+        for task in (watching, pooling, beating):
             if (await asyncio.wait([task], timeout=10.0))[1]:
                 task.cancel()  # a registry read that hangs past its own timeouts
         await follower.finish()  # after an error above
         await bus.close()
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
-    monitor.finish()
+    monitor.finish(stop_reason(monitor, failed, signals), follower.folded_seq)
     summary = monitor.summary()
     summary["restarts"] = {r.name: r.restarts for r in roles if r.restarts}
     summary["pools"] = pool_keeper.summary()
@@ -398,12 +536,20 @@ async def supervise(
         summary["failed"] = failed
     if signals:
         summary["interrupted"] = signals[0]
+        summary["resume"] = resume_command(paths)
     path = write_summary(paths, summary)
     from roles.up.plots import plot_curves
 
-    curves = plot_curves(monitor, paths.curves)
+    # The report first, then the curves (matplotlib takes seconds on a busy machine): an
+    # interrupted run says how to resume as soon as its roles stopped. The file it names
+    # is written before the launcher exits (plot_curves draws when anything was reported).
+    curves = paths.curves if monitor.train or monitor.trainer or monitor.eval else None
     with contextlib.suppress(OSError):  # a terminal gone without SIGHUP
         print(view.final_report(summary, path, curves, paths.logs), flush=True)
+    plot_curves(monitor, paths.curves)
+    # The launcher exits next: its final collections would walk every object torch and
+    # matplotlib made (seconds on a busy machine); frozen, they are skipped.
+    gc.freeze()
     if failed:
         log.error("run.failed", reason=failed)
         return 1

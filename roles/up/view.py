@@ -1,11 +1,14 @@
 """The live terminal view of ``rlbus up`` (rich), or one plain line per step without a TTY.
 
 Both show the run's phase (starting, warm start (sft), rl, stopped), each role's state
-(running, silent: no heartbeat for a while, down, retiring: a pool replica draining
-before it leaves, draining, stopped), notes (a role restarted, with the last error of
-its log; a role silent or beating again; the nats-server restarted; a pool resized) and,
-at the end, a short report of the run (``final_report``). The live view also shows each
-pool (``roles.up.pools``): its replicas, bounds and load (an env's backlog).
+(starting: no heartbeat yet, running, silent: no heartbeat for a while, down, retiring:
+a pool replica draining before it leaves, draining, stopped), notes (a role restarted,
+with the last error of its log; a role silent or beating again; the nats-server
+restarted; a pool resized; the run stalled; why the run stopped) and, at the end, a
+short report of the run (``final_report``). The live view also shows each pool
+(``roles.up.pools``): its replicas, bounds and load (an env's backlog), and beside the
+rollout rate (rollouts that can train) the errored and filtered counts. Rewards and
+eval scores in 0..1 are drawn on a fixed 0..1 scale.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from typing import Any, Protocol
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from roles.up.monitor import RunMonitor, sparkline
+from roles.up.monitor import RunMonitor, score_sparkline
 
 
 class PoolRows(Protocol):
@@ -42,6 +46,9 @@ class LiveView:
         self.silent: dict[str, float] = {}  # role -> its last heartbeat (time.time()), while silent
         self.stop_reason: str | None = None  # set once the roles are being stopped
         self.pools: PoolRows | None = None  # (pool, replicas, load) rows: roles.up.pools
+        # Role names whose process has beaten in the registry (None: not read yet); a
+        # live role not among them is still starting (loading a model, connecting).
+        self.beating: set[str] | None = None
 
     def __enter__(self) -> LiveView:
         if self.enabled:
@@ -108,13 +115,14 @@ class LiveView:
             print(f"[rlbus] phase: {phase}", flush=True)
             self.printed_phase = phase
         ready = m.train if final else m.trainer
+        kept_out = f" errored {m.errored} filtered {m.filtered}" if m.trainable is not None else ""
         for step in sorted(s for s in ready if s > self.printed_step and s in m.train):
             t, tr = m.train[step], m.trainer.get(step, {})
             print(
                 f"[rlbus] step {step:>4}/{m.max_steps} {'sft' if t.get('sft') else 'rl '} "
                 f"reward {t.get('reward_mean', 0):.3f} staleness {t.get('staleness_mean', 0):.2f} "
                 f"policy v{m.policy_version} loss {tr.get('loss', float('nan')):.4f} "
-                f"rollouts/s {m.rollouts_per_s():.1f}",
+                f"rollouts/s {m.rollouts_per_s():.1f}{kept_out}",
                 flush=True,
             )
             self.printed_step = step
@@ -130,6 +138,7 @@ class LiveView:
         head.add_column()
         # Warm-start batches are the teacher's answers (reward 1 by construction): RL only.
         rewards = [v for k, v in m.series(m.train, "reward_mean") if not m.train[int(k)].get("sft")]
+        rollouts = rollouts_text(m)
         elapsed = time.monotonic() - m.started_at
         tps = m.last(m.trainer, "tokens_per_s")
         head.add_row("phase", self.phase_text())
@@ -137,15 +146,22 @@ class LiveView:
         head.add_row(
             "policy", f"v{m.policy_version}   lag {max(0, m.assembled - m.policy_version)} step(s)"
         )
-        head.add_row("train reward", f"{rewards[-1]:.3f}  {sparkline(rewards)}" if rewards else "-")
+        head.add_row(
+            "train reward", f"{rewards[-1]:.3f}  {score_sparkline(rewards)}" if rewards else "-"
+        )
         for key in m.eval_keys():
             pts = [v for _, v in m.series(m.eval, key)]
-            head.add_row(f"eval {key}", f"{pts[-1]:.3f}  {sparkline(pts)}  (at v{max(m.eval)})")
+            head.add_row(
+                f"eval {key}", f"{pts[-1]:.3f}  {score_sparkline(pts)}  (at v{max(m.eval)})"
+            )
         head.add_row(
             "rollouts",
-            f"{m.rollouts} train, {m.rollouts_per_s():.1f}/s   "
-            f"eval {m.eval_rollouts} (k={m.eval_k} per eval task, not in the rate)",
+            f"{rollouts}   eval {m.eval_rollouts} (k={m.eval_k} per eval task, not in the rate)",
         )
+        if m.erroring:
+            head.add_row("[red]erroring[/]", f"[red]{escape(m.erroring)}[/]")
+        if m.stall:
+            head.add_row("[yellow]stalled[/]", f"[yellow]{escape(m.stall)}[/]")
         head.add_row(
             "trainer",
             f"{tps:.0f} tokens/s   loss {m.last(m.trainer, 'loss') or 0:.4f}" if tps else "-",
@@ -165,9 +181,16 @@ class LiveView:
         return Panel(Group(*parts), title=f"rlbus · {m.run}", subtitle=subtitle)
 
     def phase_text(self) -> str:
-        """The monitor's phase, or while stopping why and which roles are draining."""
+        """The monitor's phase (while starting, how many roles beat), or while stopping
+        why and which roles are draining."""
         if self.stop_reason is None:
-            return self.m.phase_label()
+            label = self.m.phase_label()
+            if self.m.started is None and self.m.stopped is None:
+                beating = len(self.beating or ())
+                if not beating:
+                    return f"{label}: roles loading, waiting for the first heartbeat"
+                return f"{label}: {beating} of {len(self.roles)} roles beating"
+            return label
         if not any(r.alive for r in self.roles):
             return f"stopped ({self.stop_reason}): every role stopped"
         draining = [name for name, state in self.states.items() if state == "draining"]
@@ -178,6 +201,8 @@ class LiveView:
         state = self.states.get(role.name) or ("running" if role.alive else "down")
         if state == "running" and getattr(role, "retiring_since", None) is not None:
             state = "retiring"
+        if state == "running" and self.beating is not None and role.name not in self.beating:
+            state = "starting"  # alive, never beat: loading its model, connecting
         if state == "running" and role.name in self.silent:
             state = f"silent {time.time() - self.silent[role.name]:.0f}s"
         style = STATE_STYLES.get(state.split(" ")[0], "")
@@ -236,6 +261,7 @@ class LiveView:
 
 
 STATE_STYLES = {
+    "starting": "cyan",
     "running": "green",
     "silent": "yellow",
     "down": "red",
@@ -255,10 +281,34 @@ def outcome(summary: dict[str, Any]) -> str:
         return f"stopped: {stopped['reason']}" + (
             f" ({stopped['detail']})" if stopped["detail"] else ""
         )
-    return f"interrupted ({summary.get('interrupted') or 'signal'}); the roles drained and stopped"
+    interrupted = (
+        f"interrupted ({summary.get('interrupted') or 'signal'}) at step {summary['steps']}"
+    )
+    resume = summary.get("resume")
+    return f"{interrupted}; continue with: {resume}" if resume else interrupted
 
 
 def throughput_text(summary: dict[str, Any]) -> str:
+    """Train rollouts/s (those that can train, once the orchestrator said how many),
+    the errored and filtered ones beside it, and the trainer's tokens/s."""
     tokens = summary.get("trainer_tokens_per_s")
     trainer = f"; trainer {tokens:.0f} tokens/s" if tokens else ""
-    return f"{summary['rollouts_per_s']:.1f} train rollouts/s{trainer}"
+    errored, filtered = summary.get("errored_rollouts"), summary.get("filtered_rollouts")
+    kept_out = (
+        f" ({errored} errored, {filtered} filtered: not in the rate)"
+        if errored is not None and filtered is not None
+        else ""
+    )
+    return f"{summary['rollouts_per_s']:.1f} train rollouts/s{kept_out}{trainer}"
+
+
+def rollouts_text(m: RunMonitor) -> str:
+    """The live view's train rollouts: completed, the rate of those that can train, and
+    the errored and filtered ones (once the orchestrator has said how many)."""
+    if m.trainable is None:
+        return f"{m.rollouts} train, {m.rollouts_per_s():.1f}/s"
+    errored = f"[red]{m.errored} errored[/]" if m.errored else "0 errored"
+    return (
+        f"{m.rollouts} train, {m.rollouts_per_s():.1f}/s that can train   "
+        f"{errored}, {m.filtered} filtered"
+    )

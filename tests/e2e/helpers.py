@@ -41,6 +41,16 @@ def rlbus_up(
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def rlbus(data_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """One ``rlbus`` command over the runs under ``data_dir`` (its embedded servers)."""
+    env = {**os.environ, "RLBUS_DATA_DIR": str(data_dir)}
+    env.pop("RLBUS_NATS_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "roles.cli", *args],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )  # fmt: skip
+
+
 async def all_events(url: str, run: str) -> list[Any]:
     bus = await Bus.connect(url, run=run, producer="e2e")
     try:

@@ -7,9 +7,6 @@ cannot render the template exactly, `rlbus up` refuses before any role starts.""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,19 +14,12 @@ import pytest
 from bus.server import EmbeddedServer
 from roles.lib.model.loading import load_tokenizer
 from schemas import TraceCompleted
-from tests.e2e.helpers import all_events, rlbus_up, summary
+from tests.e2e.helpers import all_events, rlbus, rlbus_up, summary
 
 pytestmark = pytest.mark.e2e
 
 RUN = "byo"
 STEPS = 6
-
-
-def rlbus(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RLBUS_DATA_DIR": str(data_dir)}
-    env.pop("RLBUS_NATS_URL", None)
-    return subprocess.run([sys.executable, "-m", "roles.cli", *args], capture_output=True,
-                          text=True, env=env, timeout=300)  # fmt: skip
 
 
 def test_a_qwen3_model_trains_replays_and_exports(tmp_path: Path) -> None:

@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
 import pytest
 
-from tests.e2e.helpers import rlbus_up, summary
+from tests.e2e.helpers import rlbus, rlbus_up, summary
 
 pytestmark = pytest.mark.e2e
 
 RUN = "replayed"
-
-
-def rlbus(data_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "RLBUS_DATA_DIR": str(data_dir)}
-    env.pop("RLBUS_NATS_URL", None)
-    return subprocess.run(
-        [sys.executable, "-m", "roles.cli", *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

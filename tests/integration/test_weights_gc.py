@@ -26,6 +26,7 @@ from roles.lib.model.weights import digest, state_dict_to_bytes
 from roles.trainer import retention
 from schemas import ObjectRef, WeightsPublished
 from tests.integration.test_trainer import start_role, stop_role, trainer_config, wait_for_version
+from tests.samples import batch_for
 from tests.unit.test_trainer_core import synthetic_batch
 
 pytestmark = pytest.mark.nats
@@ -232,6 +233,7 @@ async def test_inference_skips_a_collected_version_to_the_newest(
 
         gone = ObjectRef(kind="path", location=str(tmp_path / "v3.safetensors"), digest=v2.weights.digest)  # fmt: skip
         v3 = WeightsPublished(run=bus.run, version=3, step=3, weights=gone)
+        await bus.publish(batch_for(bus.run, 3))
         await bus.publish(v3)
         async with asyncio.timeout(30):
             assert await role._apply_weights(v3) is False
@@ -247,6 +249,7 @@ async def _announce(bus: Bus, version: int, data: bytes) -> WeightsPublished:
     digest = await bus.objects.put(name, data)
     ref = ObjectRef(kind="object", location=name, bucket=bus.objects.bucket, size=len(data), digest=digest)  # fmt: skip
     event = WeightsPublished(run=bus.run, version=version, step=version, weights=ref)
+    await bus.publish(batch_for(bus.run, version))  # as a trainer step follows its batch
     await bus.publish(event)
     return event
 
