@@ -27,6 +27,11 @@ nats *ARGS:
 test *ARGS:
     {{python}} -m pytest -q {{ARGS}}
 
+# Measure a default run; rewrite the README's and docs' figures and image (--from-run R: a finished run).
+[group('run')]
+docs-figures *ARGS: install
+    {{python}} -m benchmarks.docs_figures {{ARGS}}
+
 # Only the fast unit tests.
 [group('test')]
 test-unit *ARGS:

@@ -11,11 +11,16 @@ directory (then merges small parts past ``COMPACT_AT``, the index's too), and on
 on SIGTERM so the lake ends with the run's last events. It is the one role that imports ``replay``:
 the lake is replay's library, and this role only schedules it (an import contract
 allows exactly this).
+
+It runs at a lower CPU priority (``NICE``): its parsing (about 20 s of one core over a
+default run) takes what the loop's roles leave on a small machine instead of competing
+with them, and catches up when they stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from bus.runtime import Bus
@@ -24,6 +29,8 @@ from replay.tables import TABLES
 from replay.trace_index import compact_index, index_parts
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
+
+NICE = 10  # added to the process's niceness (a background indexer, not the loop)
 
 
 class LakeRole(Role):
@@ -71,7 +78,8 @@ async def main(
     """``rlbus role lake``: sync every ``interval_s`` until SIGTERM (or ``stop``), then once more."""
     bus = await ctx.connect()
     role = LakeRole(bus, ctx, interval_s)
-    if stop is None:
+    if stop is None:  # its own process (an embedding caller keeps its priority)
+        os.nice(NICE)
         await serve_role(role)
         return
 
