@@ -109,6 +109,9 @@ class Subscription:
         self.types = tuple(dict.fromkeys(s.schema for s in specs))
 
 
+UNAVAILABLE_RETRY_S = 0.5  # between fetches while JetStream answers 503
+
+
 def dead_lettered(
     run: str, consumer: str, role: str, msg: Msg, d: Delivery, error_type: str, error: str
 ) -> DeadLettered:
@@ -143,6 +146,7 @@ class Consumer:
         self._broken: HandlerBroken | None = None  # a concurrent handler broke: stop
         # Fetched and not yet answered: kept alive (by id: Msg is unhashable).
         self._held: dict[int, Msg] = {}
+        self._unavailable_since: float | None = None  # JetStream answering 503 since
         self._slots = asyncio.Semaphore(max(1, sub.concurrency))
 
     def config(self) -> ConsumerConfig:
@@ -178,6 +182,19 @@ class Consumer:
         except nats.js.errors.NotFoundError:
             await self.bus.api(lambda: js.add_consumer(stream, self.config()), "create consumer")
 
+    async def _unavailable(self, stop: asyncio.Event) -> None:
+        """JetStream answered 503 (a cluster electing the stream's leader, a node coming
+        back): wait and fetch again, up to ``bus.server_lost_s``, then raise. Dying on it
+        would only restart the role into the same election."""
+        now = asyncio.get_running_loop().time()
+        if self._unavailable_since is None:
+            self._unavailable_since = now
+            self.log.warning("consumer.unavailable")
+        elif now - self._unavailable_since > self.bus.settings.server_lost_s:
+            raise nats.js.errors.ServiceUnavailableError
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), UNAVAILABLE_RETRY_S)
+
     async def pending(self) -> int:
         info = await self.bus.js.consumer_info(self.bus.stream, self.sub.durable)
         return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
@@ -206,6 +223,10 @@ class Consumer:
                     msgs = await psub.fetch(want, timeout=self.sub.fetch_timeout_s)
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
+                except nats.js.errors.ServiceUnavailableError:
+                    await self._unavailable(stop)
+                    continue
+                self._unavailable_since = None
                 self._held.update((id(m), m) for m in msgs)
                 for i, msg in enumerate(msgs):
                     if stop.is_set() or self._broken is not None:

@@ -23,6 +23,9 @@ import asyncio
 import os
 from typing import Any
 
+import nats.errors
+
+from bus.errors import TRANSIENT_ERRORS
 from bus.runtime import Bus
 from replay.lake import COMPACT_AT, compact, locked, parts, sync_run
 from replay.tables import TABLES
@@ -50,7 +53,13 @@ class LakeRole(Role):
 
     async def _sync_every(self) -> None:
         while True:
-            await self.sync()
+            try:
+                await self.sync()
+            except (*TRANSIENT_ERRORS, nats.errors.Error) as e:
+                # The server away for a moment (a cluster electing a stream leader): the
+                # sync is idempotent (the lake's positions), so the next one catches up;
+                # an indexer dying on it would only be restarted to do the same.
+                self.log.warning("lake.sync_failed", error=repr(e)[:300])
             if await self.sleep(self.interval_s):
                 return
 

@@ -339,3 +339,36 @@ async def test_an_event_of_another_type_on_a_subject_is_refused_by_every_reader(
     assert {d.consumer for d in dead} == {"typed", "typed-fold"}
     assert all(d.error_type == "WrongSchema" and d.stream_seq == 1 for d in dead)
     assert "a MetricsReported on weights.published" in dead[0].error
+
+
+async def test_a_consumer_waits_out_jetstream_unavailable_instead_of_dying(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JetStream answering 503 to a fetch (a cluster electing the stream's leader) is
+    waited out: the consumer fetches again and handles what comes (it used to raise,
+    and the role died, restarted into the same election, and died again)."""
+    import nats.js.errors
+
+    bind = bus.js.pull_subscribe_bind
+
+    async def flaky_bind(*args: Any, **kwargs: Any) -> Any:
+        psub = await bind(*args, **kwargs)
+        fetch, failures = psub.fetch, [2]
+
+        async def fetch_or_503(*a: Any, **k: Any) -> Any:
+            if failures[0]:
+                failures[0] -= 1
+                raise nats.js.errors.ServiceUnavailableError
+            return await fetch(*a, **k)
+
+        psub.fetch = fetch_or_503
+        return psub
+
+    monkeypatch.setattr(bus.js, "pull_subscribe_bind", flaky_bind)
+    await bus.publish(RunStopped(run=bus.run, reason="after the election"))
+    got: list[Any] = []
+    await consume_until(
+        bus, Subscription("elected", [(Topic.RUN_STOPPED, None)], collector(got)),
+        lambda: len(got) == 1,
+    )  # fmt: skip
+    assert got[0].reason == "after the election"
