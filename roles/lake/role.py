@@ -23,9 +23,7 @@ import asyncio
 import os
 from typing import Any
 
-import nats.errors
-
-from bus.errors import TRANSIENT_ERRORS
+from bus.errors import STORE_ERRORS, TRANSIENT_ERRORS
 from bus.runtime import Bus
 from replay.lake import COMPACT_AT, compact, locked, parts, sync_run
 from replay.tables import TABLES
@@ -55,7 +53,7 @@ class LakeRole(Role):
         while True:
             try:
                 await self.sync()
-            except (*TRANSIENT_ERRORS, nats.errors.Error) as e:
+            except (*TRANSIENT_ERRORS, *STORE_ERRORS) as e:
                 # The server away for a moment (a cluster electing a stream leader): the
                 # sync is idempotent (the lake's positions), so the next one catches up;
                 # an indexer dying on it would only be restarted to do the same.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,17 +50,23 @@ def table_parts(lake: Path) -> dict[str, list[Path]]:
     return {t: [p for _, _, p in parts(lake, t)] for t in TABLES}
 
 
-async def test_each_sync_writes_an_index_part_that_covers_what_it_read(
-    bus: Bus, tmp_path: Path
-) -> None:
-    """Two syncs, two index parts named by their sequences; the index's position is the
-    tables'; a check against a current index syncs nothing."""
+async def synced_twice(bus: Bus, tmp_path: Path) -> tuple[list[Any], Path]:
+    """A small run's log and its lake, synced after its first 10 events and at its end."""
     log = small_run(bus.run)
     lake = lake_dir(tmp_path, bus.run)
     await bus.publish_many(log[:10])
     await sync_run(bus, lake)
     await bus.publish_many(log[10:])
     await sync_run(bus, lake)
+    return log, lake
+
+
+async def test_each_sync_writes_an_index_part_that_covers_what_it_read(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """Two syncs, two index parts named by their sequences; the index's position is the
+    tables'; a check against a current index syncs nothing."""
+    log, lake = await synced_twice(bus, tmp_path)
     assert [(a, b) for a, b, _ in index_parts(lake)] == [(1, 10), (11, len(log))]
     state = load_state(lake)
     assert index_seq(lake) == state["trace_index"] == min(state["tables"].values()) == len(log)
@@ -95,12 +102,7 @@ async def test_a_lake_synced_before_the_index_gets_one_without_duplicate_rows(
 async def test_index_crash_leftovers_are_repaired(bus: Bus, tmp_path: Path) -> None:
     """A lost state, a stray temp part, or the inputs of an interrupted compaction left
     beside its output never duplicate an index entry."""
-    log = small_run(bus.run)
-    lake = lake_dir(tmp_path, bus.run)
-    await bus.publish_many(log[:10])
-    await sync_run(bus, lake)
-    await bus.publish_many(log[10:])
-    await sync_run(bus, lake)
+    log, lake = await synced_twice(bus, tmp_path)
     first = index_parts(lake)[0][2]
     kept = first.read_bytes()
     compact_index(lake)
