@@ -235,6 +235,14 @@ def subject(run: str, topic: Topic, key: str | None = None) -> str:
     return f"{base}.{check_token(key, spec.key_field)}"
 
 
+def moved_subject(subj: str, old_run: str, new_run: str) -> str:
+    """``subj`` of run ``old_run`` as the same topic and key in run ``new_run`` (an
+    import under a new run id)."""
+    topic = topic_of_subject(old_run, subj)
+    key = relative_subject(old_run, subj).removeprefix(topic.value).removeprefix(".")
+    return subject(new_run, topic, key or None)
+
+
 def filter_subject(run: str, topic: Topic, key: str | None = None) -> str:
     """A consumer filter: one key, or every key (``*``) of a keyed topic."""
     if TOPICS[topic].key_field is not None and key is None:

@@ -50,8 +50,8 @@ from bus.runtime import Bus
 from bus.subjects import (
     Topic,
     declared_schema,
+    moved_subject,
     objects_bucket,
-    relative_subject,
     stream_subjects,
     topic_of_subject,
 )
@@ -385,7 +385,7 @@ async def _prepared(
         # An event of another type than its subject declares stays where it was, as it
         # was: every reader refuses it there (bus.subjects.check_schema), as in the
         # original run; renamed, it would move to its own type's subject and be believed.
-        return f"rl.{bus.run}.{relative_subject(old, r.subject)}", r.data, dict(r.headers)
+        return moved_subject(r.subject, old, bus.run), r.data, dict(r.headers)
     return await bus.prepare(renamed(event, bus.run))
 
 

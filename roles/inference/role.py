@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -382,7 +383,7 @@ class InferenceRole(Role):
             lambda: newest_batch_step(self.bus),
             attempts=self.fetch_attempts,
             backoff_s=self.fetch_backoff_s,
-            on_retry=lambda attempt, delay_s, error: None,
+            on_retry=self._retrying(event),
             sleep=self.sleep,
         )
         if event.version > newest:
@@ -394,19 +395,24 @@ class InferenceRole(Role):
     async def _fetch(self, event: WeightsPublished) -> bytes:
         """The announced bytes, transient errors retried (``retry_transient``)."""
 
+        return await retry_transient(
+            lambda: fetch_weights(self.bus, event.weights),
+            attempts=self.fetch_attempts,
+            backoff_s=self.fetch_backoff_s,
+            on_retry=self._retrying(event),
+            sleep=self.sleep,
+        )
+
+    def _retrying(self, event: WeightsPublished) -> Callable[[int, float, Exception], None]:
+        """Logs each retry of a transient failure while loading ``event``."""
+
         def retrying(attempt: int, delay_s: float, error: Exception) -> None:
             self.log.warning(
                 "weights.fetch_retry", version=event.version, attempt=attempt,
                 attempts=self.fetch_attempts, delay_s=delay_s, error=repr(error)[:300],
             )  # fmt: skip
 
-        return await retry_transient(
-            lambda: fetch_weights(self.bus, event.weights),
-            attempts=self.fetch_attempts,
-            backoff_s=self.fetch_backoff_s,
-            on_retry=retrying,
-            sleep=self.sleep,
-        )
+        return retrying
 
     async def _load_newer_than(self, event: WeightsPublished, missing: Exception) -> bool:
         """``event``'s weights are gone: load the newest announcement instead.

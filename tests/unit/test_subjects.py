@@ -62,3 +62,14 @@ def test_keyed_topics_need_keys() -> None:
 def test_topology_lists_every_topic() -> None:
     rows = subjects.topology()
     assert len(rows) == len(Topic) + 1
+
+
+def test_a_subject_moves_to_another_run_with_its_topic_and_key() -> None:
+    from bus.subjects import Topic, moved_subject, subject
+
+    keyed = subject("old", Topic.TRACE_COMPLETED, "reverse-text")
+    assert moved_subject(keyed, "old", "new") == subject(
+        "new", Topic.TRACE_COMPLETED, "reverse-text"
+    )
+    plain = subject("old", Topic.WEIGHTS_PUBLISHED)
+    assert moved_subject(plain, "old", "new") == "rl.new.weights.published"
