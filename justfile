@@ -39,7 +39,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-engine bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss
+bench: bench-engine bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss bench-weights
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
@@ -135,3 +135,8 @@ bench-algorithms:
 [group('bench')]
 bench-gpu *ARGS:
     {{python}} -m benchmarks.gpu_bench {{ARGS}}
+
+# Weights delivery per trainer.weights_via (object, shm, ipc): publish->live lag, swap pause, side by side.
+[group('bench')]
+bench-weights *ARGS:
+    {{python}} -m benchmarks.weights_bench {{ARGS}}

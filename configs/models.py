@@ -152,6 +152,12 @@ class InferenceConfig(_Section):
     kv_cache_gb: float | None = Field(default=None, gt=0)
     # Torch backend on CUDA: replay each decode step as a captured CUDA graph (false: eager).
     cuda_graphs: bool = True
+    # How a policy replica swaps in a new weights version (torch backend): "in_flight"
+    # between two decode steps, live rows carrying on under the new weights (each token
+    # span keeps the version that sampled it: GenerateResult.version_spans); "drain":
+    # admissions stop and the live rows finish first, so every completion comes from one
+    # version (exact, slower). vLLM always drains.
+    swap: Literal["in_flight", "drain"] = "in_flight"
     request_timeout_s: float = Field(default=60.0, gt=0)
     # Seconds one attempt of a request waits before it is sent again (the queue group hands
     # it to a live replica: one that died holding it costs this, not request_timeout_s).
@@ -255,10 +261,19 @@ class TrainerConfig(_Section):
     collective_timeout_s: float = Field(default=120.0, gt=0)
     # "auto": bf16 autocast over fp32 master weights on CUDA, plain fp32 on the CPU.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # The trainer device's dense peak TFLOP/s, for the `mfu` metric (model FLOPs per
+    # second, `flops_per_s`, over it); None: known GPUs by name (H100/H200 989, A100 312),
+    # no `mfu` on the CPU.
+    peak_tflops: float | None = Field(default=None, gt=0)
     # Where published weights go: "auto" = the object store up to 200 MB, else a file in
     # `weights_dir`; "object"; "path" (a file in `weights_dir`, for hosts sharing it);
-    # "shm" (a file in /dev/shm: trainer and inference on one host, no disk round trip).
-    weights_via: Literal["auto", "object", "path", "shm"] = "auto"
+    # "shm" (a file in /dev/shm: trainer and inference on one host, no disk round trip);
+    # "ipc" (trainer and inference on one device: a ring of serving-dtype buffers shared
+    # through CUDA IPC, or /dev/shm on the CPU; each version is a device-to-device copy,
+    # roles.lib.model.shared_weights), every `ipc_store_every`-th version also stored as
+    # "auto" does (catch-up, eval --checkpoint, export), and the last.
+    weights_via: Literal["auto", "object", "path", "shm", "ipc"] = "auto"
+    ipc_store_every: int = Field(default=10, ge=1)  # with weights_via = "ipc" only
     weights_dir: str | None = None  # None = <run dir>/weights
     loss: LossConfig = Field(default_factory=LossConfig)
 
@@ -348,6 +363,11 @@ class RunConfig(_Section):
     def _cross_field(self) -> RunConfig:
         # One error listing every problem: fixing a config one run at a time is slow.
         problems = orchestrator_problems(self.orchestrator)
+        if self.trainer.weights_via == "ipc" and self.trainer.world_size > 1:
+            problems.append(
+                "`trainer.weights_via` = 'ipc' shares one trainer process's weights: set "
+                "`trainer.world_size` = 1 or another `trainer.weights_via`"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -8,7 +8,7 @@ here is pure (no NATS, no torch) and shared by the replay drivers:
   a NaN equals a NaN with the same bits: a recorded NaN reproduced is a match);
 - ``StepRecord`` / ``diff_step`` / ``first_divergence``: per-step metrics and weights
   digest of a trainer, recorded vs replayed; timing metrics (``step_s``,
-  ``tokens_per_s``, ``wait_s``, anything ending in ``_s``) are never compared;
+  ``tokens_per_s``, ``wait_s``, ``mfu``, anything ending in ``_s``) are never compared;
 - ``diff_values``: keyed floats (advantages per rollout, rewards per trace) compared
   exactly, with a summary (how many changed, the largest absolute difference);
 - ``first_series_divergence``: where two per-step series (an original run and its
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Metrics that measure the clock, not the computation: never reproducible.
-TIMING_METRICS = frozenset({"step_s", "tokens_per_s", "wait_s"})
+TIMING_METRICS = frozenset({"step_s", "tokens_per_s", "wait_s", "mfu"})
 DIGEST = "weights_digest"  # the pseudo-metric name a digest mismatch is reported under
 
 

@@ -248,7 +248,7 @@ def replay_steps(
         except Rejected:  # refused by the trainer too: a step that trained nothing
             metrics = core.refuse_step(batch)
         data = core.weights_bytes()
-        rec = StepRecord(batch.step, metrics, sha256_digest(data))
+        rec = StepRecord(batch.step, metrics, _digest(core, data, recorded, batch.step))
         if keep is not None:
             keep[batch.step] = data
         result.steps.append(rec)
@@ -262,6 +262,18 @@ def replay_steps(
             break
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def _digest(core: Any, data: bytes, recorded: dict[int, StepRecord] | None, step: int) -> str:
+    """The replayed weights' digest, of the kind recorded: of the bytes, or of the
+    shared device ring's copy for a version only shared (``trainer.weights_via = "ipc"``:
+    "dev:<dtype>:...")."""
+    was = recorded[step].digest if recorded is not None and step in recorded else None
+    if was is not None and was.startswith("dev:"):
+        from roles.lib.model.shared_weights import state_digest
+
+        return state_digest(core.model.state_dict(), was)
+    return sha256_digest(data)
 
 
 def replay_run(

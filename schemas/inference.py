@@ -39,6 +39,14 @@ class GenerateResult(Record, frozen=True, tag="generated/1", tag_field="type"):
     prompt_tokens: int = 0
     queue_s: float = 0.0  # time waiting for a batch slot
     compute_s: float = 0.0  # time in the forward passes of its batch
+    # A weights swap landed while it decoded (inference.swap = "in_flight"): from which
+    # completion token on each later version sampled, as (token index, version), oldest
+    # first. Empty: ``policy_version`` sampled every token.
+    version_spans: list[tuple[int, int]] = msgspec.field(default_factory=list)
+
+    def versions(self) -> list[int]:
+        """Every weights version that sampled a token of it, oldest first."""
+        return [self.policy_version, *(v for _, v in self.version_spans)]
 
 
 class ScoreResult(Record, frozen=True, tag="scored/1", tag_field="type"):

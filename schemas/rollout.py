@@ -102,6 +102,9 @@ class Message(Record, frozen=True):
     logprobs: bytes = b""  # float32, same length; 0 where not sampled
     temperature: float = 1.0
     policy_version: int | None = None  # weights version that sampled it
+    # A swap landed mid-reply (GenerateResult.version_spans): (index among its sampled
+    # tokens, version) for each later version, oldest first; empty: one version.
+    version_spans: list[tuple[int, int]] = msgspec.field(default_factory=list)
     model: str | None = None
     finish_reason: str | None = None  # "stop" | "length" for sampled messages
     # [start, end) of the content's tokens inside token_ids (the rest is chat-template

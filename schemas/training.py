@@ -141,9 +141,18 @@ class BatchAssembled(Event, frozen=True, tag="batch_assembled/1"):
 class WeightsPublished(Event, frozen=True, tag="weights_published/1"):
     version: NonNegative  # policy version == trainer step that produced it
     step: NonNegative
+    # Where the bytes are; or, for a version only shared on the device, ``device`` again.
     weights: ObjectRef
     format: str = "safetensors"
     batch_id: str | None = None  # the BatchAssembled event it was trained on
+    # trainer.weights_via = "ipc": the trainer's shared device buffer holding this version
+    # (kind "ipc", digest "dev:..."; roles.lib.model.shared_weights), copied from while
+    # the trainer keeps it (a few versions); ``weights`` is the fallback when stored.
+    device: ObjectRef | None = None
+
+    def stored(self) -> ObjectRef | None:
+        """Where this version's bytes are stored, or None (only shared on the device)."""
+        return None if self.weights.kind == "ipc" else self.weights
 
 
 class AlgorithmAttached(Event, frozen=True, tag="algorithm_attached/1"):

@@ -7,8 +7,8 @@ implementations exist:
   engine (``roles.inference.engine``: a preallocated KV slot per row, one fixed decode
   step, a CUDA graph on the GPU) driven by a decode loop in a worker thread. Requests
   join the running loop between two steps as slots free up, and each row is answered
-  when it ends; a weights swap stops admissions and lands once the live rows have
-  finished.
+  when it ends; a weights swap lands between two steps while rows decode
+  (``inference.swap``), or once the live rows have finished ("drain").
 - ``roles.inference.vllm_backend.VllmBackend`` (``inference.backend = "vllm"``, needs
   the ``vllm`` extra and a GPU): vLLM does its own continuous batching, so ``generate``
   simply submits each request to the async engine. New weights are loaded through
@@ -24,7 +24,8 @@ Rules every backend keeps:
   exception for one bad request): ``context_too_long`` when the prompt leaves no room
   for one completion token in ``max_model_len``, ``bad_request`` for invalid ids or
   sampling parameters;
-- every result carries the ``policy_version`` of the weights that produced all of it;
+- every result carries the ``policy_version`` of the weights that sampled its first
+  token, and ``version_spans`` for later versions when a swap landed mid-completion;
 - ``load_weights`` verifies ``digest`` before touching the model (a mismatch raises
   ``roles.lib.model.weights.WeightsDigestMismatch`` and the old weights keep serving),
   then that every tensor is finite (``check_finite``: a NaN or an infinity raises
@@ -48,6 +49,7 @@ from schemas import (
     GenerateRequest,
     GenerateResult,
     InferenceFailed,
+    ObjectRef,
     ScoreRequest,
     ScoreResult,
     arrays,
@@ -78,9 +80,16 @@ class Backend(Protocol):
         """Logprobs of ``token_ids[start:]`` under the model (prefill only)."""
         ...
 
-    async def load_weights(self, data: bytes, digest: str, version: int) -> None:
-        """Verify ``data`` against ``digest``, then swap it in between two steps, once
-        the rows in flight have finished."""
+    async def load_weights(self, data: bytes, digest: str, version: int) -> float:
+        """Verify ``data`` against ``digest``, then swap it in between two steps (the
+        torch backend: rows in flight carry on, or finish first with ``inference.swap =
+        "drain"``); the seconds generation paused for it."""
+        ...
+
+    async def load_shared(self, ref: ObjectRef, version: int) -> float:
+        """The same from the trainer's shared device ring (``trainer.weights_via =
+        "ipc"``: ``roles.lib.model.shared_weights``); NotImplementedError where the
+        backend cannot (the role then loads the stored bytes)."""
         ...
 
     def stats(self) -> dict[str, float]:

@@ -54,10 +54,11 @@ cannot fit in one slot is refused as ``context_too_long``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ from roles.inference.model_runner import DecoderRunner
 from roles.inference.slots import SlotTable
 from roles.inference.torch_setup import configure_torch_threads, default_stop_ids, limit_gpu_memory
 from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
+from roles.lib.model.shared_weights import Layout, SharedReader
 from roles.lib.model.weights import (
     WeightsDigestMismatch,
     bytes_to_state_dict,
@@ -85,7 +87,14 @@ from roles.lib.model.weights import (
     load_state_bytes,
     tied_keys,
 )
-from schemas import GenerateRequest, GenerateResult, InferenceFailed, ScoreRequest, ScoreResult
+from schemas import (
+    GenerateRequest,
+    GenerateResult,
+    InferenceFailed,
+    ObjectRef,
+    ScoreRequest,
+    ScoreResult,
+)
 from schemas.arrays import pack_f32, pack_i32
 
 Reply = GenerateResult | ScoreResult | InferenceFailed
@@ -101,6 +110,26 @@ def bucket(n: int, smallest: int, largest: int) -> int:
     padding, and few graphs); capped at ``largest``."""
     step = max(smallest, 1 << max(0, n.bit_length() - 3))
     return min(-(-n // step) * step, largest)
+
+
+def _versions(
+    first: int, swaps: Sequence[tuple[int, int]], n: int
+) -> tuple[int, list[tuple[int, int]]]:
+    """A completion of ``n`` tokens admitted under version ``first``, with ``swaps``
+    (token index from which a version sampled): the version of its first token and the
+    later spans (``GenerateResult.version_spans``), each version that sampled nothing
+    left out."""
+    spans: list[tuple[int, int]] = []
+    for at, v in swaps:
+        if at >= n:
+            break
+        if at == 0:
+            first = v
+        elif spans and spans[-1][0] == at:
+            spans[-1] = (at, v)
+        elif v != (spans[-1][1] if spans else first):
+            spans.append((at, v))
+    return first, spans
 
 
 @dataclasses.dataclass
@@ -147,6 +176,8 @@ class Row:
     shared: int = 0  # prompt tokens it shares with ``source``
     pending: bool = True  # added, not yet started (prefix not in the cache)
     tag: Any = None  # the caller's handle (the loop's pending future)
+    # Swaps while it decoded (``swap_in_flight``): (first token index, version).
+    spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class TorchEngine:
@@ -240,6 +271,8 @@ class TorchEngine:
         self._pool: Any = None
         self._heads: dict[int, tuple[Any, ...]] = {}
         self._io_views: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._shared: SharedReader | None = None  # the trainer's ring (weights_via = "ipc")
+        self._stage_stream: Any = None
 
     @classmethod
     def from_path(
@@ -350,6 +383,48 @@ class TorchEngine:
         with torch.no_grad():
             load_state_bytes(self.model, data, expected_digest)
         self.slots.forget()
+        self._version = version
+
+    def stage_shared(self, ref: ObjectRef) -> torch.Tensor:
+        """Copy the version ``ref`` names out of the trainer's shared ring into this
+        engine's staging buffer and verify it (layout, device digest, every value finite);
+        from any thread, while the loop decodes (on CUDA on a stream of its own)."""
+        if self._shared is None:
+            self._shared = SharedReader(Layout.of(self.model.state_dict()), self.device)
+        with contextlib.ExitStack() as scope:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # (a worker thread has no current device)
+                if self._stage_stream is None:
+                    self._stage_stream = torch.cuda.Stream(self.device)
+                scope.enter_context(torch.cuda.stream(self._stage_stream))
+            staged = self._shared.read(ref)  # (its digest's .tolist() waits for the copy)
+            if not bool(torch.isfinite(staged).all()):
+                check_finite(self._shared.layout.views(staged).items())  # names the tensor
+        return staged
+
+    def load_staged(self, model: torch.nn.Module) -> None:
+        """Copy the version ``stage_shared`` verified into ``model`` (one fused copy)."""
+        assert self._shared is not None and self._shared._staging is not None
+        self._shared.load_into(model, self._shared._staging)
+
+    def swap_in_flight(self, load: Callable[[torch.nn.Module], None], version: int) -> None:
+        """Load new weights between two steps while rows decode (``inference.swap =
+        "in_flight"``): ``load(model)`` copies them into the model's parameters in place.
+
+        Rows added but not started are prefilled first, under the old weights, so every
+        live row's keys and values so far are the old version's; each live row records
+        from which token on the new version samples (``Row.spans``: with a step in flight,
+        the one after it), and its slot is not kept as a prefix when it finishes (its keys
+        and values mix versions). Every kept prefix is forgotten, the live rows' too.
+        """
+        if self._added:
+            self.start()
+        with torch.no_grad():
+            load(self.model)
+        for row in self.rows:
+            if row is not None:
+                row.spans.append((int(self.h_count[row.slot]), version))
+        self.slots.forget(live_too=True)
         self._version = version
 
     # -- admission ----------------------------------------------------------------------
@@ -571,7 +646,9 @@ class TorchEngine:
                 restore()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a weights version staged on another thread meanwhile
+        # (``stage_shared``, on a stream of its own) does not break the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step_fn(*key)
         restore()
         self._graphs[key] = graph
@@ -673,17 +750,19 @@ class TorchEngine:
         s = row.slot
         n = int(self.h_done[s])
         ids = self.h_out_tok[s, :n]
-        self._free_slot(s, row.prompt + ids[:-1].tolist())
+        version, spans = _versions(row.version, row.spans, n)
+        self._free_slot(s, [] if row.spans else row.prompt + ids[:-1].tolist())
         self._count(len(row.prompt), n)
         return GenerateResult(
             request_id=row.req.request_id,
             completion_ids=pack_i32(ids.tolist()),
             logprobs=pack_f32(self.h_out_lp[s, :n].tolist()),
             finish_reason=reason,
-            policy_version=row.version,
+            policy_version=version,
             prompt_tokens=len(row.prompt),
             queue_s=row.queue_s,
             compute_s=now - row.admitted,
+            version_spans=spans,
         )
 
     def _count(self, prompt: int, completion: int) -> None:

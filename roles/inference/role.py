@@ -16,10 +16,15 @@ base ``model.path`` when unset) and never changes. The policy replica follows
 ``weights.published``: at start it loads the newest announcement on the stream that
 loads (an unreadable or refused one is stepped over for the one before it), then
 an ordered consumer (DeliverPolicy.LAST, NATS_NOTES #11) delivers new ones; the bytes
-come from the object store (``kind == "object"``) or a file (``kind == "path"`` on a
-shared filesystem, ``"shm"`` under /dev/shm on the trainer's host),
-the digest is verified, every tensor is checked finite, and the swap happens between two
-decode steps once the rows in flight have finished. Announcements that pile up while a load runs collapse to the newest. A fetch
+come from the trainer's shared device ring (``WeightsPublished.device``, with
+``trainer.weights_via = "ipc"``: one device-to-device copy, its device digest checked;
+on failure the stored bytes, when this version has them), the object store
+(``kind == "object"``) or a file (``kind == "path"`` on a shared filesystem, ``"shm"``
+under /dev/shm on the trainer's host), the digest is verified, every tensor is checked
+finite, and the swap happens between two decode steps (``inference.swap``: rows in
+flight carry on under the new version, or finish first). ``weights.swapped`` logs
+``via``, ``lag_s`` and ``pause_s`` (what generation lost). Announcements that pile up
+while a load runs collapse to the newest. A fetch
 that fails for a transient reason (a timeout, a lost connection:
 ``bus.errors.TRANSIENT_ERRORS``) is retried a few times with backoff (``weights.fetch_retry``),
 so one slow read does not leave a replica on old weights, the last version's included.
@@ -79,6 +84,7 @@ from schemas import (
     GenerateRequest,
     InferenceFailed,
     MetricsReported,
+    ObjectRef,
     ScoreRequest,
     WeightsPublished,
 )
@@ -142,6 +148,7 @@ async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
         TorchBackend.from_path,
         path,
         batch_window_ms=inf.batch_window_ms,
+        swap=inf.swap,
         device=inf.device,
         dtype=cfg.model.dtype,
         local_files_only=cfg.model.local_files_only,
@@ -348,12 +355,11 @@ class InferenceRole(Role):
             if event.format != "safetensors":
                 raise ValueError(f"unsupported weights format {event.format!r}")
             await self._check_version(event)
-            data = await self._fetch(event)
-            held_s = await self.pins.hold_swap(previous, event.version)
-            await self.backend.load_weights(data, event.weights.digest, event.version)
+            via, size, paused_s, held_s = await self._swap_in(event, previous)
         except Exception as e:  # noqa: BLE001 - bad weights are refused, serving goes on
+            stored = event.stored()
             gone_is_news = not isinstance(e, WeightsNotFinite | VersionAhead)
-            if gone_is_news and await weights_gone(self.bus, event.weights):
+            if gone_is_news and (stored is None or await weights_gone(self.bus, stored)):
                 return await self._load_newer_than(event, e)
             self._reject(event, e, previous)
             return False
@@ -367,12 +373,44 @@ class InferenceRole(Role):
             version=event.version,
             previous=previous,
             digest=event.weights.digest,
-            bytes=len(data),
+            via=via,
+            bytes=size,
             load_s=round(time.perf_counter() - started, 4),
             lag_s=round(self.weights_lag_s, 4),
+            pause_s=round(paused_s, 5),
             pin_held_s=round(held_s, 4),
         )
         return True
+
+    async def _swap_in(
+        self, event: WeightsPublished, previous: int
+    ) -> tuple[str, int, float, float]:
+        """Load ``event``'s weights: from the trainer's shared device ring when it
+        announced one (``trainer.weights_via = "ipc"``), else, or when that fails (another
+        host, a ring gone or overwritten), the stored bytes. (via, bytes, generation
+        pause, seconds held for pinned requests)."""
+        assert self.backend is not None
+        stored = event.stored()
+        if event.device is not None:
+            try:
+                held_s = await self.pins.hold_swap(previous, event.version)
+                paused_s = await self.backend.load_shared(event.device, event.version)
+                return "ipc", event.device.size, paused_s, held_s
+            except (WeightsNotFinite, VersionAhead):
+                raise
+            except Exception as e:  # noqa: BLE001 - the stored copy, if any, is tried next
+                if stored is None:
+                    raise
+                self.log.warning(
+                    "weights.device_failed", version=event.version, error=repr(e)[:300],
+                    fallback=stored.kind,
+                )  # fmt: skip
+        if stored is None:
+            raise ValueError("weights announced only on the trainer's device, and none given")
+        data = await self._fetch(event, stored)
+        held_s = await self.pins.hold_swap(previous, event.version)
+        paused_s = await self.backend.load_weights(data, stored.digest, event.version)
+        return stored.kind, len(data), paused_s, held_s
 
     async def _check_version(self, event: WeightsPublished) -> None:
         """Refuse a version no batch made: the trainer announces version v after training
@@ -392,11 +430,11 @@ class InferenceRole(Role):
                 f"{newest}: no trainer step made it"
             )
 
-    async def _fetch(self, event: WeightsPublished) -> bytes:
+    async def _fetch(self, event: WeightsPublished, stored: ObjectRef) -> bytes:
         """The announced bytes, transient errors retried (``retry_transient``)."""
 
         return await retry_transient(
-            lambda: fetch_weights(self.bus, event.weights),
+            lambda: fetch_weights(self.bus, stored),
             attempts=self.fetch_attempts,
             backoff_s=self.fetch_backoff_s,
             on_retry=self._retrying(event),
@@ -439,7 +477,7 @@ class InferenceRole(Role):
     async def _load_newest_good(self) -> None:
         """At start, the newest announced weights that load: an unreadable announcement,
         or one refused (a wrong digest, a missing object, a NaN), is stepped over for the
-        one before it, up to ``START_CANDIDATES`` of them, so a restarted replica never
+        one before it, up to ``START_CANDIDATES`` stored ones, so a restarted replica never
         serves the initial weights while good newer ones are on the log."""
         async with contextlib.aclosing(weights_newest_first(self.bus)) as announced:
             tried = 0
@@ -447,7 +485,9 @@ class InferenceRole(Role):
                 found = await snapshot_weights(self.bus, self.served.pin, event)
                 if found is not None and await self._apply_weights(found):
                     return
-                tried += 1
+                # (a version only shared on a trainer's device is not counted: after a
+                # restart of the trainer, up to ipc_store_every of them precede a stored one)
+                tried += found is None or found.stored() is not None
                 if tried >= START_CANDIDATES:
                     self.log.error("weights.none_loaded", tried=tried)
                     return

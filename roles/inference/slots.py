@@ -182,8 +182,9 @@ class SlotTable:
         self._set_content(slot, content)
         heapq.heappush(self._free, slot)
 
-    def forget(self) -> None:
-        """Drop every free slot's content (its keys and values came from old weights)."""
+    def forget(self, live_too: bool = False) -> None:
+        """Drop every free slot's content (its keys and values came from old weights);
+        with ``live_too`` the live rows' prompts as well (a swap while they decode)."""
         for slot in range(self.slots):
-            if not self.live[slot]:
+            if live_too or not self.live[slot]:
                 self._set_content(slot, [])

@@ -24,10 +24,13 @@ has work, and between two decode steps it
 A row's tokens depend only on its request and seed (the engine's guarantee), so the
 schedule never changes what a request gets, only when.
 
-Weight swaps (``exclusive``, taken by ``TorchBackend.load_weights``): admissions stop,
-the live rows finish, the loop returns and releases ``lock``, the swap runs between two
-steps, admissions resume. So every completion comes from one version (its
-``policy_version``). Queued requests wait meanwhile (nothing is lost); the wait is
+Weight swaps (``inference.swap``). "in_flight" (the default, ``between_steps``): the
+new weights are verified off the loop, then copied into the model by the worker thread
+between two decode steps while the live rows carry on (``TorchEngine.swap_in_flight``
+records from which token each samples under the new version); the generation pauses
+for that copy only. "drain" (``exclusive``): admissions stop, the live rows finish, the
+loop returns and releases ``lock``, the swap runs, admissions resume, so every
+completion comes from one version; queued requests wait meanwhile (nothing is lost),
 bounded by the longest live row's remaining budget.
 
 Counters (``BatchStats``): ``batches`` counts admission rounds (one prefill of newly
@@ -52,8 +55,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from roles.inference.engine import Row, TorchEngine
-from schemas import GenerateRequest, GenerateResult, InferenceFailed, ScoreRequest, ScoreResult
+from roles.lib.model.weights import bytes_to_state_dict
+from schemas import (
+    GenerateRequest,
+    GenerateResult,
+    InferenceFailed,
+    ObjectRef,
+    ScoreRequest,
+    ScoreResult,
+)
 
 Request = GenerateRequest | ScoreRequest
 Reply = GenerateResult | ScoreResult | InferenceFailed
@@ -94,7 +107,7 @@ class _Pending:
 Answer = Callable[[_Pending, Reply | BaseException], None]
 
 
-def _settle(future: asyncio.Future[Reply], value: Reply | BaseException) -> None:
+def _settle(future: asyncio.Future[Any], value: object) -> None:
     """Resolve ``future`` (on the event loop) unless its caller has gone."""
     if future.done():
         return
@@ -130,6 +143,8 @@ class DecodeLoop:
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        # Calls for the worker thread between two steps (``between_steps``).
+        self._calls: deque[tuple[Callable[[], None], asyncio.Future[float]]] = deque()
 
     # -- the event-loop side ------------------------------------------------------------
 
@@ -148,6 +163,28 @@ class DecodeLoop:
             self._task = asyncio.create_task(self._run(), name="decode-loop")
         return list(await asyncio.gather(*(p.future for p in pending)))
 
+    async def between_steps(self, call: Callable[[], None]) -> float:
+        """Run ``call()`` in the worker thread between two decode steps, live rows kept
+        (an in-flight weights swap); the seconds it held the loop."""
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._calls.append((call, future))
+        self._arrived.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="decode-loop")
+        return await future
+
+    def _run_calls(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(worker thread) The calls queued by ``between_steps``, each answered."""
+        while self._calls:
+            call, future = self._calls.popleft()
+            start = time.perf_counter()
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                loop.call_soon_threadsafe(_settle, future, e)
+            else:
+                loop.call_soon_threadsafe(_settle, future, time.perf_counter() - start)
+
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
         """Hold the engine between two decode steps with no row live (a weights swap)."""
@@ -160,12 +197,13 @@ class DecodeLoop:
 
     async def _run(self) -> None:
         while True:
-            while not (self._gen or self._scores):
+            while not (self._gen or self._scores or self._calls):
                 self._idle.set()
                 self._arrived.clear()
                 await self._arrived.wait()
-            deadline = min(p.enqueued for p in (*self._gen, *self._scores)) + self.window_s
-            while len(self._gen) + len(self._scores) < self.engine.max_rows:
+            queued = [p.enqueued for p in (*self._gen, *self._scores)]
+            deadline = min(queued, default=time.perf_counter()) + self.window_s
+            while queued and len(self._gen) + len(self._scores) < self.engine.max_rows:
                 if (remaining := deadline - time.perf_counter()) <= 0:
                     break
                 self._arrived.clear()
@@ -212,6 +250,7 @@ class DecodeLoop:
             while not self._stop:
                 send()
                 mark = self._account(mark, score_s)  # the last iteration, as it ended
+                self._run_calls(loop)
                 score_s = self._answer_scores(answer)
                 if not self._draining:
                     live += self._admit(len(live), answer)
@@ -313,18 +352,32 @@ class TorchBackend:
     name = "torch"
 
     def __init__(
-        self, engine: TorchEngine, *, batch_window_ms: float = 5.0, admit_rows: int | None = None
+        self,
+        engine: TorchEngine,
+        *,
+        batch_window_ms: float = 5.0,
+        admit_rows: int | None = None,
+        swap: str = "in_flight",
     ) -> None:
+        if swap not in ("in_flight", "drain"):
+            raise ValueError(f"inference.swap must be 'in_flight' or 'drain', not {swap!r}")
         self.engine = engine
+        self.swap = swap
         self.loop = DecodeLoop(engine, batch_window_ms=batch_window_ms, admit_rows=admit_rows)
 
     @classmethod
     def from_path(
-        cls, path: str | Path, *, batch_window_ms: float = 5.0, **engine_kw: Any
+        cls,
+        path: str | Path,
+        *,
+        batch_window_ms: float = 5.0,
+        swap: str = "in_flight",
+        **engine_kw: Any,
     ) -> TorchBackend:
         """Load the model (slow: call it in a thread from async code); ``engine_kw`` go to
         ``TorchEngine.from_path``."""
-        return cls(TorchEngine.from_path(path, **engine_kw), batch_window_ms=batch_window_ms)
+        engine = TorchEngine.from_path(path, **engine_kw)
+        return cls(engine, batch_window_ms=batch_window_ms, swap=swap)
 
     def describe(self) -> dict[str, Any]:
         return self.engine.describe()
@@ -343,11 +396,42 @@ class TorchBackend:
     async def score(self, reqs: list[ScoreRequest]) -> list[ScoreResult | InferenceFailed]:
         return await self.loop.submit_many(reqs)  # type: ignore[arg-type,return-value]
 
-    async def load_weights(self, data: bytes, digest: str, version: int) -> None:
+    async def load_weights(self, data: bytes, digest: str, version: int) -> float:
         # Verify and shape-check outside the loop: decoding goes on meanwhile.
         await asyncio.to_thread(self.engine.check_state, data, digest)
+        if self.swap == "in_flight":
+            state = await asyncio.to_thread(bytes_to_state_dict, data)
+
+            def load(model: torch.nn.Module) -> None:
+                model.load_state_dict(state, strict=False)  # (shapes checked above)
+
+            return await self._swap(load, version)
         async with self.loop.exclusive():  # between steps, once the live rows have finished
+            start = time.perf_counter()
             await asyncio.to_thread(self.engine.load_state, data, digest, version)
+            return time.perf_counter() - start
+
+    async def load_shared(self, ref: ObjectRef, version: int) -> float:
+        """Copy a version out of the trainer's shared ring (``trainer.weights_via =
+        "ipc"``): verified off the loop, swapped in as ``inference.swap`` says."""
+        await asyncio.to_thread(self.engine.stage_shared, ref)
+        if self.swap == "in_flight":
+            return await self._swap(self.engine.load_staged, version)
+        async with self.loop.exclusive():
+            start = time.perf_counter()
+            await asyncio.to_thread(self.engine.swap_in_flight, self.engine.load_staged, version)
+            return time.perf_counter() - start
+
+    async def _swap(self, load: Callable[[torch.nn.Module], None], version: int) -> float:
+        """``load`` the new weights between two decode steps, rows live; the pause (on
+        CUDA it waits for the copy, so the figure is what the generation lost)."""
+
+        def swap() -> None:
+            self.engine.swap_in_flight(load, version)
+            if self.engine.device.type == "cuda":
+                torch.cuda.synchronize(self.engine.device)
+
+        return await self.loop.between_steps(swap)
 
     def stats(self) -> dict[str, float]:
         b = self.loop.stats

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -44,7 +45,14 @@ from typing import Any
 from roles.inference.backend import admit_generate, admit_score, check_finite
 from roles.lib.model.weights import WeightsDigestMismatch, write_atomic
 from roles.lib.model.weights import digest as weights_digest
-from schemas import GenerateRequest, GenerateResult, InferenceFailed, ScoreRequest, ScoreResult
+from schemas import (
+    GenerateRequest,
+    GenerateResult,
+    InferenceFailed,
+    ObjectRef,
+    ScoreRequest,
+    ScoreResult,
+)
 from schemas.arrays import pack_f32, pack_i32
 
 VLLM_MISSING = (
@@ -275,7 +283,7 @@ class VllmBackend:
 
     # -- weights ------------------------------------------------------------------------
 
-    async def load_weights(self, data: bytes, digest: str, version: int) -> None:
+    async def load_weights(self, data: bytes, digest: str, version: int) -> float:
         actual = weights_digest(data)
         if actual != digest:
             raise WeightsDigestMismatch(digest, actual)
@@ -287,12 +295,21 @@ class VllmBackend:
             path.unlink(missing_ok=True)
             raise
         async with self._gate.swap():  # no request in flight: none sees two versions
+            start = time.perf_counter()
             await self._engine.collective_rpc("rlbus_load_weights", args=(str(path),))
             await self._engine.reset_prefix_cache()
             self._version = version
+            paused = time.perf_counter() - start
         for old in self._weights_dir.glob("policy-v*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)
+        return paused
+
+    async def load_shared(self, ref: ObjectRef, version: int) -> float:
+        raise NotImplementedError(
+            "the vLLM backend loads weights from bytes only (trainer.weights_via = 'ipc' "
+            "falls back to the stored versions)"
+        )
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)

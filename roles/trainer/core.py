@@ -105,6 +105,21 @@ def lr_at(cfg: RunConfig, step: int, phase: str = "rl") -> float:
     return t.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# Dense bf16 TFLOP/s by GPU name (what MFU is a share of): the SXM parts' datasheet figures.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def peak_flops(given_tflops: float | None, device: str) -> float | None:
+    """The trainer device's peak FLOP/s: ``trainer.peak_tflops`` when set, else the
+    GPU's from ``PEAK_TFLOPS`` by name; None (no MFU) on the CPU or an unknown GPU."""
+    if given_tflops is not None:
+        return given_tflops * 1e12
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(torch.device(device))
+    return next((t * 1e12 for gpu, t in PEAK_TFLOPS.items() if gpu in name), None)
+
+
 class CheckpointMismatch(Exception):
     """A checkpoint written by a trainer of another world size."""
 
@@ -148,6 +163,8 @@ class TrainerCore:
         )
         self.step = 0  # batches trained == current policy version
         self.threads = torch_threads()
+        self.params = sum(p.numel() for p in self.model.parameters())  # tied: once
+        self.peak_flops = peak_flops(cfg.trainer.peak_tflops, self.device)
 
     # -- rank hooks: one process holds everything ----------------------------------------
 
@@ -333,6 +350,18 @@ class TrainerCore:
             "threads": float(self.threads),  # ... with as many intra-op threads each
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "step_s": elapsed,
+            **self._utilisation(tokens, elapsed),
+        }
+
+    def _utilisation(self, tokens: int, elapsed: float) -> dict[str, float]:
+        """Model FLOPs per second (6 x parameters x tokens: forward and backward) and,
+        where the device's peak is known, MFU (``peak_flops``); timing, never replayed."""
+        if elapsed <= 0:
+            return {}
+        flops = 6.0 * self.params * tokens / elapsed
+        return {
+            "flops_per_s": flops,
+            **({"mfu": flops / self.peak_flops} if self.peak_flops else {}),
         }
 
     # -- weights ------------------------------------------------------------------------

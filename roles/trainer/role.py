@@ -65,6 +65,8 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from bus.consumer import Delivery, Effects, Subscription, commit
 from bus.errors import STORE_ERRORS, HandlerBroken, Rejected
 from bus.follower import Follow
@@ -72,6 +74,7 @@ from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
+from roles.lib.model.shared_weights import Layout, WeightsRing
 from roles.lib.model.weights import digest, write_atomic
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
@@ -133,6 +136,7 @@ class TrainerRole(Role):
         # not yet collected: listed at start, added as they are stored.
         self.stored_weights: dict[int, str] = {}
         self.collected_since_rewrite = 0  # versions deleted since weights.v0 was rewritten
+        self.ring: WeightsRing | None = None  # trainer.weights_via = "ipc": made at first use
 
     @property
     def core(self) -> TrainerCore:
@@ -320,8 +324,13 @@ class TrainerRole(Role):
             return
         batch = p.batch
         assert batch.step == self.core.step, "a pending step's weights are the current ones"
-        data = await asyncio.to_thread(self.core.weights_bytes)
-        p.digest = digest(data)
+        shared = await asyncio.to_thread(self._share, batch.step)
+        data = None
+        if shared is None or self._stores(batch.step, p.recorded):
+            data = await asyncio.to_thread(self.core.weights_bytes)
+        # What the announcement's digest is of: the bytes when they are stored, else the
+        # shared device copy ("dev:..."); a recorded one is compared the same way.
+        p.digest = digest(data) if data is not None else shared.digest  # type: ignore[union-attr]
         events: list[Event] = []
         if p.recorded is not None and p.recorded.weights.digest != p.digest:
             self.log.error(
@@ -329,7 +338,7 @@ class TrainerRole(Role):
                 recorded=p.recorded.weights.digest, recomputed=p.digest,
             )  # fmt: skip
         if p.recorded is None:
-            ref = await self._store_weights(batch.step, data, p.digest)
+            ref = shared if data is None else await self._store_weights(batch.step, data, p.digest)
             events.append(
                 WeightsPublished(
                     run=self.run,
@@ -337,8 +346,9 @@ class TrainerRole(Role):
                     causation_id=batch.event_id,
                     version=batch.step,
                     step=batch.step,
-                    weights=ref,
+                    weights=ref,  # type: ignore[arg-type]
                     batch_id=batch.event_id,
+                    device=shared,
                 )
             )
         events.append(
@@ -375,9 +385,43 @@ class TrainerRole(Role):
             await self._collect_weights(done[-1].batch.step)
         self.idle_since = time.monotonic()
 
+    def _share(self, version: int) -> ObjectRef | None:
+        """(worker thread) With ``trainer.weights_via = "ipc"``, write ``version`` into the
+        shared device ring (made at the first call) and return its reference."""
+        if self.cfg.trainer.weights_via != "ipc":
+            return None
+        model = self.core.model
+        if self.ring is None:
+            state = model.state_dict()
+            device = next(iter(state.values())).device
+            served = self.cfg.inference.dtype
+            # As inference holds them (roles.inference.capacity.serving_dtype): bfloat16
+            # on CUDA unless inference.dtype says otherwise, else the master weights'.
+            dtype = next(iter(state.values())).dtype
+            if served != "auto":
+                dtype = getattr(torch, served)
+            elif device.type == "cuda":
+                dtype = (
+                    torch.float16 if self.cfg.model.dtype in ("float16", "fp16") else torch.bfloat16
+                )
+            self.ring = WeightsRing.create(
+                Layout.of(state), dtype, device, self.ctx.paths.shm_weights
+            )
+            self.log.info("weights.ring", handle=self.ring.handle[:80], dtype=str(dtype),
+                          slots=self.ring.slots, bytes=self.ring.buffer.nbytes)  # fmt: skip
+        return self.ring.write(version, model.state_dict())
+
+    def _stores(self, version: int, recorded: WeightsPublished | None) -> bool:
+        """Whether ``version``'s bytes are stored besides the shared ring: every
+        ``trainer.ipc_store_every``-th version and the last; a recorded one as it was."""
+        if recorded is not None:
+            return recorded.stored() is not None
+        every = self.cfg.trainer.ipc_store_every
+        return version % every == 0 or version >= self.cfg.max_steps
+
     async def _store_weights(self, version: int, data: bytes, weights_digest: str) -> ObjectRef:
         via = self.cfg.trainer.weights_via
-        if via == "auto":
+        if via in ("auto", "ipc"):
             via = "object" if len(data) <= OBJECT_STORE_MAX_BYTES else "path"
         if via == "object":
             name = retention.object_name(version)
@@ -480,6 +524,8 @@ class TrainerRole(Role):
                 await self._checkpoint()
         finally:
             await asyncio.to_thread(self.core.close, self.broken)
+            if self.ring is not None:
+                self.ring.close()
 
 
 async def main(ctx: RoleContext, nproc: int | None = None) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import shutil
 import sys
 import time
@@ -81,8 +82,31 @@ def role_commands(cfg: RunConfig) -> list[tuple[str, list[str]]]:
         specs.append(("gateway", ["gateway"]))
     # The lake and its trace index written as the run goes (stopped last: it ends with the
     # run's last events), so `rlbus trace` and `rlbus sql` after the run sync nothing.
-    specs.append(("lake", ["lake"]))
+    if lake_missing() is None:
+        specs.append(("lake", ["lake"]))
     return specs
+
+
+def lake_missing() -> str | None:
+    """The table library the lake role lacks here, if any (a trimmed install, e.g. a GPU
+    image with only torch and the bus): the run trains without it, and ``rlbus sql`` or
+    ``rlbus trace`` syncs the tables later where the libraries are."""
+    for module in ("polars", "pyarrow"):
+        if importlib.util.find_spec(module) is None:
+            return module
+    return None
+
+
+def describe_weights(cfg: RunConfig) -> str:
+    """How the trainer's versions reach inference (``rlbus up`` prints it)."""
+    t, inf = cfg.trainer, cfg.inference
+    via = t.weights_via
+    if via == "auto":
+        via = "the object store (a file past 200 MB)"
+    elif via == "ipc":
+        via = f"ipc (a shared device ring; every {t.ipc_store_every}th version also stored)"
+    swap = "drain" if inf.backend == "vllm" else inf.swap
+    return f"weights: via {via}, swapped {swap.replace('_', '-')}"
 
 
 def process_names(cfg: RunConfig) -> list[str]:
@@ -210,6 +234,9 @@ def _launch_locked(
         roles = role_specs(cfg, paths, url, plan)
         devices = role_devices(cfg, roles)
         print("devices: " + ", ".join(f"{name} {dev}" for name, dev in devices.items()), flush=True)
+        print(describe_weights(cfg), flush=True)
+        if (missing := lake_missing()) is not None:
+            print(f"lake: not started (no module {missing}); `rlbus sql` syncs it later", flush=True)  # fmt: skip
         print(
             "cpus: " + ", ".join(f"{r.name} {plan[r.name].describe()}" for r in roles), flush=True
         )

@@ -25,8 +25,9 @@ from roles.inference.role import InferenceRole, resolve_served_model
 from roles.inference.weights_io import fetch_weights, weights_gone
 from roles.lib.clients import InferenceClient
 from roles.lib.model.loading import load_model
+from roles.lib.model.shared_weights import Layout, WeightsRing
 from roles.lib.model.tiny import build_tiny_model
-from roles.lib.model.weights import digest, state_dict_to_bytes
+from roles.lib.model.weights import bytes_to_state_dict, digest, state_dict_to_bytes
 from roles.runtime.role import serve_role
 from schemas import (
     GenerateResult,
@@ -356,6 +357,68 @@ async def test_weights_in_a_shm_file_load_like_a_path_and_report_their_lag(
     assert await weights_gone(bus, ref)
     assert lag is not None and 2.0 <= lag < 30.0
     assert values["weights_lag_s"] == lag
+
+
+async def test_weights_shared_on_the_device_load_from_the_ring_or_fall_back_to_stored_bytes(
+    bus: Bus, nats_server: EmbeddedServer, tiny_path: Path, tmp_path: Path, perturbed_weights: bytes
+) -> None:
+    """``trainer.weights_via = "ipc"`` on the CPU (the ring is a shared file): version 1,
+    only in the ring, is copied out of it and served; version 4's slot was overwritten
+    after its announcement (the trainer ran a lap ahead), so its device digest fails and
+    the stored bytes are loaded instead; version 7, only in the ring and overwritten too,
+    is refused and the served weights stay (nothing newer is announced)."""
+    trainer = load_model(tiny_path)
+    trainer.load_state_dict(bytes_to_state_dict(perturbed_weights), strict=False)
+    other = load_model(tiny_path)
+    ring = WeightsRing.create(Layout.of(trainer.state_dict()), torch.float32, torch.device("cpu"), tmp_path / "ring")  # fmt: skip
+
+    async def announce(version: int, weights: ObjectRef, device: ObjectRef) -> None:
+        await bus.publish(batch_for(bus.run, version))
+        await bus.publish(WeightsPublished(run=bus.run, version=version, step=version,
+                                           weights=weights, device=device))  # fmt: skip
+
+    client = InferenceClient(bus, timeout_s=30)
+    with capture_logs() as logs:
+        async with running_role(nats_server, bus.run, _cfg(tiny_path), tmp_path, "inf-ipc") as role:
+            backend = role.backend
+            assert backend is not None
+            via: dict[int, str] = {}  # version -> the load that served it
+            for name, kind in (("load_shared", "ipc"), ("load_weights", "bytes")):
+                load = getattr(backend, name)
+
+                async def loaded(*args: object, _load=load, _kind=kind) -> float:  # noqa: ANN001
+                    paused = await _load(*args)
+                    via[int(args[-1])] = _kind  # type: ignore[call-overload]
+                    return float(paused)
+
+                setattr(backend, name, loaded)
+            v1 = ring.write(1, trainer.state_dict())
+            await announce(1, v1, v1)
+            await _until(_when(lambda: role.backend.policy_version == 1))
+            served = role.backend.engine.model.state_dict()  # type: ignore[attr-defined]
+            assert all(torch.equal(served[k], t) for k, t in trainer.state_dict().items())
+
+            v4 = ring.write(4, other.state_dict())
+            ring.write(7, trainer.state_dict())  # the same slot: v4's bytes are gone from it
+            name = "weights.v4"
+            stored = ObjectRef(kind="object", location=name, bucket=bus.objects.bucket,
+                               digest=await bus.objects.put(name, state_dict_to_bytes(other)))  # fmt: skip
+            await announce(4, stored, v4)
+            await _until(_when(lambda: role.backend.policy_version == 4))
+            served = role.backend.engine.model.state_dict()  # type: ignore[attr-defined]
+            assert all(torch.equal(served[k], t) for k, t in other.state_dict().items())
+
+            v7 = ring.write(7, trainer.state_dict())
+            ring.write(10, other.state_dict())
+            await announce(7, v7, v7)
+            await _until(_when(lambda: role.weights_rejected == 1))
+            assert (await _generate(client, "after")).policy_version == 4
+    assert via == {1: "ipc", 4: "bytes"}
+    (failed,) = [e for e in logs if e["event"] == "weights.device_failed"]
+    assert failed["version"] == 4 and "digest mismatch" in failed["error"]
+    (rejected,) = [e for e in logs if e["event"] == "weights.rejected"]
+    assert rejected["version"] == 7 and "digest mismatch" in rejected["error"]
+    ring.close()
 
 
 # -- eval pinning --------------------------------------------------------------------------

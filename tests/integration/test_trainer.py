@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
+import torch
+from structlog.testing import capture_logs
 
 from bus.reader import read_log
 from bus.registry import list_roles
@@ -22,6 +25,7 @@ from bus.server import EmbeddedServer
 from bus.subjects import Topic, subject
 from configs import RunConfig, dump_toml, load_config
 from roles.lib.model.loading import load_model
+from roles.lib.model.shared_weights import Layout, SharedReader
 from roles.lib.model.tiny import build_tiny_model
 from roles.lib.model.weights import load_state_bytes
 from roles.runtime.context import RoleContext
@@ -255,3 +259,46 @@ async def test_trainer_process_killed_mid_run_resumes_without_retraining_or_skip
     assert (await bus.objects.get(final.location, final.digest)) is not None
     checkpoint = latest_checkpoint(tmp_path / bus.run)
     assert checkpoint is not None and checkpoint.name == "step-00000006"
+
+
+async def test_weights_shared_on_the_device_are_announced_and_every_nth_stored(
+    nats_server: EmbeddedServer, bus: Bus, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """``trainer.weights_via = "ipc"``: every version is announced with its ring slot
+    (``device``, a device digest); every ``ipc_store_every``-th version and the last also
+    have stored bytes. A replica's copy out of the ring is the trainer's weights. A trainer
+    restarted before step 3 recomputes it into a new ring with the recorded device
+    digest (no ``trainer.replay_diverged``)."""
+    cfg = trainer_config(tiny_dir, tmp_path, "trainer.weights_via=ipc",
+                         "trainer.ipc_store_every=2", "max_steps=4")  # fmt: skip
+    batches = [synthetic_batch(bus.run, s, phase="sft" if s == 1 else "rl") for s in range(1, 5)]
+    reference = TrainerCore(cfg, tiny_dir)
+    for batch in batches[:3]:
+        reference.train_step(batch)
+    role, task = await start_role(cfg, nats_server.url, bus.run)
+    try:
+        await bus.publish_many(batches[:3])
+        await wait_for_version(bus, 3)
+        (v3,) = [w for w in await read_all(bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,)) if w.version == 3]  # fmt: skip
+        replica = load_model(tiny_dir)
+        reader = SharedReader(Layout.of(replica.state_dict()), torch.device("cpu"))
+        assert v3.device is not None
+        reader.load_into(replica, reader.read(v3.device))
+        own = reference.model.state_dict()
+        assert all(torch.equal(t, own[k]) for k, t in replica.state_dict().items())
+    finally:
+        await stop_role(role, task)
+    shutil.rmtree(tmp_path / bus.run / "checkpoints" / "step-00000003")  # back to step 2
+    with capture_logs() as logs:
+        role, task = await start_role(cfg, nats_server.url, bus.run)
+        try:
+            await bus.publish(batches[3])
+            await wait_for_version(bus, 4)
+        finally:
+            await stop_role(role, task)
+    assert not [e for e in logs if e["event"] == "trainer.replay_diverged"]
+    weights = await read_all(bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,))
+    assert [w.version for w in weights] == [1, 2, 3, 4]
+    assert all(w.device is not None and w.device.digest.startswith("dev:") for w in weights)
+    assert [w.stored() is not None for w in weights] == [False, True, False, True]
+    assert [w.weights.kind for w in weights] == ["ipc", "object", "ipc", "object"]

@@ -22,6 +22,7 @@ from roles.inference.engine import TorchEngine
 from roles.inference.torch_backend import BatcherClosed, TorchBackend
 from roles.lib.model.loading import load_model, load_tokenizer
 from roles.lib.model.render import Renderer
+from roles.lib.model.shared_weights import Layout, WeightsRing
 from roles.lib.model.tiny import build_tiny_model
 from roles.lib.model.weights import WeightsDigestMismatch, digest, state_dict_to_bytes
 from schemas import GenerateRequest, GenerateResult, InferenceFailed, SamplingParams, ScoreRequest
@@ -149,7 +150,7 @@ async def test_a_weight_swap_waits_for_live_rows_and_queued_requests_wait_for_it
     queued_req = gen("queued", prompts[2], max_completion_tokens=6)
     (old_long,) = engine.generate([long_req])
     steps = count_steps(engine, monkeypatch)
-    backend = TorchBackend(engine, batch_window_ms=0)
+    backend = TorchBackend(engine, batch_window_ms=0, swap="drain")
     long = asyncio.create_task(backend.generate([long_req]))
     await until(lambda: steps() >= 2)
     swap = asyncio.create_task(backend.load_weights(data, digest(data), version=3))
@@ -165,6 +166,48 @@ async def test_a_weight_swap_waits_for_live_rows_and_queued_requests_wait_for_it
     assert q.policy_version == 3 and backend.policy_version == 3
     fresh = TorchEngine(scramble(load_model(tiny_dir), seed=5), None, stop_token_ids=[])
     assert same(q, fresh.generate([queued_req])[0]) and q.queue_s > 0.01
+
+
+@pytest.mark.parametrize("via", ["bytes", "ipc"])
+async def test_an_in_flight_swap_lands_while_a_row_decodes_and_records_where(
+    tiny_dir: Path,
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    via: str,
+) -> None:
+    """``inference.swap = "in_flight"``: a swap asked mid-decode lands between two steps
+    while the row goes on; its tokens before the swap are the old weights' (equal to a run
+    without the swap), ``version_spans`` says from which token the new version sampled,
+    and a request after it is answered as a fresh engine with the new weights would
+    (every kept prefix forgotten, the live row's too)."""
+    engine = make_engine(tiny_dir)
+    new = scramble(load_model(tiny_dir), seed=5)
+    long_req = gen("long", prompts[1], max_completion_tokens=40)
+    (old_long,) = engine.generate([long_req])
+    steps = count_steps(engine, monkeypatch)
+    backend = TorchBackend(engine, batch_window_ms=0)
+    long = asyncio.create_task(backend.generate([long_req]))
+    await until(lambda: steps() >= 5)
+    if via == "ipc":
+        ring = WeightsRing.create(
+            Layout.of(new.state_dict()), torch.float32, torch.device("cpu"), tmp_path
+        )
+        paused = await backend.load_shared(ring.write(3, new.state_dict()), version=3)
+    else:
+        data = state_dict_to_bytes(new)
+        paused = await backend.load_weights(data, digest(data), version=3)
+    assert not long.done() and engine.policy_version == 3 and paused > 0
+    (lg,) = await long
+    ((at, version),) = lg.version_spans
+    assert version == 3 and lg.policy_version == 0 and lg.versions() == [0, 3]
+    assert 5 <= at < 40
+    assert ids(lg)[:at] == ids(old_long)[:at]
+    assert f32(lg.logprobs)[:at].tolist() == f32(old_long.logprobs)[:at].tolist()
+    (after,) = await backend.generate([long_req])  # its old prompt is not reused
+    await backend.close()
+    fresh = TorchEngine(scramble(load_model(tiny_dir), seed=5), None, stop_token_ids=[])
+    assert same(after, fresh.generate([long_req])[0]) and not after.version_spans
 
 
 async def test_bad_weights_are_refused_and_the_old_ones_keep_serving(tiny_dir: Path) -> None:

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from configs import RunConfig, load_config
+from replay.diff import is_timing
+from roles.lib.model.loading import load_model
 from roles.lib.model.tiny import build_tiny_model
 from roles.lib.model.tokenizer import build_tokenizer
 from roles.trainer.core import StepOutOfOrder, TrainerCore, latest_checkpoint, lr_at
@@ -71,7 +73,7 @@ def cfg() -> RunConfig:
 
 
 def deterministic_metrics(m: dict[str, float]) -> dict[str, float]:
-    return {k: v for k, v in m.items() if k not in ("step_s", "tokens_per_s")}
+    return {k: v for k, v in m.items() if not is_timing(k)}
 
 
 def test_two_cores_fed_the_same_batches_are_bit_identical(tiny_dir: Path, cfg: RunConfig) -> None:
@@ -211,3 +213,17 @@ def test_lr_schedules() -> None:
     assert 0 < lr_at(cosine, 10) < 0.05
     assert lr_at(cfg_of("cosine", warmup_lr=0.25), 3, "sft") == 0.25
     assert lr_at(cfg_of("cosine"), 1, "sft") == 1.0
+
+
+def test_each_step_reports_its_model_flops_and_mfu_where_the_peak_is_known(tiny_dir: Path) -> None:
+    """6 x parameters x tokens over the step's time; MFU only with a peak (none is known
+    for a CPU), and neither is compared by replay (timing)."""
+    batch = synthetic_batch("flops", 1)
+    plain = TrainerCore(load_config("smoke", ["trainer.device=cpu"]), tiny_dir).train_step(batch)
+    assert plain["flops_per_s"] > 0 and "mfu" not in plain
+    peaked = load_config("smoke", ["trainer.device=cpu", "trainer.peak_tflops=0.5"])
+    m = TrainerCore(peaked, tiny_dir).train_step(batch)
+    assert m["mfu"] == pytest.approx(m["flops_per_s"] / 0.5e12)
+    params = sum(p.numel() for p in load_model(tiny_dir).parameters())
+    assert m["flops_per_s"] == pytest.approx(6 * params * m["tokens_per_s"])
+    assert is_timing("mfu") and is_timing("flops_per_s")

@@ -475,6 +475,7 @@ async def run_agent_rollout(
                      sampled=[0] * len(call.gen) + [1] * len(ids),
                      logprobs=[0.0] * len(call.gen) + lps, temperature=sampling.temperature,
                      policy_version=call.result.policy_version, model=model,
+                     version_spans=call.result.version_spans,
                      finish_reason=call.result.finish_reason, tool_calls=tool_calls,
                      reasoning=call.reply.reasoning)  # fmt: skip
         previous = call
@@ -483,7 +484,7 @@ async def run_agent_rollout(
         ids = i32(other.result.completion_ids).tolist()
         b.add("assistant", other.reply.content, ids, model=other.model,
               policy_version=other.result.policy_version, finish_reason=other.result.finish_reason)  # fmt: skip
-    versions = [c.result.policy_version for c in endpoint.calls]
+    versions = [v for c in endpoint.calls for v in c.result.versions()]
     timings["total_s"] = clock() - t_start
     ok = not errors and score is not None
     return Trace(

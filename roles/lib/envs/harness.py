@@ -194,6 +194,7 @@ _MESSAGE_FIELDS = {
     "name",
     "temperature",
     "policy_version",
+    "version_spans",
     "model",
     "finish_reason",
     "content_span",
@@ -331,7 +332,7 @@ async def run_rollout(
             timings["compute_s"] += result.compute_s
             actor_turns += turn_model == model
             if turn_model == POLICY:  # staleness is about the trained policy's tokens only
-                versions.append(result.policy_version)
+                versions += result.versions()
             truncated = truncated or result.finish_reason == "length"
             # Only an env with tools reads calls: elsewhere a stray call marker is text.
             reply = renderer.parse_reply(completion, prompt, bool(env.tools))
@@ -344,6 +345,7 @@ async def run_rollout(
                 logprobs=[0.0] * len(gen_prefix) + lps,
                 temperature=sampling.temperature,
                 policy_version=result.policy_version,
+                version_spans=result.version_spans,
                 model=turn_model,
                 member=member,
                 finish_reason=result.finish_reason,

@@ -322,10 +322,11 @@ def episode_trace(
                         f"{len(prompt)} tokens, but no call of this rollout sampled it so")))  # fmt: skip
                 else:
                     logprobs[head:] = f32(call.result.logprobs).tolist()
-                    out.versions.append(call.result.policy_version)
+                    out.versions += call.result.versions()
                     out.truncated |= call.result.finish_reason == "length"
                     fields = {"temperature": temperature,
                               "policy_version": call.result.policy_version, "model": model,
+                              "version_spans": call.result.version_spans,
                               "finish_reason": call.result.finish_reason}  # fmt: skip
             elif node.sampled:
                 fields = {"model": f"{model}:{trace.agent.name}"}  # an agent that never trains
