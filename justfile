@@ -136,7 +136,7 @@ bench-algorithms:
 bench-gpu *ARGS:
     {{python}} -m benchmarks.gpu_bench {{ARGS}}
 
-# Weights delivery per trainer.weights_via (object, shm, ipc): publish->live lag, swap pause, side by side.
+# Weights delivery per trainer.weights_via (object, shm, ipc, broadcast): publish->live lag, swap pause, side by side.
 [group('bench')]
 bench-weights *ARGS:
     {{python}} -m benchmarks.weights_bench {{ARGS}}

@@ -2,7 +2,7 @@
 
 The same short run (``rlbus up``, preset ``smoke`` unless ``--preset``, ``--steps``
 trainer steps, no evals and no checkpoints) once per way of shipping weights
-(``--via``; on a CPU ``object,shm,ipc``, with ``--device cuda`` ``shm,ipc``), the runs
+(``--via``; on a CPU ``object,shm,ipc,broadcast``, with ``--device cuda`` ``shm,ipc``), the runs
 interleaved over ``--rounds`` so a noisy neighbour hits every way alike. From each run's
 inference logs (``logs/inference-*.log``) it reads every ``weights.swapped`` line and
 reports per way:
@@ -19,7 +19,7 @@ reports per way:
 Swaps of all rounds are pooled for the stats. Results go to
 ``benchmarks/results/weights.json`` and ``weights.md``:
 
-    python -m benchmarks.weights_bench [--steps 20] [--via object,shm,ipc] [--rounds 1]
+    python -m benchmarks.weights_bench [--steps 20] [--via object,shm,ipc,broadcast] [--rounds 1]
     python -m benchmarks.weights_bench --device cuda --preset gpu --steps 30
 """
 
@@ -41,7 +41,7 @@ from typing import Any
 from benchmarks.common import RESULTS, save
 from configs.paths import RunPaths
 
-CPU_VIAS = "object,shm,ipc"
+CPU_VIAS = "object,shm,ipc,broadcast"
 CUDA_VIAS = "shm,ipc"
 
 
@@ -203,7 +203,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         per_via[via] = {
             **swap_stats(lines),
             **{
-                k: statistics.median(r[k] for r in rs if r[k] is not None)
+                k: round(statistics.median(r[k] for r in rs if r[k] is not None), 2)
                 if any(r[k] is not None for r in rs)
                 else None
                 for k in ("wall_s", "rollouts_per_s", "trainer_tokens_per_s")

@@ -270,10 +270,15 @@ class TrainerConfig(_Section):
     # "shm" (a file in /dev/shm: trainer and inference on one host, no disk round trip);
     # "ipc" (trainer and inference on one device: a ring of serving-dtype buffers shared
     # through CUDA IPC, or /dev/shm on the CPU; each version is a device-to-device copy,
-    # roles.lib.model.shared_weights), every `ipc_store_every`-th version also stored as
-    # "auto" does (catch-up, eval --checkpoint, export), and the last.
-    weights_via: Literal["auto", "object", "path", "shm", "ipc"] = "auto"
-    ipc_store_every: int = Field(default=10, ge=1)  # with weights_via = "ipc" only
+    # roles.lib.model.shared_weights), every `store_weights_every`-th version also stored as
+    # "auto" does (catch-up, eval --checkpoint, export), and the last; "broadcast"
+    # (replicas on other GPUs or hosts: each version sent over a torch.distributed pair
+    # group, gloo on the CPU, NCCL on CUDA, from a rendezvous on `broadcast_host`;
+    # roles.lib.model.broadcast), stored the same way.
+    weights_via: Literal["auto", "object", "path", "shm", "ipc", "broadcast"] = "auto"
+    store_weights_every: int = Field(default=10, ge=1)  # with "ipc" or "broadcast" only
+    # The address replicas reach the trainer's rendezvous at (weights_via = "broadcast").
+    broadcast_host: str = "127.0.0.1"
     weights_dir: str | None = None  # None = <run dir>/weights
     loss: LossConfig = Field(default_factory=LossConfig)
 
@@ -363,10 +368,10 @@ class RunConfig(_Section):
     def _cross_field(self) -> RunConfig:
         # One error listing every problem: fixing a config one run at a time is slow.
         problems = orchestrator_problems(self.orchestrator)
-        if self.trainer.weights_via == "ipc" and self.trainer.world_size > 1:
+        if self.trainer.weights_via in ("ipc", "broadcast") and self.trainer.world_size > 1:
             problems.append(
-                "`trainer.weights_via` = 'ipc' shares one trainer process's weights: set "
-                "`trainer.world_size` = 1 or another `trainer.weights_via`"
+                f"`trainer.weights_via` = {self.trainer.weights_via!r} sends one trainer "
+                "process's weights: set `trainer.world_size` = 1 or another `trainer.weights_via`"
             )
         if problems:
             raise ValueError("; ".join(problems))

@@ -138,6 +138,10 @@ class BatchAssembled(Event, frozen=True, tag="batch_assembled/1"):
     phase: Literal["sft", "rl"] = "rl"  # "sft" (warm start) | "rl"
 
 
+# ObjectRef kinds of weights that travel device to device, never stored as bytes.
+DEVICE_KINDS = ("ipc", "broadcast")
+
+
 class WeightsPublished(Event, frozen=True, tag="weights_published/1"):
     version: NonNegative  # policy version == trainer step that produced it
     step: NonNegative
@@ -145,14 +149,16 @@ class WeightsPublished(Event, frozen=True, tag="weights_published/1"):
     weights: ObjectRef
     format: str = "safetensors"
     batch_id: str | None = None  # the BatchAssembled event it was trained on
-    # trainer.weights_via = "ipc": the trainer's shared device buffer holding this version
-    # (kind "ipc", digest "dev:..."; roles.lib.model.shared_weights), copied from while
-    # the trainer keeps it (a few versions); ``weights`` is the fallback when stored.
+    # trainer.weights_via = "ipc" / "broadcast": the trainer's shared device buffer holding
+    # this version (kind "ipc": copied from while the trainer keeps it, a few versions;
+    # roles.lib.model.shared_weights), or its rendezvous (kind "broadcast": the version is
+    # sent to every replica joined; roles.lib.model.broadcast); digest "dev:...".
+    # ``weights`` is the fallback when this version is stored.
     device: ObjectRef | None = None
 
     def stored(self) -> ObjectRef | None:
-        """Where this version's bytes are stored, or None (only shared on the device)."""
-        return None if self.weights.kind == "ipc" else self.weights
+        """Where this version's bytes are stored, or None (only sent device to device)."""
+        return None if self.weights.kind in DEVICE_KINDS else self.weights
 
 
 class AlgorithmAttached(Event, frozen=True, tag="algorithm_attached/1"):

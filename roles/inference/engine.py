@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -78,6 +79,7 @@ from roles.inference.capacity import (
 from roles.inference.model_runner import DecoderRunner
 from roles.inference.slots import SlotTable
 from roles.inference.torch_setup import configure_torch_threads, default_stop_ids, limit_gpu_memory
+from roles.lib.model.broadcast import BROADCAST_KIND, BroadcastReceiver, Rendezvous
 from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
 from roles.lib.model.shared_weights import Layout, SharedReader
 from roles.lib.model.weights import (
@@ -102,6 +104,7 @@ Reply = GenerateResult | ScoreResult | InferenceFailed
 GPU_RESERVE = 0.10  # share of inference's GPU memory kept for activations and graphs
 PREFILL_TOKENS = 8192  # most (padded) tokens one prefill pass takes
 GRAPH_COLUMNS = 64  # CUDA graphs: length buckets are multiples of this (``bucket``)
+BROADCAST_WAIT_S = 10.0  # how long a replica waits for a broadcast version announced
 
 
 def bucket(n: int, smallest: int, largest: int) -> int:
@@ -272,6 +275,7 @@ class TorchEngine:
         self._heads: dict[int, tuple[Any, ...]] = {}
         self._io_views: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._shared: SharedReader | None = None  # the trainer's ring (weights_via = "ipc")
+        self._receiver: BroadcastReceiver | None = None  # weights_via = "broadcast"
         self._stage_stream: Any = None
 
     @classmethod
@@ -386,9 +390,11 @@ class TorchEngine:
         self._version = version
 
     def stage_shared(self, ref: ObjectRef) -> torch.Tensor:
-        """Copy the version ``ref`` names out of the trainer's shared ring into this
-        engine's staging buffer and verify it (layout, device digest, every value finite);
-        from any thread, while the loop decodes (on CUDA on a stream of its own)."""
+        """Copy the version ``ref`` names into this engine's staging buffer and verify
+        it (layout, device digest, every value finite): out of the trainer's shared ring
+        (kind "ipc"), or as received from the trainer's broadcast (kind "broadcast": joins
+        its session first, waits for the version at most ``BROADCAST_WAIT_S``). From any
+        thread, while the loop decodes (on CUDA on a stream of its own)."""
         if self._shared is None:
             self._shared = SharedReader(Layout.of(self.model.state_dict()), self.device)
         with contextlib.ExitStack() as scope:
@@ -397,7 +403,14 @@ class TorchEngine:
                 if self._stage_stream is None:
                     self._stage_stream = torch.cuda.Stream(self.device)
                 scope.enter_context(torch.cuda.stream(self._stage_stream))
-            staged = self._shared.read(ref)  # (its digest's .tolist() waits for the copy)
+            if ref.kind == BROADCAST_KIND:
+                if self._receiver is None:
+                    self._receiver = BroadcastReceiver(self._shared.layout, self.device)
+                dtype = msgspec.json.decode(ref.location, type=Rendezvous).dtype
+                into = self._shared.staging(dtype)
+                staged = self._receiver.receive(ref, into, timeout_s=BROADCAST_WAIT_S)
+            else:
+                staged = self._shared.read(ref)  # (its digest's .tolist() waits for the copy)
             if not bool(torch.isfinite(staged).all()):
                 check_finite(self._shared.layout.views(staged).items())  # names the tensor
         return staged

@@ -78,6 +78,7 @@ from roles.inference.weights_io import (
     weights_newest_first,
 )
 from roles.lib.model import materialize_model
+from roles.lib.model.broadcast import Superseded
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from schemas import (
@@ -356,6 +357,9 @@ class InferenceRole(Role):
                 raise ValueError(f"unsupported weights format {event.format!r}")
             await self._check_version(event)
             via, size, paused_s, held_s = await self._swap_in(event, previous)
+        except Superseded as e:  # a newer broadcast version came first: it loads next
+            self.log.info("weights.superseded", version=event.version, detail=str(e))
+            return False
         except Exception as e:  # noqa: BLE001 - bad weights are refused, serving goes on
             stored = event.stored()
             gone_is_news = not isinstance(e, WeightsNotFinite | VersionAhead)
@@ -395,8 +399,8 @@ class InferenceRole(Role):
             try:
                 held_s = await self.pins.hold_swap(previous, event.version)
                 paused_s = await self.backend.load_shared(event.device, event.version)
-                return "ipc", event.device.size, paused_s, held_s
-            except (WeightsNotFinite, VersionAhead):
+                return event.device.kind, event.device.size, paused_s, held_s
+            except (WeightsNotFinite, VersionAhead, Superseded):
                 raise
             except Exception as e:  # noqa: BLE001 - the stored copy, if any, is tried next
                 if stored is None:
@@ -486,7 +490,7 @@ class InferenceRole(Role):
                 if found is not None and await self._apply_weights(found):
                     return
                 # (a version only shared on a trainer's device is not counted: after a
-                # restart of the trainer, up to ipc_store_every of them precede a stored one)
+                # restart of the trainer, up to store_weights_every of them precede a stored one)
                 tried += found is None or found.stored() is not None
                 if tried >= START_CANDIDATES:
                     self.log.error("weights.none_loaded", tried=tried)

@@ -74,6 +74,7 @@ from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
+from roles.lib.model.broadcast import BroadcastHub
 from roles.lib.model.shared_weights import Layout, WeightsRing
 from roles.lib.model.weights import digest, write_atomic
 from roles.runtime.context import RoleContext
@@ -137,6 +138,7 @@ class TrainerRole(Role):
         self.stored_weights: dict[int, str] = {}
         self.collected_since_rewrite = 0  # versions deleted since weights.v0 was rewritten
         self.ring: WeightsRing | None = None  # trainer.weights_via = "ipc": made at first use
+        self.hub: BroadcastHub | None = None  # trainer.weights_via = "broadcast": the same
 
     @property
     def core(self) -> TrainerCore:
@@ -387,8 +389,11 @@ class TrainerRole(Role):
 
     def _share(self, version: int) -> ObjectRef | None:
         """(worker thread) With ``trainer.weights_via = "ipc"``, write ``version`` into the
-        shared device ring (made at the first call) and return its reference."""
-        if self.cfg.trainer.weights_via != "ipc":
+        shared device ring (made at the first call) and return its reference; with
+        "broadcast", also send it to every replica joined (``roles.lib.model.broadcast``:
+        the rendezvous starts at the first call) and return the broadcast reference."""
+        via = self.cfg.trainer.weights_via
+        if via not in ("ipc", "broadcast"):
             return None
         model = self.core.model
         if self.ring is None:
@@ -409,19 +414,31 @@ class TrainerRole(Role):
             )
             self.log.info("weights.ring", handle=self.ring.handle[:80], dtype=str(dtype),
                           slots=self.ring.slots, bytes=self.ring.buffer.nbytes)  # fmt: skip
-        return self.ring.write(version, model.state_dict())
+        shared = self.ring.write(version, model.state_dict())
+        if via == "ipc":
+            return shared
+        if self.hub is None:
+            self.hub = BroadcastHub(self.ring, self.cfg.trainer.broadcast_host, self._hub_event)
+            self.log.info("weights.rendezvous", host=self.hub.host, port=self.hub.store.port,
+                          session=self.hub.session)  # fmt: skip
+        return self.hub.announce(version, shared)
+
+    def _hub_event(self, event: str, fields: dict[str, object]) -> None:
+        """(a sender thread) A replica joined or was dropped."""
+        self.log.info(event, **fields)
 
     def _stores(self, version: int, recorded: WeightsPublished | None) -> bool:
         """Whether ``version``'s bytes are stored besides the shared ring: every
-        ``trainer.ipc_store_every``-th version and the last; a recorded one as it was."""
+        ``trainer.store_weights_every``-th version and the last (with "ipc" or
+        "broadcast"); a recorded one as it was."""
         if recorded is not None:
             return recorded.stored() is not None
-        every = self.cfg.trainer.ipc_store_every
+        every = self.cfg.trainer.store_weights_every
         return version % every == 0 or version >= self.cfg.max_steps
 
     async def _store_weights(self, version: int, data: bytes, weights_digest: str) -> ObjectRef:
         via = self.cfg.trainer.weights_via
-        if via in ("auto", "ipc"):
+        if via in ("auto", "ipc", "broadcast"):
             via = "object" if len(data) <= OBJECT_STORE_MAX_BYTES else "path"
         if via == "object":
             name = retention.object_name(version)
@@ -524,6 +541,8 @@ class TrainerRole(Role):
                 await self._checkpoint()
         finally:
             await asyncio.to_thread(self.core.close, self.broken)
+            if self.hub is not None:
+                self.hub.close()
             if self.ring is not None:
                 self.ring.close()
 

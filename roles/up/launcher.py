@@ -104,7 +104,10 @@ def describe_weights(cfg: RunConfig) -> str:
     if via == "auto":
         via = "the object store (a file past 200 MB)"
     elif via == "ipc":
-        via = f"ipc (a shared device ring; every {t.ipc_store_every}th version also stored)"
+        via = f"ipc (a shared device ring; every {t.store_weights_every}th version also stored)"
+    elif via == "broadcast":
+        via = (f"broadcast (torch.distributed from {t.broadcast_host}; every "
+               f"{t.store_weights_every}th version also stored)")  # fmt: skip
     swap = "drain" if inf.backend == "vllm" else inf.swap
     return f"weights: via {via}, swapped {swap.replace('_', '-')}"
 

@@ -265,12 +265,12 @@ async def test_weights_shared_on_the_device_are_announced_and_every_nth_stored(
     nats_server: EmbeddedServer, bus: Bus, tiny_dir: Path, tmp_path: Path
 ) -> None:
     """``trainer.weights_via = "ipc"``: every version is announced with its ring slot
-    (``device``, a device digest); every ``ipc_store_every``-th version and the last also
+    (``device``, a device digest); every ``store_weights_every``-th version and the last also
     have stored bytes. A replica's copy out of the ring is the trainer's weights. A trainer
     restarted before step 3 recomputes it into a new ring with the recorded device
     digest (no ``trainer.replay_diverged``)."""
     cfg = trainer_config(tiny_dir, tmp_path, "trainer.weights_via=ipc",
-                         "trainer.ipc_store_every=2", "max_steps=4")  # fmt: skip
+                         "trainer.store_weights_every=2", "max_steps=4")  # fmt: skip
     batches = [synthetic_batch(bus.run, s, phase="sft" if s == 1 else "rl") for s in range(1, 5)]
     reference = TrainerCore(cfg, tiny_dir)
     for batch in batches[:3]:

@@ -302,15 +302,20 @@ class SharedReader:
         dtype = _dtype(loc.dtype)
         ring = self._open(loc, dtype)
         source = ring[loc.slot * loc.numel : (loc.slot + 1) * loc.numel]
-        staging = self._staging
-        if staging is None or staging.dtype != dtype:
-            staging = self._staging = torch.empty(loc.numel, dtype=dtype, device=self.device)
-            self._pairs = None
+        staging = self.staging(dtype)
         staging.copy_(source)
         actual = device_digest(staging)
         if actual != ref.digest:
             raise WeightsDigestMismatch(ref.digest, actual)
         return staging
+
+    def staging(self, dtype: torch.dtype | str) -> torch.Tensor:
+        """The staging buffer (one, reused), in ``dtype``: what ``load_into`` copies from."""
+        dtype = _dtype(dtype) if isinstance(dtype, str) else dtype
+        if self._staging is None or self._staging.dtype != dtype:
+            self._staging = torch.empty(self.layout.numel, dtype=dtype, device=self.device)
+            self._pairs = None
+        return self._staging
 
     def _open(self, loc: Location, dtype: torch.dtype) -> torch.Tensor:
         if self._ring is not None and self._ring[0] == loc.handle:
