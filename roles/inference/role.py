@@ -16,9 +16,10 @@ base ``model.path`` when unset) and never changes. The policy replica follows
 ``weights.published``: at start it loads the newest announcement on the stream that
 loads (an unreadable or refused one is stepped over for the one before it), then
 an ordered consumer (DeliverPolicy.LAST, NATS_NOTES #11) delivers new ones; the bytes
-come from the trainer's shared device ring (``WeightsPublished.device``, with
-``trainer.weights_via = "ipc"``: one device-to-device copy, its device digest checked;
-on failure the stored bytes, when this version has them), the object store
+come from the trainer device to device (``WeightsPublished.device``: its shared ring
+with ``trainer.weights_via = "ipc"``, one device-to-device copy; its broadcast with
+``"broadcast"``, received beside the decode loop; the device digest checked; on failure
+the stored bytes, when this version has them), the object store
 (``kind == "object"``) or a file (``kind == "path"`` on a shared filesystem, ``"shm"``
 under /dev/shm on the trainer's host), the digest is verified, every tensor is checked
 finite, and the swap happens between two decode steps (``inference.swap``: rows in
@@ -389,10 +390,11 @@ class InferenceRole(Role):
     async def _swap_in(
         self, event: WeightsPublished, previous: int
     ) -> tuple[str, int, float, float]:
-        """Load ``event``'s weights: from the trainer's shared device ring when it
-        announced one (``trainer.weights_via = "ipc"``), else, or when that fails (another
-        host, a ring gone or overwritten), the stored bytes. (via, bytes, generation
-        pause, seconds held for pinned requests)."""
+        """Load ``event``'s weights device to device when the trainer announced them so
+        (``event.device``: its shared ring, ``trainer.weights_via = "ipc"``, or its
+        broadcast, ``"broadcast"``), else, or when that fails (another host, a ring gone or
+        overwritten, a version that never arrived), the stored bytes. (via, bytes,
+        generation pause, seconds held for pinned requests)."""
         assert self.backend is not None
         stored = event.stored()
         if event.device is not None:

@@ -3,7 +3,8 @@
 versions stream, and ``"ipc"`` (a shared ring) with the trainer killed, so a new ring and
 a new session must be found. Each run reaches max_steps, the restarted role serves
 device-to-device versions again, the log holds every step once, and the final weights
-equal a fresh replay of the recorded batches."""
+equal a fresh replay of the recorded batches; `rlbus replay` reproduces every step, the
+device-to-device versions checked by their device digest."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from tests.e2e.faults import assert_log_intact, read_seq_events, sigkill, time_to_next_step
-from tests.e2e.helpers import reached_version, rlbus_up, running_role, summary
+from tests.e2e.helpers import reached_version, rlbus, rlbus_up, running_role, summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -60,3 +61,7 @@ async def test_a_role_killed_while_weights_move_device_to_device(
     with EmbeddedServer(tmp_path / run / "nats") as server:
         seq_events = await read_seq_events(server.url, run)
     assert_log_intact(seq_events, steps, tmp_path / run)
+    # Replay checks the versions that were only sent device to device by their digest too.
+    replay = await asyncio.to_thread(rlbus, tmp_path, "replay", run, "trainer")
+    assert replay.returncode == 0 and "REPRODUCED" in replay.stdout, replay.stdout + replay.stderr
+    assert "dev:float32:" in replay.stdout and "sha256:" in replay.stdout
