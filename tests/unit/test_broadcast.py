@@ -8,10 +8,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -117,3 +119,25 @@ def test_a_restarted_trainer_is_a_new_session_the_replica_joins_again(tmp_path: 
         finally:
             hub.close()
             ring.close()
+
+
+def test_a_gone_trainers_announcements_fail_fast(hub: BroadcastHub) -> None:
+    """A replica started after its trainer died meets announcements of a session no one
+    hosts any more: the first fails within the join timeout, the others of that session at
+    once (a restarted replica steps over several of them to a stored version)."""
+    with socket.socket() as s:  # a port no one listens on: the dead trainer's store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    refs = [announce(hub, v, seed=v)[0] for v in (1, 2)]
+    dead = [msgspec.structs.replace(r, location=r.location.replace(str(hub.store.port), str(port)))
+            for r in refs]  # fmt: skip
+    receiver = BroadcastReceiver(Layout.of(state(0)), CPU)
+    into = torch.empty(hub.ring.layout.numel)
+    start = time.perf_counter()
+    with pytest.raises(Exception):  # noqa: B017, PT011 - the store's own error
+        receiver.receive(dead[1], into, timeout_s=5)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    with pytest.raises(ConnectionError, match="is gone"):
+        receiver.receive(dead[0], into, timeout_s=5)
+    assert time.perf_counter() - start < 0.1 and first < 20

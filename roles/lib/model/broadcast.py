@@ -49,6 +49,7 @@ from schemas import ObjectRef
 
 BROADCAST_KIND = "broadcast"
 GROUP_TIMEOUT = datetime.timedelta(seconds=30)  # a pair's rendezvous and each send/recv
+JOIN_TIMEOUT = datetime.timedelta(seconds=5)  # reaching a trainer's store (a dead one: fail)
 
 
 class Rendezvous(msgspec.Struct, frozen=True):
@@ -187,6 +188,7 @@ class BroadcastReceiver:
         self._locks = [threading.Lock() for _ in range(self.KEPT + 1)]
         self._thread: threading.Thread | None = None
         self._store: Any = None
+        self._gone: set[str] = set()  # sessions that broke or never answered: not again
 
     def _join(self, rv: Rendezvous) -> None:
         """Register in the trainer's store and start receiving (a new session: again)."""
@@ -196,8 +198,12 @@ class BroadcastReceiver:
                 f"{self.layout.fingerprint()}"
             )
         dtype = getattr(torch, rv.dtype)
-        store = dist.TCPStore(rv.host, rv.port, None, False, GROUP_TIMEOUT)
-        member = store.add("joined", 1)
+        try:
+            store = dist.TCPStore(rv.host, rv.port, None, False, JOIN_TIMEOUT)
+            member = store.add("joined", 1)
+        except Exception:  # a trainer that is gone: its older announcements fail at once
+            self._gone.add(rv.session)
+            raise
         with self._got:
             self._buffers = [
                 torch.empty(rv.numel, dtype=dtype, device=self.device) for _ in self._locks
@@ -226,6 +232,7 @@ class BroadcastReceiver:
                     self._got.notify_all()
         except Exception as e:  # noqa: BLE001 - the trainer went: a new session rejoins
             with self._got:
+                self._gone.add(session)
                 if session == self.session:
                     self.error = repr(e)[:300]
                     self.session = ""  # the next announcement joins again
@@ -237,6 +244,8 @@ class BroadcastReceiver:
         Raises ``TimeoutError``, ``Superseded`` (newer versions came and it is no longer
         kept: they will be loaded) or ``WeightsDigestMismatch``."""
         rv = msgspec.json.decode(ref.location, type=Rendezvous)
+        if rv.session in self._gone:
+            raise ConnectionError(f"the trainer's broadcast session {rv.session} is gone")
         if rv.session != self.session:
             self._join(rv)
         version = rv.version
