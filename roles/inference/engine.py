@@ -58,7 +58,7 @@ import contextlib
 import dataclasses
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -397,12 +397,7 @@ class TorchEngine:
         thread, while the loop decodes (on CUDA on a stream of its own)."""
         if self._shared is None:
             self._shared = SharedReader(Layout.of(self.model.state_dict()), self.device)
-        with contextlib.ExitStack() as scope:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)  # (a worker thread has no current device)
-                if self._stage_stream is None:
-                    self._stage_stream = torch.cuda.Stream(self.device)
-                scope.enter_context(torch.cuda.stream(self._stage_stream))
+        with self._staging_stream():
             if ref.kind == BROADCAST_KIND:
                 if self._receiver is None:
                     self._receiver = BroadcastReceiver(self._shared.layout, self.device)
@@ -414,6 +409,34 @@ class TorchEngine:
             if not bool(torch.isfinite(staged).all()):
                 check_finite(self._shared.layout.views(staged).items())  # names the tensor
         return staged
+
+    def stage_bytes(self, data: bytes) -> dict[str, torch.Tensor]:
+        """``data`` (checked by ``check_state``) decoded and moved to the model's device
+        and dtype, off the loop (on CUDA on the staging stream), so that an in-flight swap
+        copies device to device: the host-to-device copy is not in the pause."""
+        own = self.model.state_dict()
+        with self._staging_stream():
+            with torch.no_grad():
+                staged = {
+                    k: v.to(own[k].device, own[k].dtype)
+                    for k, v in bytes_to_state_dict(data).items()
+                    if k in own
+                }
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        return staged
+
+    @contextlib.contextmanager
+    def _staging_stream(self) -> Iterator[None]:
+        """(a worker thread) This engine's device current, and on CUDA its staging stream."""
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.set_device(self.device)  # (a worker thread has no current device)
+        if self._stage_stream is None:
+            self._stage_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stage_stream):
+            yield
 
     def load_staged(self, model: torch.nn.Module) -> None:
         """Copy the version ``stage_shared`` verified into ``model`` (one fused copy)."""

@@ -58,7 +58,6 @@ from typing import Any
 import torch
 
 from roles.inference.engine import Row, TorchEngine
-from roles.lib.model.weights import bytes_to_state_dict
 from schemas import (
     GenerateRequest,
     GenerateResult,
@@ -400,7 +399,7 @@ class TorchBackend:
         # Verify and shape-check outside the loop: decoding goes on meanwhile.
         await asyncio.to_thread(self.engine.check_state, data, digest)
         if self.swap == "in_flight":
-            state = await asyncio.to_thread(bytes_to_state_dict, data)
+            state = await asyncio.to_thread(self.engine.stage_bytes, data)  # on the device
 
             def load(model: torch.nn.Module) -> None:
                 model.load_state_dict(state, strict=False)  # (shapes checked above)
