@@ -74,6 +74,12 @@ def _pair(store: dist.Store, member: int, rank: int, device: torch.device) -> An
     return dist.ProcessGroupGloo(prefixed, rank, 2, GROUP_TIMEOUT)
 
 
+def _use_device(device: torch.device) -> None:
+    """(a new thread) Make ``device`` current: NCCL binds a group to the current GPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class _Member:
     """One replica: a thread that sends it the newest version it has not had."""
 
@@ -87,6 +93,7 @@ class _Member:
     def _run(self) -> None:
         hub = self.hub
         try:
+            _use_device(hub.device)
             group = _pair(hub.store, self.number, 0, hub.device)
         except Exception as e:  # noqa: BLE001 - the replica never came: forget it
             hub.on_event("weights.member_lost", {"member": self.number, "error": repr(e)[:200]})
@@ -217,6 +224,7 @@ class BroadcastReceiver:
 
     def _run(self, store: Any, member: int, session: str) -> None:
         try:
+            _use_device(self.device)
             group = _pair(store, member, 1, self.device)
             header = torch.zeros(1, dtype=torch.int64, device=self.device)
             while session == self.session:
