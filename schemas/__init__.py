@@ -41,6 +41,8 @@ from schemas.run import (
     run_stopped_id,
 )
 from schemas.training import (
+    BROADCAST_KIND,
+    IPC_KIND,
     AlgorithmAttached,
     AlgorithmDetached,
     BatchAssembled,
@@ -115,6 +117,8 @@ __all__ = [
     "ToolCall",
     "FilterVerdict",
     "WeightsPublished",
+    "IPC_KIND",
+    "BROADCAST_KIND",
     "derive_id",
     "new_id",
     "schema_of",

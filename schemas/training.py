@@ -139,7 +139,9 @@ class BatchAssembled(Event, frozen=True, tag="batch_assembled/1"):
 
 
 # ObjectRef kinds of weights that travel device to device, never stored as bytes.
-DEVICE_KINDS = ("ipc", "broadcast")
+IPC_KIND = "ipc"  # a slot of the trainer's shared ring (roles.lib.model.shared_weights)
+BROADCAST_KIND = "broadcast"  # a rendezvous (roles.lib.model.broadcast)
+DEVICE_KINDS = (IPC_KIND, BROADCAST_KIND)
 
 
 class WeightsPublished(Event, frozen=True, tag="weights_published/1"):

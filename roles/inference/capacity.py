@@ -39,22 +39,6 @@ def on_cuda(device: str) -> bool:
     return device.startswith("cuda")
 
 
-def serving_dtype(dtype: str, device: str, served: str = "auto") -> str:
-    """The dtype inference holds the weights in: ``served`` (``inference.dtype``) when it
-    names one; else ``dtype`` off CUDA, and on CUDA bfloat16, or float16 when ``dtype``
-    asks for it.
-
-    The trainer keeps float32 master weights (``model.dtype = "float32"``); a float32
-    copy on the GPU would double inference's memory and slow every step, while the
-    logprobs the trainer compares against are computed in float32 either way.
-    """
-    if served != "auto":
-        return served
-    if not on_cuda(device):
-        return dtype
-    return "float16" if dtype in ("float16", "fp16") else "bfloat16"
-
-
 def round_up(n: int, block: int = COLUMN_BLOCK) -> int:
     return -(-n // block) * block
 

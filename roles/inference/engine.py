@@ -74,11 +74,11 @@ from roles.inference.capacity import (
     kv_bytes_per_token,
     plan_slots,
     round_up,
-    serving_dtype,
 )
 from roles.inference.model_runner import DecoderRunner
 from roles.inference.slots import SlotTable
 from roles.inference.torch_setup import configure_torch_threads, default_stop_ids, limit_gpu_memory
+from roles.lib.model import serving_dtype
 from roles.lib.model.broadcast import BROADCAST_KIND, BroadcastReceiver, Rendezvous
 from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
 from roles.lib.model.shared_weights import Layout, SharedReader
@@ -276,6 +276,7 @@ class TorchEngine:
         self._io_views: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._shared: SharedReader | None = None  # the trainer's ring (weights_via = "ipc")
         self._receiver: BroadcastReceiver | None = None  # weights_via = "broadcast"
+        self._staged: torch.Tensor | None = None  # the version stage_shared verified
         self._stage_stream: Any = None
 
     @classmethod
@@ -348,9 +349,9 @@ class TorchEngine:
             self.slots.forget()
         self._version = version
 
-    def check_state(self, data: bytes, expected_digest: str) -> None:
-        """Raise unless ``data`` has the announced digest, fits this model exactly and is
-        finite everywhere (``WeightsNotFinite`` names the first tensor that is not).
+    def check_state(self, data: bytes, expected_digest: str) -> dict[str, torch.Tensor]:
+        """``data`` decoded, once it has the announced digest, fits this model exactly and
+        is finite everywhere (``WeightsNotFinite`` names the first tensor that is not).
 
         Run before holding the loop: a bad blob is refused without touching the model, so
         a half-copied or NaN state dict can never serve.
@@ -371,6 +372,7 @@ class TorchEngine:
                 f"{unexpected[:5]}, wrong shape {reshaped[:5]}"
             )
         check_finite(state.items())
+        return state
 
     def load_state(self, data: bytes, expected_digest: str, version: int) -> None:
         """Copy the weights in and set the version (no row may be live).
@@ -408,20 +410,17 @@ class TorchEngine:
                 staged = self._shared.read(ref)  # (its digest's .tolist() waits for the copy)
             if not bool(torch.isfinite(staged).all()):
                 check_finite(self._shared.layout.views(staged).items())  # names the tensor
+        self._staged = staged
         return staged
 
-    def stage_bytes(self, data: bytes) -> dict[str, torch.Tensor]:
-        """``data`` (checked by ``check_state``) decoded and moved to the model's device
-        and dtype, off the loop (on CUDA on the staging stream), so that an in-flight swap
-        copies device to device: the host-to-device copy is not in the pause."""
+    def stage_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` (what ``check_state`` returned) moved to the model's device and dtype,
+        off the loop (on CUDA on the staging stream), so that an in-flight swap copies
+        device to device: the host-to-device copy is not in the pause."""
         own = self.model.state_dict()
         with self._staging_stream():
             with torch.no_grad():
-                staged = {
-                    k: v.to(own[k].device, own[k].dtype)
-                    for k, v in bytes_to_state_dict(data).items()
-                    if k in own
-                }
+                staged = {k: v.to(own[k].device, own[k].dtype) for k, v in state.items()}
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
         return staged
@@ -440,8 +439,8 @@ class TorchEngine:
 
     def load_staged(self, model: torch.nn.Module) -> None:
         """Copy the version ``stage_shared`` verified into ``model`` (one fused copy)."""
-        assert self._shared is not None and self._shared._staging is not None
-        self._shared.load_into(model, self._shared._staging)
+        assert self._shared is not None and self._staged is not None
+        self._shared.load_into(model, self._staged)
 
     def swap_in_flight(self, load: Callable[[torch.nn.Module], None], version: int) -> None:
         """Load new weights between two steps while rows decode (``inference.swap =

@@ -69,7 +69,6 @@ from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_replica_subject, infer_subject
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend, WeightsNotFinite, throughput
-from roles.inference.capacity import serving_dtype
 from roles.inference.pinning import EvalPinning, snapshot_weights
 from roles.inference.weights_io import (
     fetch_weights,
@@ -78,7 +77,7 @@ from roles.inference.weights_io import (
     weights_gone,
     weights_newest_first,
 )
-from roles.lib.model import materialize_model
+from roles.lib.model import materialize_model, serving_dtype
 from roles.lib.model.broadcast import Superseded
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role

@@ -397,9 +397,9 @@ class TorchBackend:
 
     async def load_weights(self, data: bytes, digest: str, version: int) -> float:
         # Verify and shape-check outside the loop: decoding goes on meanwhile.
-        await asyncio.to_thread(self.engine.check_state, data, digest)
+        state = await asyncio.to_thread(self.engine.check_state, data, digest)
         if self.swap == "in_flight":
-            state = await asyncio.to_thread(self.engine.stage_bytes, data)  # on the device
+            state = await asyncio.to_thread(self.engine.stage_state, state)  # on the device
 
             def load(model: torch.nn.Module) -> None:
                 model.load_state_dict(state, strict=False)  # (shapes checked above)

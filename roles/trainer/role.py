@@ -65,8 +65,6 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from bus.consumer import Delivery, Effects, Subscription, commit
 from bus.errors import STORE_ERRORS, HandlerBroken, Rejected
 from bus.follower import Follow
@@ -74,7 +72,9 @@ from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
+from roles.lib.model import serving_dtype
 from roles.lib.model.broadcast import BroadcastHub
+from roles.lib.model.loading import resolve_dtype
 from roles.lib.model.shared_weights import Layout, WeightsRing
 from roles.lib.model.weights import digest, write_atomic
 from roles.runtime.context import RoleContext
@@ -399,16 +399,9 @@ class TrainerRole(Role):
         if self.ring is None:
             state = model.state_dict()
             device = next(iter(state.values())).device
-            served = self.cfg.inference.dtype
-            # As inference holds them (roles.inference.capacity.serving_dtype): bfloat16
-            # on CUDA unless inference.dtype says otherwise, else the master weights'.
-            dtype = next(iter(state.values())).dtype
-            if served != "auto":
-                dtype = getattr(torch, served)
-            elif device.type == "cuda":
-                dtype = (
-                    torch.float16 if self.cfg.model.dtype in ("float16", "fp16") else torch.bfloat16
-                )
+            # The dtype inference holds weights in (on CUDA bfloat16, unless said otherwise).
+            served = serving_dtype(self.cfg.model.dtype, str(device), self.cfg.inference.dtype)
+            dtype = resolve_dtype(served)
             self.ring = WeightsRing.create(
                 Layout.of(state), dtype, device, self.ctx.paths.shm_weights
             )

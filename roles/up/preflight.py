@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from configs import ConfigError, RunConfig
-from roles.lib.model import REPO_ID
+from roles.lib.model import REPO_ID, serving_dtype
 
 if TYPE_CHECKING:
     from roles.inference.capacity import ModelShape
@@ -270,7 +270,7 @@ def engine_problems(cfg: RunConfig) -> list[str]:
         if inf.kv_cache_gb is None and capacity.on_cuda(device):
             continue
         budget = int(inf.kv_cache_gb * GIB) if inf.kv_cache_gb else capacity.CPU_KV_BYTES
-        dtype = capacity.serving_dtype(cfg.model.dtype, device, inf.dtype)
+        dtype = serving_dtype(cfg.model.dtype, device, inf.dtype)
         max_len = capacity.round_up(
             min(shape.max_positions, inf.max_model_len or shape.max_positions)
         )

@@ -75,7 +75,7 @@ def test_another_process_copies_the_announced_version_out_of_the_ring(tmp_path: 
         assert torch.equal(got[name], t.to(torch.bfloat16).float()), name  # (the model's fp32)
     assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
     ring.close()
-    assert not ring.path or not ring.path.exists()
+    assert ring.path is not None and not ring.path.exists()
 
 
 def test_a_reader_refuses_an_overwritten_slot_another_model_or_a_gone_ring(tmp_path: Path) -> None:

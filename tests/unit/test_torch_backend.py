@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from roles.inference.capacity import serving_dtype
 from roles.inference.engine import TorchEngine
 from roles.inference.torch_backend import BatcherClosed, TorchBackend
+from roles.lib.model import serving_dtype
 from roles.lib.model.loading import load_model, load_tokenizer
 from roles.lib.model.render import Renderer
 from roles.lib.model.shared_weights import Layout, WeightsRing

@@ -5,6 +5,10 @@
 - `loading`: load any model/tokenizer directory with no network
 - `weights`: weights <-> deterministic safetensors bytes with a sha256 digest
 - `render`: token-in/token-out chat rendering for multi-turn episodes
+- `shared_weights`, `broadcast`: weights device to device (``trainer.weights_via``
+  "ipc" and "broadcast")
+- here: ``serving_dtype``, the dtype inference holds weights in (the trainer's shared
+  ring uses it too)
 
 Submodules import torch/transformers; import them directly. This package itself imports
 nothing heavy, so `import roles.lib.model` stays cheap, and `materialize_model` loads
@@ -23,6 +27,22 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 if TYPE_CHECKING:
     from configs import RunConfig
+
+
+def serving_dtype(dtype: str, device: str, served: str = "auto") -> str:
+    """The dtype inference holds the weights in: ``served`` (``inference.dtype``) when it
+    names one; else ``dtype`` off CUDA, and on CUDA bfloat16, or float16 when ``dtype``
+    asks for it.
+
+    The trainer keeps float32 master weights (``model.dtype = "float32"``); a float32
+    copy on the GPU would double inference's memory and slow every step, while the
+    logprobs the trainer compares against are computed in float32 either way.
+    """
+    if served != "auto":
+        return served
+    if not device.startswith("cuda"):
+        return dtype
+    return "float16" if dtype in ("float16", "fp16") else "bfloat16"
 
 
 def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:

@@ -31,7 +31,6 @@ announced on the authenticated bus allows.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import threading
 import time
@@ -45,9 +44,8 @@ import torch.distributed as dist
 
 from roles.lib.model.shared_weights import Layout, Location, WeightsRing, device_digest
 from roles.lib.model.weights import WeightsDigestMismatch
-from schemas import ObjectRef
+from schemas import BROADCAST_KIND, ObjectRef
 
-BROADCAST_KIND = "broadcast"
 GROUP_TIMEOUT = datetime.timedelta(seconds=30)  # a pair's rendezvous and each send/recv
 JOIN_TIMEOUT = datetime.timedelta(seconds=5)  # reaching a trainer's store (a dead one: fail)
 
@@ -115,8 +113,6 @@ class _Member:
             hub.on_event("weights.member_lost", {"member": self.number, "error": repr(e)[:200]})
         finally:
             self.alive = False
-            with contextlib.suppress(Exception):
-                group.shutdown() if hasattr(group, "shutdown") else None
 
 
 class BroadcastHub:

@@ -33,15 +33,13 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
 
 from roles.lib.model.weights import WeightsDigestMismatch, tied_keys
-from schemas import ObjectRef
+from schemas import IPC_KIND, ObjectRef
 
-IPC_KIND = "ipc"
 RING_SLOTS = 3  # a reader may lag two versions behind the trainer before a slot is reused
 PAD = 4096  # elements: each slot starts aligned and hashes as whole rows of ROW words
 ROW = 1024  # int32 words hashed per row by ``device_digest``
@@ -350,10 +348,3 @@ class SharedReader:
         _, dst, src = self._pairs
         with torch.no_grad():
             torch._foreach_copy_(dst, src)
-
-
-def describe(ref: ObjectRef) -> dict[str, Any]:
-    """The parts of a shared-weights reference worth logging."""
-    loc = msgspec.json.decode(ref.location, type=Location)
-    kind = loc.handle.split(":", 1)[0]
-    return {"handle": kind, "slot": loc.slot, "dtype": loc.dtype, "digest": ref.digest}
