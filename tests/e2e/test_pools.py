@@ -11,6 +11,7 @@ run finishes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -67,7 +68,9 @@ def pid_of(lines: list[str], role: str) -> int:
 async def test_an_elastic_env_pool_grows_under_backlog_and_drains_back_when_idle(
     tmp_path: Path,
 ) -> None:
-    proc = rlbus_up(tmp_path, RUN, "max_steps=6", POOL, *FAST)
+    # max_steps leaves room: the pool grows at step 2-5 here, and the trainer must still
+    # have steps to go when it is paused (a run already over cannot drain a replica idle)
+    proc = rlbus_up(tmp_path, RUN, "max_steps=20", POOL, *FAST)
     out = Lines(proc)
     trainer: int | None = None
     try:
@@ -81,12 +84,13 @@ async def test_an_elastic_env_pool_grows_under_backlog_and_drains_back_when_idle
         await asyncio.to_thread(proc.wait, 240)
     finally:
         if trainer is not None:
-            os.kill(trainer, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
+                os.kill(trainer, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    out.reader.join(5)
-    proc.stdout.close()  # type: ignore[union-attr]
+        out.reader.join(5)
+        proc.stdout.close()  # type: ignore[union-attr]
     assert proc.returncode == 0, "".join(out.lines[-60:])
     assert "(exit 0, drained in" in retired, retired  # drained and exited on its own
     pools = summary(tmp_path, RUN)["pools"]["env-reverse-text"]
