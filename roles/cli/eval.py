@@ -130,7 +130,7 @@ def evaluate(
     if source.dir is not None and config is None and source.config is not None:
         cfg = own_config(cfg, source.config, overrides or [])
     # A directory gets a run of its own: never the run id its checkpoint's config names.
-    cfg.run = (
+    cfg.run = run_id = (
         run or (cfg.run if source.dir is None else None)
         or time.strftime("eval-%Y%m%d-%H%M%S", time.gmtime())
     )  # fmt: skip
@@ -160,7 +160,7 @@ def evaluate(
         cfg.model.path = str(served_dir(source, paths.dir / "model", cfg.model.path))
 
     def figures(result: RolloutResult) -> list[Any]:
-        return [eval_event(cfg.run, result, k)]
+        return [eval_event(run_id, result, k)]
 
     result = collect(cfg, plans, sizes, nats_url, timeout, "eval", figures, journal)
     if not result.role_died:

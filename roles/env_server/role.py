@@ -190,7 +190,7 @@ async def rollout_group(
             ]
     except BaseExceptionGroup as group:  # a rollout never raises anything else
         bugs = [e for e in group.exceptions if isinstance(e, EnvCodeError)]
-        raise (bugs or list(group.exceptions))[0] from None
+        raise (bugs[0] if bugs else group.exceptions[0]) from None
     traces = [t.result() for t in tasks]
     if task.split == "train" and filters:
         traces = [apply_filters(t, filters) for t in traces]

@@ -317,7 +317,9 @@ class DecoderRunner:
         x = self.embed[tok]
         cos, sin = self.cos[pos], self.sin_signed[pos]  # [b, 1, D]
         pos_col = pos[:, None]
-        masks = {None: self._mask(pos_col, span, None).view(b, 1, 1, span)}
+        masks: dict[int | None, torch.Tensor] = {
+            None: self._mask(pos_col, span, None).view(b, 1, 1, span)
+        }
         if self.windowed:
             for layer in self.layers:
                 if layer.window not in masks:
@@ -423,11 +425,6 @@ class DecoderRunner:
             src_idx = torch.tensor([m[0] for m in moves], device=self.device)
             dst_idx = torch.tensor([m[1] for m in moves], device=self.device)
             self.cache[:, dst_idx, :, :, :n] = self.cache[:, src_idx, :, :, :n]
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(mask)
-    return torch.matmul(scores.softmax(-1), v)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -223,13 +223,14 @@ class InferenceRole(Role):
         self.backend = await make_backend(self.cfg, path, weights_dir)
         if self.served.follows_weights:
             await self._load_newest_good()
+        engine: dict[str, Any] = getattr(self.backend, "describe", dict)()
         self.log.info(
             "inference.loaded",
             path=path,
             backend=self.backend.name,
             policy_version=self.backend.policy_version,
             max_model_len=self.backend.max_model_len,
-            **(engine := getattr(self.backend, "describe", dict)()),
+            **engine,
         )
         if engine.get("rows", 0) < engine.get("rows_asked", 0):
             self.log.warning(
@@ -239,7 +240,7 @@ class InferenceRole(Role):
                 hint="raise inference.kv_cache_gb or lower inference.max_model_len",
             )
 
-    def subscriptions(self) -> list[Follow | Serve]:  # type: ignore[override]
+    def subscriptions(self) -> list[Follow | Serve]:
         model, kinds = self.served.subject_model, (GenerateRequest, ScoreRequest)
         inputs: list[Follow | Serve] = [
             Serve(infer_subject(self.run, model), infer_queue(model), kinds, self._answer,

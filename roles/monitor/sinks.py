@@ -19,7 +19,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from configs import MonitorConfig, RunPaths
@@ -76,7 +76,14 @@ class TensorBoardSink:
 class WandbSink:
     name = "wandb"
 
-    def __init__(self, directory: Path, run: str, project: str, entity: str | None, mode: str):
+    def __init__(
+        self,
+        directory: Path,
+        run: str,
+        project: str,
+        entity: str | None,
+        mode: Literal["offline", "online"],
+    ):
         self.directory = directory
         self.run_name = run
         self.project, self.entity, self.mode = project, entity, mode

@@ -47,7 +47,7 @@ def merge_two(a: Sample, b: Sample) -> Sample:
     refs = [(arrays.f32(s.ref_weights), arrays.f32(s.ref_logprobs)) for s in (a, b)
             if s.ref_weights is not None and s.ref_logprobs is not None]  # fmt: skip
     if refs:
-        ref_w = sum(w for w, _ in refs).astype(arrays.F32)
+        ref_w = np.sum([w for w, _ in refs], axis=0, dtype=arrays.F32)
         weighted = sum(w * lp for w, lp in refs)
         ref_lp = np.where(ref_w > 0, weighted / np.where(ref_w > 0, ref_w, 1), 0).astype(arrays.F32)
     return msgspec.structs.replace(

@@ -83,7 +83,7 @@ class Orchestrator(Role):
     async def setup(self) -> None:
         await self.start_run()
 
-    def subscriptions(self) -> list[Follow]:  # type: ignore[override]
+    def subscriptions(self) -> list[Follow]:
         topics = [(t, None) for t in READS] + [
             (Topic.METRICS_REPORTED, "eval"),
             (Topic.DEAD_LETTERED, "env"),  # tasks an env server could not run

@@ -221,9 +221,9 @@ class OrchestratorState:
             case MetricsReported(role="eval", step=version) if version in self.eval_rounds:
                 self.eval_rounds[version].reported = True
             case EvalCompleted():
-                version = self.eval_requests.pop(event.request_id, None)
-                if version is not None:  # None: a duplicate answer to a request already counted
-                    self.eval_rounds[version].results.append(event)
+                asked = self.eval_requests.pop(event.request_id, None)
+                if asked is not None:  # None: a duplicate answer to a request already counted
+                    self.eval_rounds[asked].results.append(event)
             case DeadLettered(role="env"):
                 self._on_env_dead_letter(event)
 

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import gc
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from bus.consumer import Consumer, Subscription
@@ -67,7 +67,7 @@ class Role:
 
     # -- what a role overrides ----------------------------------------------------------
 
-    def subscriptions(self) -> list[Subscription | Follow | Serve]:
+    def subscriptions(self) -> Sequence[Subscription | Follow | Serve]:
         """What the role consumes and answers; called after ``setup``."""
         return []
 

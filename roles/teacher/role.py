@@ -42,7 +42,7 @@ class Teacher(Role):
         self.renderer = make_renderer(self.tokenizer, self.ctx.cfg.model.renderer)
         self.log.info("teacher.loaded", model=self.model)
 
-    def subscriptions(self) -> list[Serve]:  # type: ignore[override]
+    def subscriptions(self) -> list[Serve]:
         def bad(data: bytes, e: Exception) -> InferenceFailed:
             return InferenceFailed(request_id="", kind="bad_request", message=str(e))
 

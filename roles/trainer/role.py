@@ -95,7 +95,7 @@ from schemas import (
 # How long catch-up waits for the next message it knows is on the stream.
 _READ_TIMEOUT_S = 30.0
 # What a failed delete or rewrite raises (the store's errors, a file system error).
-_STORE_ERRORS = (*STORE_ERRORS, OSError)
+_STORE_ERRORS: tuple[type[Exception], ...] = (*STORE_ERRORS, OSError)
 
 
 @dataclass
@@ -401,7 +401,8 @@ class TrainerRole(Role):
             device = next(iter(state.values())).device
             # The dtype inference holds weights in (on CUDA bfloat16, unless said otherwise).
             served = serving_dtype(self.cfg.model.dtype, str(device), self.cfg.inference.dtype)
-            dtype = resolve_dtype(served)
+            dtype = resolve_dtype(served)  # serving_dtype names one: never 'auto'
+            assert not isinstance(dtype, str), served
             self.ring = WeightsRing.create(
                 Layout.of(state), dtype, device, self.ctx.paths.shm_weights
             )

@@ -100,7 +100,7 @@ def lake_missing() -> str | None:
 def describe_weights(cfg: RunConfig) -> str:
     """How the trainer's versions reach inference (``rlbus up`` prints it)."""
     t, inf = cfg.trainer, cfg.inference
-    via = t.weights_via
+    via: str = t.weights_via
     if via == "auto":
         via = "the object store (a file past 200 MB)"
     elif via == "ipc":
@@ -225,7 +225,8 @@ def _launch_locked(
         servers: list[EmbeddedServer] = []
         url = given or running_server_url(paths.nats)
         if url is None:
-            started = stack.enter_context(embedded_servers(cfg, paths))
+            started = embedded_servers(cfg, paths)
+            stack.enter_context(started)  # starts it (its __enter__ returns it)
             servers = started.nodes if isinstance(started, EmbeddedCluster) else [started]
             url = started.url
         stack.enter_context(launcher_identity(cfg, paths))

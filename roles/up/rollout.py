@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -49,12 +49,15 @@ from configs.paths import RunPaths
 from roles.up.eval_journal import EvalJournal
 from roles.up.processes import RoleProcess, role_process
 
+if TYPE_CHECKING:
+    from schemas.rollout import Phase
+
 Note = Callable[[str], None]
 # What to publish about a finished collection (``rlbus eval``: its figures).
 Report = Callable[["RolloutResult"], list[Any]]
 
 # The phase of requests made outside a run's schedule (``schemas.TaskRequested.phase``).
-ADHOC_PHASE = "adhoc"
+ADHOC_PHASE: Phase = "adhoc"
 
 
 def _quiet(_: str) -> None:
