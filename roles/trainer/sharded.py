@@ -32,6 +32,9 @@ folder ``TrainerCore.save_checkpoint`` makes atomic) and resume on as many ranks
     core = ShardedCore(cfg, model_dir, rank=r, world_size=2, master="127.0.0.1:29500")
 
 is what each rank runs; ``roles.trainer.group`` starts the ranks and drives them.
+FSDP and distributed checkpointing are imported where they are used (a second of
+imports, sympy among them, that a one-process trainer, which never makes a
+``ShardedCore``, does not pay at start).
 """
 
 from __future__ import annotations
@@ -42,14 +45,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.fsdp import fully_shard
 
 from configs import RunConfig
 from roles.lib.model.weights import digest, tensors_to_bytes, tied_keys
@@ -97,6 +92,8 @@ class ShardedCore(TrainerCore):
         super().__init__(cfg, model_dir, device=device)
 
     def _wrap(self, model: Any) -> Any:
+        from torch.distributed.fsdp import fully_shard
+
         # Names of tied copies (lm_head = embed_tokens) are only visible before sharding:
         # the gathered state dict holds such a copy as a tensor of its own.
         self._tied = set(tied_keys(model.state_dict()))
@@ -157,6 +154,8 @@ class ShardedCore(TrainerCore):
     def _gather_weights(self) -> bytes:
         # Not overridden by rank 0's GroupLeader (which sends each public call to the
         # other ranks first): write_snapshot gathers inside a call they already run.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         full = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -166,6 +165,9 @@ class ShardedCore(TrainerCore):
         return tensors_to_bytes(tensors)  # type: ignore[arg-type]  # full: plain tensors
 
     def write_snapshot(self, folder: Path) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
         # The full weights too, as one process writes them: `rlbus model export` and
@@ -177,6 +179,9 @@ class ShardedCore(TrainerCore):
         return {"weights_digest": digest(weights)}
 
     def read_snapshot(self, folder: Path, state: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
         # dcp.load fills the dicts in place

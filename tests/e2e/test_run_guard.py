@@ -21,7 +21,7 @@ import pytest
 from tests.e2e.helpers import rlbus_up, summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-STEPS = 12  # the signal lands while the roles start, long before the last step
+STEPS = 30  # the signal lands as the roles start, long before the last step
 
 
 def processes_under(data_dir: Path) -> list[str]:
@@ -42,16 +42,17 @@ def processes_under(data_dir: Path) -> list[str]:
 
 
 async def wait_for_roles(data_dir: Path, run: str, proc: subprocess.Popen[str]) -> None:
-    """Until the trainer and the orchestrator have started (their logs say so)."""
+    """Until every role the launcher started (6 at least, the trainer and the
+    orchestrator among them) has logged ``role.started``. A role still importing when
+    the launcher stops it dies of the signal before it has a log line to write."""
     logs = data_dir / run / "logs"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
+        roles = {p.stem: p for p in logs.glob("*.log") if p.stem != "launcher"}
         started = [
-            (logs / f"{name}.log").exists()
-            and '"role.started"' in (logs / f"{name}.log").read_text(errors="replace")
-            for name in ("trainer", "orchestrator")
+            '"role.started"' in log.read_text(errors="replace") for log in roles.values()
         ]
-        if all(started):
+        if len(roles) >= 6 and {"trainer", "orchestrator"} <= set(roles) and all(started):
             return
         await asyncio.sleep(0.5)
     raise AssertionError(f"roles of {run} did not start: {proc.poll()=}")

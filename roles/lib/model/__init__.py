@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING
 # A Hugging Face repo id ("name" or "org/name"), as opposed to a filesystem path (here,
 # torch-free, so that ``rlbus up``'s pre-flight checks use the rule the loader uses).
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# The files a finished tiny model directory has (the build writes them to a temporary
+# directory renamed into place, so their presence means the build completed).
+TINY_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 if TYPE_CHECKING:
     from configs import RunConfig
@@ -45,11 +48,23 @@ def serving_dtype(dtype: str, device: str, served: str = "auto") -> str:
     return "float16" if dtype in ("float16", "fp16") else "bfloat16"
 
 
+def tiny_model_built(directory: Path) -> bool:
+    """Whether ``directory`` holds a finished tiny model (``TINY_MODEL_FILES``)."""
+    return all((directory / name).exists() for name in TINY_MODEL_FILES)
+
+
 def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:
     """A loadable model directory: ``"tiny"`` builds (once) the run's tiny model under
-    ``run_dir``; anything else is a local directory or hub id, returned as it is."""
+    ``run_dir``; anything else is a local directory or hub id, returned as it is. Once
+    built (``rlbus up`` builds it before any role starts), nothing heavy is imported:
+    the roles that only need its path (the orchestrator, env servers, a scripted
+    teacher) start without torch."""
     if path != "tiny":
         return Path(path)
+    from configs.paths import RunPaths
+
+    if tiny_model_built(built := RunPaths.at(run_dir).initial_model):
+        return built
     from roles.lib.model.loading import ensure_tiny_model  # torch loads here
 
     sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})

@@ -18,10 +18,8 @@ from typing import Any
 import torch
 
 from configs.paths import RunPaths
-from roles.lib.model import REPO_ID
+from roles.lib.model import REPO_ID, tiny_model_built
 
-# Files every finished build has; a directory missing any of them is rebuilt.
-_DONE_MARKERS = ("config.json", "model.safetensors", "tokenizer.json")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -118,7 +116,7 @@ def ensure_tiny_model(
     arch = sizes.pop("arch", "char")
     vocab_size = sizes.pop("vocab_size", None)
     target = RunPaths.at(run_dir).initial_model
-    if all((target / name).exists() for name in _DONE_MARKERS):
+    if tiny_model_built(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".initial-", dir=target.parent))
@@ -128,7 +126,7 @@ def ensure_tiny_model(
             build_tiny_model(tmp, seed=seed, **sizes)
         else:
             build_family_model(tmp, arch, seed=seed, vocab_size=vocab_size, **sizes)
-        if all((target / name).exists() for name in _DONE_MARKERS):
+        if tiny_model_built(target):
             return target  # another process finished first (same seed, same bytes): keep theirs
         if target.exists():  # a stale partial directory from an older crash
             shutil.rmtree(target)
