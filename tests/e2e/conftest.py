@@ -1,4 +1,5 @@
-"""The finished smoke run that the analytics and metric-sink tests read (one run for both)."""
+"""The finished smoke run that several e2e modules read (one run for all: analytics, metric
+sinks, replay and the end-to-end checks of ``test_up``), so each pays no run of its own."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from bus.server import EmbeddedServer
 from tests.e2e.helpers import all_events, rlbus_up
 
 ANALYTICS_RUN = "ana1"
+# a config shadow next to grpo: the comparison query (15) has rows to return
+ANALYTICS_OVERRIDES = (
+    "max_steps=4",
+    'orchestrator.algorithms=[{id="grpo"},{id="max_rl",shadow=true}]',
+    'monitor.sinks=["tensorboard","wandb"]',
+)
 
 
 @pytest.fixture(autouse=True)
@@ -32,10 +39,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list
     """One finished smoke run (4 steps, a shadow max_rl beside grpo, the TensorBoard and
     offline W&B sinks on), its lake synced, and its log read back."""
     data = tmp_path_factory.mktemp("analytics")
-    # a config shadow next to grpo: the comparison query (15) has rows to return
-    shadow = 'orchestrator.algorithms=[{id="grpo"},{id="max_rl",shadow=true}]'
-    sinks = 'monitor.sinks=["tensorboard","wandb"]'
-    proc = rlbus_up(data, ANALYTICS_RUN, "max_steps=4", shadow, sinks)
+    proc = rlbus_up(data, ANALYTICS_RUN, *ANALYTICS_OVERRIDES)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
     result = replay.sync_lake(ANALYTICS_RUN, data, force=True)

@@ -1,29 +1,27 @@
-"""Replay end to end: a real smoke run, then every replay command as a user runs it."""
+"""Replay end to end: a real smoke run (the session's, ``tests/e2e/conftest.py``: 4 steps,
+a shadow max_rl beside grpo), then every replay command as a user runs it."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
 
-from tests.e2e.helpers import rlbus, rlbus_up, summary
+from tests.e2e.conftest import ANALYTICS_RUN
+from tests.e2e.helpers import rlbus, summary
 
 pytestmark = pytest.mark.e2e
 
-RUN = "replayed"
+RUN = ANALYTICS_RUN
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One finished 4-step smoke run for every test of this module."""
-    data_dir = tmp_path_factory.mktemp("replay")
-    proc = rlbus_up(data_dir, RUN, "max_steps=4")
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-4000:]
-    yield data_dir
+@pytest.fixture
+def recorded(smoke: tuple[Path, list[Any]]) -> Path:
+    """The data directory of the session's finished 4-step smoke run."""
+    return smoke[0]
 
 
 def test_trainer_replay_reproduces_every_step(recorded: Path) -> None:

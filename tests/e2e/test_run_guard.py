@@ -49,9 +49,7 @@ async def wait_for_roles(data_dir: Path, run: str, proc: subprocess.Popen[str]) 
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and proc.poll() is None:
         roles = {p.stem: p for p in logs.glob("*.log") if p.stem != "launcher"}
-        started = [
-            '"role.started"' in log.read_text(errors="replace") for log in roles.values()
-        ]
+        started = ['"role.started"' in log.read_text(errors="replace") for log in roles.values()]
         if len(roles) >= 6 and {"trainer", "orchestrator"} <= set(roles) and all(started):
             return
         await asyncio.sleep(0.5)

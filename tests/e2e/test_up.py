@@ -1,13 +1,13 @@
-"""`rlbus up` end to end: every role as a real process on an embedded nats-server."""
+"""`rlbus up` end to end: every role as a real process on an embedded nats-server (the
+session's smoke run, shared with the analytics, sinks and replay tests)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bus.server import EmbeddedServer
 from configs import load_config
 from schemas import (
     BatchAssembled,
@@ -20,19 +20,17 @@ from schemas import (
     TraceCompleted,
     WeightsPublished,
 )
-from tests.e2e.helpers import all_events, rlbus_up, summary
+from tests.e2e.conftest import ANALYTICS_OVERRIDES, ANALYTICS_RUN
+from tests.e2e.helpers import summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-async def test_smoke_run_trains_end_to_end(tmp_path: Path) -> None:
-    """Every event kind appears, versions advance, no stale sample trains, one step per batch."""
-    proc = rlbus_up(tmp_path, "smoke1", "max_steps=6")
-    out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
-    assert proc.returncode == 0, out[-4000:]
-    cfg = load_config("smoke", ["max_steps=6"])
-    with EmbeddedServer(tmp_path / "smoke1" / "nats") as server:
-        events = await all_events(server.url, "smoke1")
+def test_smoke_run_trains_end_to_end(smoke: tuple[Path, list[Any]]) -> None:
+    """Every event kind appears, versions advance, no stale sample trains, one step per
+    batch (the session's smoke run, ``tests/e2e/conftest.py``)."""
+    data, events = smoke
+    cfg = load_config("smoke", list(ANALYTICS_OVERRIDES))
     kinds = {type(e) for e in events}
     for kind in (
         RunStarted,
@@ -63,5 +61,5 @@ async def test_smoke_run_trains_end_to_end(tmp_path: Path) -> None:
     )
     (stop,) = [e for e in events if isinstance(e, RunStopped)]
     assert stop.reason == "max_steps"
-    s = summary(tmp_path, "smoke1")
-    assert s["steps"] == cfg.max_steps and (tmp_path / "smoke1" / "curves.png").exists()
+    s = summary(data, ANALYTICS_RUN)
+    assert s["steps"] == cfg.max_steps and (data / ANALYTICS_RUN / "curves.png").exists()
