@@ -16,6 +16,7 @@ from bus.server import EmbeddedServer
 from tests.e2e.helpers import all_events, rlbus_up
 
 ANALYTICS_RUN = "ana1"
+CONSOLE = "up.out"  # under the fixture's data directory
 # a config shadow next to grpo: the comparison query (15) has rows to return
 ANALYTICS_OVERRIDES = (
     "max_steps=4",
@@ -42,6 +43,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list
     proc = rlbus_up(data, ANALYTICS_RUN, *ANALYTICS_OVERRIDES)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
+    (data / CONSOLE).write_text(out)  # what the launcher printed, for test_up_numbers
     result = replay.sync_lake(ANALYTICS_RUN, data, force=True)
     assert result is not None and not result.skipped
     with EmbeddedServer(data / ANALYTICS_RUN / "nats") as server:

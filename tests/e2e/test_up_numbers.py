@@ -1,7 +1,7 @@
 """`rlbus up` tells the truth: its counts match the log, a dying role's error reaches the
 console, and a closed terminal (SIGHUP) drains the roles like Ctrl-C.
 
-The first test runs the smoke preset end to end; the others drive the supervisor's parts
+The first test reads the session's smoke run (``tests/e2e/conftest.py``); the others drive the supervisor's parts
 (``RunFollower``, ``supervise``) against the session's real nats-server, with tiny Python
 processes as roles.
 """
@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,8 @@ from roles.up.monitor import RunMonitor
 from roles.up.processes import RoleProcess
 from roles.up.supervisor import MAX_RESTARTS, RunFollower, stop_in_order, supervise
 from schemas import MetricsReported
-from tests.e2e.helpers import rlbus_up, summary
+from tests.e2e.conftest import ANALYTICS_RUN, CONSOLE
+from tests.e2e.helpers import summary
 
 
 async def stored_count(bus: Bus, topic: Topic) -> int:
@@ -39,16 +41,16 @@ async def stored_count(bus: Bus, topic: Topic) -> int:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-async def test_summary_counts_the_runs_train_and_eval_rollouts(tmp_path: Path) -> None:
+async def test_summary_counts_the_runs_train_and_eval_rollouts(
+    smoke: tuple[Path, list[Any]],
+) -> None:
     """summary.json's rollouts are the log's trace.completed messages (not every message),
     its eval rollouts k per eval.completed; the console tells phases, the drain, and ends
     with a readable report, not a dict."""
-    run = "numbers1"
-    proc = rlbus_up(tmp_path, run, "max_steps=2")
-    out, _ = await asyncio.to_thread(proc.communicate, timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    s = summary(tmp_path, run)
-    with EmbeddedServer(tmp_path / run / "nats") as server:
+    data, run = smoke[0], ANALYTICS_RUN
+    out = (data / CONSOLE).read_text()
+    s = summary(data, run)
+    with EmbeddedServer(data / run / "nats") as server:
         bus = await Bus.connect(server.url, run=run, producer="e2e")
         try:
             traces = await stored_count(bus, Topic.TRACE_COMPLETED)
