@@ -84,7 +84,8 @@ def test_model_export_writes_a_loadable_model_with_the_checkpoint_weights(tmp_pa
     import torch
     from safetensors.torch import save_file
 
-    from roles.lib.model.loading import ensure_tiny_model, load_model
+    from roles.lib.model import ensure_tiny_model
+    from roles.lib.model.loading import load_model
 
     run_dir = tmp_path / "r1"
     initial = ensure_tiny_model(run_dir, {"hidden_size": 32, "num_layers": 1}, seed=0)

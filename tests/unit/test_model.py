@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roles.lib.model.loading import ModelNotFound, ensure_tiny_model, load_model, load_tokenizer
+from roles.lib.model import ensure_tiny_model
+from roles.lib.model.loading import ModelNotFound, load_model, load_tokenizer
 from roles.lib.model.tiny import build_tiny_model, count_params, init_model
 from roles.lib.model.tokenizer import ALPHABET, build_tokenizer
 from roles.lib.model.weights import (
@@ -147,6 +151,33 @@ def test_ensure_tiny_model_builds_once(tmp_path: Path) -> None:
     assert ensure_tiny_model(tmp_path, {"num_layers": 1}, seed=3) == path
     assert _sha256_tree(path) == before
     assert load_model(path).config.num_hidden_layers == 1
+
+
+def test_a_tiny_model_is_built_once_per_machine_and_copied_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next run asking for the same tiny model gets the bytes a build writes, copied
+    from the cache without importing torch; another seed is another build."""
+    sizes = {"num_layers": 1}
+    monkeypatch.setenv("RLBUS_CACHE_DIR", str(tmp_path / "cache"))
+    first = ensure_tiny_model(tmp_path / "a", sizes, seed=3)
+    assert len(list((tmp_path / "cache" / "models").iterdir())) == 1
+    code = (
+        "import sys; from roles.lib.model import ensure_tiny_model; "
+        "ensure_tiny_model(sys.argv[1], {'num_layers': 1}, seed=3); print('torch' in sys.modules)"
+    )
+    copied = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "b")],
+        capture_output=True, text=True, env=dict(os.environ), check=True,
+    )  # fmt: skip
+    assert copied.stdout.strip() == "False", copied.stderr
+    assert _sha256_tree(tmp_path / "b" / "model" / "initial") == _sha256_tree(first)
+
+    monkeypatch.setenv("RLBUS_CACHE_DIR", str(tmp_path / "empty"))  # a build, not a copy
+    assert _sha256_tree(ensure_tiny_model(tmp_path / "c", sizes, seed=3)) == _sha256_tree(first)
+    other = ensure_tiny_model(tmp_path / "d", sizes, seed=4)
+    assert _sha256_tree(other) != _sha256_tree(first)
+    assert len(list((tmp_path / "empty" / "models").iterdir())) == 2
 
 
 def test_weights_bytes_round_trip_identical_logits(tiny_dir: Path, tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def test_model_init_writes_every_file_with_the_umasks_mode(
 def test_a_runs_initial_model_folder_and_files_have_the_umasks_modes(
     umask: int, tmp_path: Path
 ) -> None:
-    from roles.lib.model.loading import ensure_tiny_model
+    from roles.lib.model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "run", {"hidden_size": 16, "intermediate_size": 32}, 0)
     assert model.stat().st_mode & 0o777 == 0o777 & ~umask

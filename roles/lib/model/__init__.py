@@ -10,6 +10,9 @@
 - here: ``serving_dtype``, the dtype inference holds weights in (the trainer's shared
   ring uses it too)
 
+- here: ``materialize_model`` and ``ensure_tiny_model``, a run's initial model directory
+  (a tiny model built once per machine, then copied from ``model_cache_dir()``)
+
 Submodules import torch/transformers; import them directly. This package itself imports
 nothing heavy, so `import roles.lib.model` stays cheap, and `materialize_model` loads
 torch only when it has a tiny model to build.
@@ -17,9 +20,15 @@ torch only when it has a tiny model to build.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
+import shutil
+import tempfile
+from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 # A Hugging Face repo id ("name" or "org/name"), as opposed to a filesystem path (here,
 # torch-free, so that ``rlbus up``'s pre-flight checks use the rule the loader uses).
@@ -61,11 +70,100 @@ def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:
     teacher) start without torch."""
     if path != "tiny":
         return Path(path)
+    sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})
+    return ensure_tiny_model(run_dir, sizes, seed=cfg.model.tiny.init_seed)
+
+
+# The modules whose code decides a tiny model's bytes (with torch's and transformers'
+# versions, part of a cached build's key).
+_BUILDERS = ("tiny.py", "families.py", "tokenizer.py")
+
+
+def model_cache_dir() -> Path:
+    """Where built tiny models are kept for the next run that asks for the same one:
+    $RLBUS_CACHE_DIR, else $XDG_CACHE_HOME/rlbus, else ~/.cache/rlbus."""
+    if root := os.environ.get("RLBUS_CACHE_DIR"):
+        return Path(root) / "models"
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "rlbus" / "models"
+
+
+def _build_key(sizes: dict[str, Any], seed: int) -> str:
+    """What a build's bytes depend on: its sizes and seed, the builders' code, and the
+    versions of torch and transformers (read from their metadata: nothing imported)."""
+    here = Path(__file__).parent
+    h = hashlib.sha256(json.dumps([sizes, seed], sort_keys=True).encode())
+    for name in _BUILDERS:
+        h.update((here / name).read_bytes())
+    for package in ("torch", "transformers", "tokenizers"):
+        h.update(metadata.version(package).encode())
+    return h.hexdigest()[:24]
+
+
+def ensure_tiny_model(
+    run_dir: str | Path, tiny_cfg_kwargs: dict[str, Any] | None, seed: int
+) -> Path:
+    """`<run_dir>/model/initial`, building the tiny model there first if it is absent.
+
+    The same build (sizes, seed, builder code, torch and transformers versions) is made
+    once per machine: kept under ``model_cache_dir()`` and copied from there (a build
+    is deterministic, so the copy is the bytes a build would write; torch and
+    transformers are not even imported). The files go to a temporary sibling directory
+    renamed into place, so a crash mid-build never leaves a half-written model that
+    later runs would trust.
+    """
     from configs.paths import RunPaths
 
-    if tiny_model_built(built := RunPaths.at(run_dir).initial_model):
-        return built
-    from roles.lib.model.loading import ensure_tiny_model  # torch loads here
+    target = RunPaths.at(run_dir).initial_model
+    if tiny_model_built(target):
+        return target
+    sizes = dict(tiny_cfg_kwargs or {})
+    cached = model_cache_dir() / f"tiny-{_build_key(sizes, seed)}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".initial-", dir=target.parent))
+    tmp.chmod(target.parent.stat().st_mode & 0o777)  # mkdtemp's 0700 would stay on the model
+    try:
+        if tiny_model_built(cached):
+            for f in cached.iterdir():
+                shutil.copyfile(f, tmp / f.name)  # new files: the umask's mode
+        else:
+            _build(tmp, sizes, seed)
+            _keep(tmp, cached)
+        if tiny_model_built(target):
+            return target  # another process finished first (same seed, same bytes): keep theirs
+        if target.exists():  # a stale partial directory from an older crash
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return target
 
-    sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})
-    return Path(ensure_tiny_model(run_dir, sizes, seed=cfg.model.tiny.init_seed))
+
+def _build(folder: Path, sizes: dict[str, Any], seed: int) -> None:
+    from roles.lib.model.families import build_family_model  # torch loads here
+    from roles.lib.model.tiny import build_tiny_model
+
+    sizes = dict(sizes)
+    arch = sizes.pop("arch", "char")
+    vocab_size = sizes.pop("vocab_size", None)
+    if arch == "char":
+        build_tiny_model(folder, seed=seed, **sizes)
+    else:
+        build_family_model(folder, arch, seed=seed, vocab_size=vocab_size, **sizes)
+
+
+def _keep(built: Path, cached: Path) -> None:
+    """A copy of ``built`` at ``cached`` (best effort: a cache that cannot be written
+    only means the next run builds again)."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cached.parent))
+        try:
+            for f in built.iterdir():
+                shutil.copyfile(f, tmp / f.name)
+            tmp.rename(cached)  # fails if another process kept the same build first
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass

@@ -10,15 +10,12 @@ the network.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from configs.paths import RunPaths
-from roles.lib.model import REPO_ID, tiny_model_built
+from roles.lib.model import REPO_ID
 
 _DTYPES = {
     "float32": torch.float32,
@@ -99,39 +96,3 @@ def load_model(
         source, dtype=resolve_dtype(dtype), local_files_only=local_files_only
     )
     return model.to(resolve_device(device)).eval()
-
-
-def ensure_tiny_model(
-    run_dir: str | Path, tiny_cfg_kwargs: dict[str, Any] | None, seed: int
-) -> Path:
-    """`<run_dir>/model/initial`, building the tiny model there first if it is absent.
-
-    The build goes to a temporary sibling directory that is renamed into place, so a
-    crash mid-build never leaves a half-written model that later runs would trust.
-    """
-    from roles.lib.model.families import build_family_model
-    from roles.lib.model.tiny import build_tiny_model
-
-    sizes = dict(tiny_cfg_kwargs or {})
-    arch = sizes.pop("arch", "char")
-    vocab_size = sizes.pop("vocab_size", None)
-    target = RunPaths.at(run_dir).initial_model
-    if tiny_model_built(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".initial-", dir=target.parent))
-    tmp.chmod(target.parent.stat().st_mode & 0o777)  # mkdtemp's 0700 would stay on the model
-    try:
-        if arch == "char":
-            build_tiny_model(tmp, seed=seed, **sizes)
-        else:
-            build_family_model(tmp, arch, seed=seed, vocab_size=vocab_size, **sizes)
-        if tiny_model_built(target):
-            return target  # another process finished first (same seed, same bytes): keep theirs
-        if target.exists():  # a stale partial directory from an older crash
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return target
