@@ -228,8 +228,12 @@ class Orchestrator(Role):
                 progress = now
                 continue
             if s.assembled != assembled:
+                if assembled >= 0 and s.assembled > 0:
+                    # A step's time runs from one batch to the next: not from the start
+                    # (the roles' own startup) or a restart's catch-up, which would raise
+                    # the stall threshold past a real stall.
+                    batches.append(now)
                 assembled, progress = s.assembled, now
-                batches.append(now)
                 self._stall_over()
             for gid in list(dispatched):
                 if gid not in s.groups:
