@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -12,6 +13,18 @@ from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 
 configure(json=True, level="WARNING")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tiny models built by this session's tests and the roles they start are cached
+    for the session (``roles.lib.model.model_cache_dir``), not in the user's home."""
+    if "RLBUS_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["RLBUS_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    os.environ.pop("RLBUS_CACHE_DIR", None)
 
 
 @pytest.fixture(scope="session")

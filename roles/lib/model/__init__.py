@@ -9,7 +9,6 @@
   "ipc" and "broadcast")
 - here: ``serving_dtype``, the dtype inference holds weights in (the trainer's shared
   ring uses it too)
-
 - here: ``materialize_model`` and ``ensure_tiny_model``, a run's initial model directory
   (a tiny model built once per machine, then copied from ``model_cache_dir()``)
 
@@ -66,16 +65,16 @@ def materialize_model(cfg: RunConfig, path: str, run_dir: Path) -> Path:
     """A loadable model directory: ``"tiny"`` builds (once) the run's tiny model under
     ``run_dir``; anything else is a local directory or hub id, returned as it is. Once
     built (``rlbus up`` builds it before any role starts), nothing heavy is imported:
-    the roles that only need its path (the orchestrator, env servers, a scripted
-    teacher) start without torch."""
+    a role that only needs its path (the orchestrator) starts without torch."""
     if path != "tiny":
         return Path(path)
     sizes = cfg.model.tiny.model_dump(exclude={"init_seed"})
     return ensure_tiny_model(run_dir, sizes, seed=cfg.model.tiny.init_seed)
 
 
-# The modules whose code decides a tiny model's bytes (with torch's and transformers'
-# versions, part of a cached build's key).
+# The modules whose code decides a tiny model's bytes (with the versions of torch,
+# transformers and tokenizers, part of a cached build's key).
+_KEY_PACKAGES = ("torch", "transformers", "tokenizers")
 _BUILDERS = ("tiny.py", "families.py", "tokenizer.py")
 
 
@@ -90,12 +89,12 @@ def model_cache_dir() -> Path:
 
 def _build_key(sizes: dict[str, Any], seed: int) -> str:
     """What a build's bytes depend on: its sizes and seed, the builders' code, and the
-    versions of torch and transformers (read from their metadata: nothing imported)."""
+    versions of ``_KEY_PACKAGES`` (read from their metadata: nothing imported)."""
     here = Path(__file__).parent
     h = hashlib.sha256(json.dumps([sizes, seed], sort_keys=True).encode())
     for name in _BUILDERS:
         h.update((here / name).read_bytes())
-    for package in ("torch", "transformers", "tokenizers"):
+    for package in _KEY_PACKAGES:
         h.update(metadata.version(package).encode())
     return h.hexdigest()[:24]
 
@@ -105,10 +104,9 @@ def ensure_tiny_model(
 ) -> Path:
     """`<run_dir>/model/initial`, building the tiny model there first if it is absent.
 
-    The same build (sizes, seed, builder code, torch and transformers versions) is made
-    once per machine: kept under ``model_cache_dir()`` and copied from there (a build
-    is deterministic, so the copy is the bytes a build would write; torch and
-    transformers are not even imported). The files go to a temporary sibling directory
+    The same build (``_build_key``) is made once per machine: kept under
+    ``model_cache_dir()`` and copied from there (a build is deterministic, so the copy
+    is the bytes a build would write; torch is not even imported). The files go to a temporary sibling directory
     renamed into place, so a crash mid-build never leaves a half-written model that
     later runs would trust.
     """
@@ -124,8 +122,7 @@ def ensure_tiny_model(
     tmp.chmod(target.parent.stat().st_mode & 0o777)  # mkdtemp's 0700 would stay on the model
     try:
         if tiny_model_built(cached):
-            for f in cached.iterdir():
-                shutil.copyfile(f, tmp / f.name)  # new files: the umask's mode
+            _copy_files(cached, tmp)
         else:
             _build(tmp, sizes, seed)
             _keep(tmp, cached)
@@ -153,6 +150,12 @@ def _build(folder: Path, sizes: dict[str, Any], seed: int) -> None:
         build_family_model(folder, arch, seed=seed, vocab_size=vocab_size, **sizes)
 
 
+def _copy_files(src: Path, dst: Path) -> None:
+    """Each file of ``src`` into ``dst``: new files, so with the umask's mode."""
+    for f in src.iterdir():
+        shutil.copyfile(f, dst / f.name)
+
+
 def _keep(built: Path, cached: Path) -> None:
     """A copy of ``built`` at ``cached`` (best effort: a cache that cannot be written
     only means the next run builds again)."""
@@ -160,8 +163,7 @@ def _keep(built: Path, cached: Path) -> None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cached.parent))
         try:
-            for f in built.iterdir():
-                shutil.copyfile(f, tmp / f.name)
+            _copy_files(built, tmp)
             tmp.rename(cached)  # fails if another process kept the same build first
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
