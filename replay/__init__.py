@@ -6,8 +6,8 @@
 
 - reading a run's log in order is ``bus.reader.LogReader`` (legacy versions upcast by
   ``schemas.legacy``, unknown ones reported and skipped), the same reader roles use.
-- ``replay.algorithm``, ``replay.trainer``, ``replay.rubric``: re-run a role's pure core
-  over the recorded log and diff (``rlbus replay``).
+- ``replay.algorithm``, ``replay.trainer``, ``replay.rubric``, ``replay.orchestrator``:
+  re-run a role's pure core over the recorded log and diff (``rlbus replay``).
 - ``replay.lake``: the log materialised as Parquet tables (``rlbus lake sync``);
   ``replay.tables``: the pure row builders; ``replay.sql``: DuckDB views (``rlbus sql``).
 - ``open_run``: the same tables as polars LazyFrames (below).

@@ -3,6 +3,7 @@
     rlbus replay --run <run> trainer [--until N] [--fork NEW --from N key=value ...]
     rlbus replay --run <run> algorithm <id>
     rlbus replay --run <run> rubric [--env KEY] [--no-eval]
+    rlbus replay --run <run> orchestrator
     rlbus export --run <run> run.tar ; rlbus import run.tar [--data-dir D] [--run NEW]
     rlbus plot --run <run> [--out curves.png]
 
@@ -27,7 +28,7 @@ import typer
 from roles.cli.common import run_async, run_option, run_paths, server_for
 
 replay_app = typer.Typer(
-    help="Replay a recorded run's pure roles (trainer, algorithms, rubric) and diff.",
+    help="Replay a recorded run's pure roles (trainer, algorithms, rubric, orchestrator) and diff.",
     no_args_is_help=True,
 )
 URL = typer.Option(None, "--nats-url", help="NATS URL (default: the run's embedded server).")
@@ -250,6 +251,42 @@ def rubric(
         console.print(f"  ... the rubric raised on {len(result.failures)} traces in all")
     if result.failures or not result.diff.ok:
         raise typer.Exit(1)
+
+
+@replay_app.command("orchestrator")
+def orchestrator(ctx: typer.Context) -> None:
+    """Re-make the orchestrator's decisions from the recorded log; diff them with the run's."""
+    from replay.orchestrator import describe, diff_decisions, read_orchestrator_log, redecide
+    from roles.cli.progress import progress
+
+    run, console = _run(ctx), _console()
+
+    async def load(url: str, update: Any) -> Any:
+        bus = await _connect(url, run)
+        try:
+            return await read_orchestrator_log(bus, update)
+        finally:
+            await bus.close()
+
+    try:
+        with server_for(run, ctx.obj["nats_url"], existing=True) as url, _reading(run) as update:
+            log = run_async(load(url, update))
+    except ValueError as e:  # no run.started
+        console.print(f"[red]cannot replay:[/] {e}")
+        raise typer.Exit(2) from None
+    with progress(f"replay {run} orchestrator", unit="inputs") as update:
+        redone = redecide(log, update)
+    d = diff_decisions(log, redone)
+    console.print(f"{redone.inputs} inputs stepped: {sum(d.compared.values())} decisions compared ({describe(d.compared)}), {d.dead_letters} refusals dead-lettered alike")  # fmt: skip
+    if d.tail:
+        console.print(f"note: {d.tail} decisions or refusals past the last input the run's orchestrator acted on (it stopped before reading them)")  # fmt: skip
+    for item in (d.changed + d.unrecorded + d.refusals)[:10]:
+        console.print(f"  [red]differs[/] {item}")
+    if d.ok:
+        console.print(f"[green bold]MATCH[/] orchestrator: every decision of {run} re-made exactly")
+        return
+    console.print(f"[red bold]MISMATCH[/] orchestrator: {len(d.changed)} decisions changed, {len(d.unrecorded)} not on the log, {len(d.refusals)} refusals differ")  # fmt: skip
+    raise typer.Exit(1)
 
 
 def export(

@@ -4,11 +4,13 @@
 
 It has no durable consumer and no state of its own: at start it publishes
 ``run.started`` (if the run has none), then follows the run's log from sequence 1
-(a ``Follow``: an ordered consumer run by the role runtime), folds every event into
-``OrchestratorState`` and, after each one, returns what ``decide`` returns for the
-runtime to publish. A restarted orchestrator therefore rebuilds its state
-and re-makes its past decisions with the same ids, which the server drops as duplicates.
-An event the fold cannot take (``OrchestratorState.check``) is dead-lettered and skipped.
+(a ``Follow``: an ordered consumer run by the role runtime) and steps every event
+through its core (``roles.orchestrator.core``: the fold and the decisions), returning
+what the core decides for the runtime to publish. A restarted orchestrator therefore
+rebuilds its state and re-makes its past decisions with the same ids, which the server
+drops as duplicates; ``rlbus replay <run> orchestrator`` steps the same core over the
+recorded log and diffs. An event the fold cannot take (``OrchestratorState.check``) is
+dead-lettered and skipped.
 
 Beside the fold, a watch (``_watch``, once a second) acts on the clock, which the fold
 never reads: a train group not scored within ``orchestrator.group_timeout_s`` is
@@ -31,7 +33,6 @@ import hashlib
 import statistics
 import time
 from collections import deque
-from typing import Any
 
 from bus.consumer import Delivery, Effects
 from bus.errors import Rejected
@@ -40,8 +41,9 @@ from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import read_log
 from bus.registry import is_alive
 from bus.subjects import Topic
-from configs import RunConfig, resolve
-from roles.orchestrator.policy import decide, error_stop, trains_on, waits_for
+from configs import RunConfig
+from roles.orchestrator.core import INPUTS, OrchestratorCore, changed_keys, decisive
+from roles.orchestrator.policy import error_stop, waits_for
 from roles.orchestrator.state import OrchestratorState
 from roles.runtime.context import RoleContext, read_run_started
 from roles.runtime.role import Role, serve_role
@@ -60,12 +62,6 @@ from schemas import (
     run_stopped_id,
 )
 
-READS = (
-    Topic.RUN_STARTED, Topic.RUN_STOPPED, Topic.TASK_REQUESTED, Topic.SAMPLES_SCORED,
-    Topic.BATCH_ASSEMBLED, Topic.WEIGHTS_PUBLISHED, Topic.EVAL_COMPLETED,
-    Topic.ALGORITHM_ATTACHED, Topic.ALGORITHM_DETACHED,
-)  # fmt: skip
-
 
 class Orchestrator(Role):
     role = "orchestrator"
@@ -74,21 +70,19 @@ class Orchestrator(Role):
         super().__init__(bus, ctx.instance, ctx.cfg.bus.heartbeat_interval_s)
         self.ctx = ctx
         self.cfg: RunConfig = ctx.cfg
-        self.state = OrchestratorState(trains_on=trains_on(ctx.cfg))
-        self.applied = 0
+        self.core = OrchestratorCore(ctx.cfg)
         self.stall: Stall | None = None  # the current stall, while there is one
         self.caught_up = False  # folded the whole log once (the watch waits for it)
-        self._configs: dict[str, RunConfig] = {}  # by run.started id (``config_in_force``)
 
     async def setup(self) -> None:
         await self.start_run()
 
+    @property
+    def state(self) -> OrchestratorState:
+        return self.core.state
+
     def subscriptions(self) -> list[Follow]:
-        topics = [(t, None) for t in READS] + [
-            (Topic.METRICS_REPORTED, "eval"),
-            (Topic.DEAD_LETTERED, "env"),  # tasks an env server could not run
-        ]
-        return [Follow("orchestrator", topics, self.on_event)]
+        return [Follow("orchestrator", INPUTS, self.on_event)]
 
     def background(self) -> list:  # type: ignore[type-arg]
         return [self._watch()]
@@ -159,7 +153,7 @@ class Orchestrator(Role):
                 if e.resumed and e.event_id == run_resumed_id(self.run, len(starts)):
                     starts.append(e)
         in_force = starts[-1]
-        if self._config_of(in_force) is self.cfg:
+        if self.core.config_of(in_force) is self.cfg:
             self.log.info("orchestrator.resuming", segment=len(starts) - 1)
             return
         resumed = RunStarted(
@@ -169,48 +163,18 @@ class Orchestrator(Role):
             initial_weights=first.initial_weights, resumed=True,
         )  # fmt: skip
         await self.bus.publish(resumed)
-        changed = changed_keys(_decisive(self._config_of(in_force)), _decisive(self.cfg))
+        changed = changed_keys(decisive(self.core.config_of(in_force)), decisive(self.cfg))
         self.log.info("run.resumed", segment=len(starts), changed=changed)
 
-    def config_in_force(self) -> RunConfig:
-        """The config of the newest start folded so far (``state.started``): a resumed
-        run's log is re-decided under the config each part of it was decided with, so its
-        decisions come out the same, with the same ids."""
-        started = self.state.started
-        if started is None:
-            return self.cfg
-        if started.event_id not in self._configs:
-            self._configs[started.event_id] = self._config_of(started)
-        return self._configs[started.event_id]
-
-    def _config_of(self, started: RunStarted) -> RunConfig:
-        """``started``'s config; this process's own (the same object) when they agree but
-        for where the run lives."""
-        cfg = resolve(started.config, source=f"run.started {started.event_id} of {self.run}")
-        if _decisive(cfg) == _decisive(self.cfg):
-            return self.cfg
-        cfg.run = self.run
-        return cfg
-
     async def on_event(self, event: Event, delivery: Delivery) -> Effects:
-        """Fold one event, then decide: what the decision returns is published."""
+        """One transition of the core; what it decides is published (a refused event is
+        dead-lettered by the follower, then what the refusal caused is published)."""
         self.caught_up = self.caught_up or delivery.pending == 0
-        reason = self.state.check(event)
-        if reason is not None:
-            if not isinstance(event, SamplesScored) or not self.state.expects(event):
-                raise Rejected(reason)
-            # Scores that cannot be trained: the group will never get this algorithm's
-            # samples, so it is released now, and what that frees is decided at once.
-            self.state.fail_group(event, reason)
-            raise Rejected(reason, outputs=self._decide(event))
-        skip_zero = self.config_in_force().orchestrator.skip_zero_advantage_groups
-        self.state.apply(event, skip_zero=skip_zero)
-        self.applied += 1
-        return self._decide(event)
-
-    def _decide(self, event: Event) -> Effects:
-        out = decide(self.state, self.config_in_force(), cause=event.event_id)
-        return Effects(out, after_publish=lambda: self._log_decisions(out))
+        t = self.core.step(event)
+        out = Effects(t.outputs, after_publish=lambda: self._log_decisions(t.outputs))
+        if t.rejected is not None:
+            raise Rejected(t.rejected, outputs=out)
+        return out
 
     # -- the watch: what depends on the clock --------------------------------------------
 
@@ -346,24 +310,6 @@ class Orchestrator(Role):
             elif isinstance(e, MetricsReported) and e.role == "eval":
                 values = {k.replace("/", "_").replace("@", "_at_"): v for k, v in e.values.items()}
                 self.log.info("eval.reported", version=e.step, **values)
-
-
-def _decisive(cfg: RunConfig) -> dict[str, Any]:
-    """``cfg`` as JSON without what says where the run lives (its id, data directory and
-    server), which a resume may spell differently without changing anything."""
-    return cfg.model_dump(mode="json", exclude={"run": True, "bus": {"data_dir", "url"}})
-
-
-def changed_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two configs (as JSON), for the log."""
-    out = []
-    for key in sorted(old.keys() | new.keys()):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += changed_keys(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}")
-    return out
 
 
 class ErrorClock:

@@ -33,7 +33,14 @@ from tests.e2e.faults import (
     sigkill,
     time_to_next_step,
 )
-from tests.e2e.helpers import all_events, reached_version, rlbus_up, running_role, summary
+from tests.e2e.helpers import (
+    all_events,
+    reached_version,
+    rlbus,
+    rlbus_up,
+    running_role,
+    summary,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -92,6 +99,10 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     stalls = [line for line in log.splitlines() if '"run.stalled"' in line]
     assert any("trainer" in line and "no heartbeat" in line for line in stalls), stalls[:3]
 
+    # a replay of the orchestrator makes the same decisions and refuses the same events
+    r = rlbus(tmp_path, "replay", run, "orchestrator")
+    assert r.returncode == 0 and "MATCH orchestrator" in r.stdout, r.stdout + r.stderr
+
 
 async def test_every_role_type_and_the_server_killed_in_turn(tmp_path: Path) -> None:
     """kill -9 of the env server, inference, the algorithm worker, the orchestrator, the
@@ -126,3 +137,6 @@ async def test_every_role_type_and_the_server_killed_in_turn(tmp_path: Path) -> 
     with EmbeddedServer(store) as server_:
         seq_events = await read_seq_events(server_.url, run)
     assert_log_intact(seq_events, steps, tmp_path / run)
+    # the restarted orchestrator re-made its decisions: a replay makes them once more
+    r = rlbus(tmp_path, "replay", run, "orchestrator")
+    assert r.returncode == 0 and "MATCH orchestrator" in r.stdout, r.stdout + r.stderr

@@ -61,6 +61,14 @@ def test_rubric_replay_reports_no_change(recorded: Path) -> None:
     assert ", 0 changed" in r.stdout and "rewards compared, 0 changed" in r.stdout
 
 
+def test_orchestrator_replay_re_makes_every_decision(recorded: Path) -> None:
+    """Stepping the recorded log through the orchestrator's core re-makes every decision."""
+    r = rlbus(recorded, "replay", RUN, "orchestrator")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "4 BatchAssembled" in r.stdout and "1 RunStopped" in r.stdout
+    assert "MATCH orchestrator" in r.stdout
+
+
 def test_trace_follows_a_rollout_forward(recorded: Path) -> None:
     """A trained rollout's chain names the batch step that trained it and the weights it made."""
     events = rlbus(recorded, "events", RUN, "-t", "batch.assembled", "--json")
