@@ -1,19 +1,19 @@
 """Who may do what on a run's bus: one identity per role kind, each with its own
 permissions, and the credentials files clients connect with.
 
-Every run has one identity (a user and a random password) per role kind (``KINDS``):
+Every run has one identity (a user and a random password) per role kind (``bus.kinds``):
 every process of a kind presents the same one. An identity lives in one run and can
 reach nothing of another: what it may publish and subscribe to names its run's subjects
 and its run's three JetStream resources only (stream ``RL_<run>``, object store
 ``RLOBJ_<run>``, registry ``RLROLES_<run>``; ``bus.subjects``).
 
-- **publish**: the topics its kind produces (``TopicSpec.producers``, the one place that
-  says who produces what), inference requests (``INFER_REQUESTERS``), objects (kinds
+- **publish**: the topics its kind produces (``bus.kinds.KINDS``, the one place that
+  says who produces what), inference requests (kinds that ask), objects (kinds
   that store bodies or weights), its roles' heartbeat keys, and the JetStream API
   subjects its reads, consumers and acks need, each naming one of its run's streams.
 - **subscribe**: its own inbox prefix (``_INBOX_<run>_<kind>``, given to nats-py as
   ``inbox_prefix``: replies, consumer deliveries and acks all arrive there), so it
-  cannot read other clients' replies; inference servers (``INFER_SERVERS``) also
+  cannot read other clients' replies; inference servers (kinds that answer) also
   ``rl.<run>.infer.*``, and may answer what they receive (``allow_responses``).
 - ``reader`` (the read commands: status, events, lake, trace, replay) publishes nothing
   but read requests; ``launcher`` (``rlbus up``, rollout, import) is the admin of its run
@@ -38,70 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus.subjects import (
-    INFER,
-    INFER_REQUESTERS,
-    INFER_SERVERS,
-    STREAM_PREFIX,
-    TOPICS,
-    check_token,
-)
+from bus.kinds import KINDS, check_kind, kind_of_role, producers
+from bus.subjects import INFER, STREAM_PREFIX, TOPICS, check_token
 
 CREDS_ENV = "RLBUS_NATS_CREDS"  # a credentials file to connect with (``--creds``)
 TLS_CA_ENV = "RLBUS_NATS_CA"  # the CA file that signs the servers' certificates (bus.tls_ca)
-
-KINDS: tuple[str, ...] = (
-    "launcher", "orchestrator", "trainer", "inference", "teacher", "env", "algorithm",
-    "attach", "monitor", "reader", "gateway",
-)  # fmt: skip
-
-# ``rlbus role <name>`` (and the registry's role names) -> the kind it runs as.
-ROLE_KINDS: dict[str, str] = {
-    "orchestrator": "orchestrator", "trainer": "trainer", "inference": "inference",
-    "teacher": "teacher", "env": "env", "algorithm": "algorithm", "monitor": "monitor",
-    "lake": "monitor",  # both only read the log and heartbeat
-    "gateway": "gateway",
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """What a kind does besides publishing its topics (``TopicSpec.producers``)."""
-
-    durables: bool = False  # owns durable pull consumers: creates, fetches, acks, deletes
-    # stores objects: offloaded bodies, weights; and any kind that dead-letters (a dead
-    # letter of a message near the size limit is offloaded like any large event)
-    objects: bool = False
-    roles: tuple[str, ...] = ()  # registry role names whose heartbeats it writes
-
-
-_SPECS: dict[str, _Kind] = {
-    "orchestrator": _Kind(objects=True, roles=("orchestrator",)),
-    "trainer": _Kind(durables=True, objects=True, roles=("trainer",)),
-    "inference": _Kind(objects=True, roles=("inference",)),
-    "teacher": _Kind(roles=("teacher",)),
-    "env": _Kind(durables=True, objects=True, roles=("env",)),
-    "algorithm": _Kind(durables=True, objects=True, roles=("algorithm",)),
-    "attach": _Kind(durables=True, objects=True, roles=("algorithm",)),
-    "monitor": _Kind(objects=True, roles=("monitor", "lake")),
-    "reader": _Kind(),
-    "gateway": _Kind(roles=("gateway",)),  # asks inference; publishes no event
-}
-
-
-def check_kind(kind: str) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"unknown role kind {kind!r} (one of {', '.join(KINDS)})")
-    return kind
-
-
-def kind_of_role(role: str) -> str:
-    """The kind a role (``rlbus role <role>``) runs as; a kind is its own kind."""
-    if role in KINDS:
-        return role
-    if role not in ROLE_KINDS:
-        raise ValueError(f"no identity for role {role!r} (roles: {', '.join(ROLE_KINDS)})")
-    return ROLE_KINDS[role]
 
 
 def user_name(run: str, kind: str) -> str:
@@ -150,7 +91,7 @@ def _topics(run: str, kind: str) -> list[str]:
     return [
         f"rl.{run}.{t.value}" + (".*" if spec.key_field else "")
         for t, spec in TOPICS.items()
-        if kind in spec.producers
+        if kind in producers(t)
     ]
 
 
@@ -161,13 +102,13 @@ def _permissions(run: str, kind: str) -> dict[str, Any]:
         pub = [f"rl.{run}.>", f"$O.{obj}.>", f"$KV.{roles}.>"]
         pub += _admin_api((stream, obj_stream, kv_stream))
         return {"publish": {"allow": pub}, "subscribe": {"allow": [inbox, f"rl.{run}.>"]}}
-    spec = _SPECS[kind]
+    spec = KINDS[kind]
     pub = _topics(run, kind)
-    if kind in INFER_REQUESTERS:
+    if spec.infer == "asks":
         pub += [f"rl.{run}.{INFER}.*", f"rl.{run}.{INFER}.*.*"]  # a model, or one replica
     if spec.objects:  # chunks and meta; replacing or deleting one purges its old chunks
         pub += [f"$O.{obj}.>", f"$JS.API.STREAM.PURGE.{obj_stream}"]
-    pub += [f"$KV.{roles}.{run}.{role}.*" for role in spec.roles]
+    pub += [f"$KV.{roles}.{run}.{role}.*" for role in spec.heartbeats]
     pub += _read_api((stream, obj_stream, kv_stream), (stream, obj_stream))
     if spec.durables:
         pub += [
@@ -178,7 +119,7 @@ def _permissions(run: str, kind: str) -> dict[str, Any]:
         ]
     sub = [inbox]
     perms: dict[str, Any] = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
-    if kind in INFER_SERVERS:
+    if spec.infer == "answers":
         sub += [f"rl.{run}.{INFER}.*", f"rl.{run}.{INFER}.*.*"]
         perms["allow_responses"] = True
     return perms
@@ -196,15 +137,15 @@ def permission_rows(run: str = "<run>") -> list[tuple[str, str, str]]:
         if kind == "launcher":
             rows.append((kind, f"rl.{run}.>, objects, registry", "everything of its run (admin)"))
             continue
-        spec = _SPECS[kind]
+        spec = KINDS[kind]
         pub = [t.removeprefix(f"rl.{run}.") for t in _topics(run, kind)]
-        if kind in INFER_REQUESTERS:
+        if spec.infer == "asks":
             pub.append(f"{INFER}.* (requests)")
         pub += ["objects"] if spec.objects else []
-        pub += [f"heartbeats ({', '.join(spec.roles)})"] if spec.roles else []
+        pub += [f"heartbeats ({', '.join(spec.heartbeats)})"] if spec.heartbeats else []
         consume = ["reads the log, objects, registry"]
         consume += ["durable consumers"] if spec.durables else []
-        consume += [f"answers {INFER}.*"] if kind in INFER_SERVERS else []
+        consume += [f"answers {INFER}.*"] if spec.infer == "answers" else []
         rows.append((kind, ", ".join(pub) or "nothing", "; ".join(consume)))
     return rows
 

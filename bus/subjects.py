@@ -58,10 +58,7 @@ class TopicSpec:
     key_field: str | None  # event attribute that becomes the subject's last token
     producer: str  # who publishes it, in words (the topology table)
     consumers: str
-    # The role kinds (``bus.auth.KINDS``) whose identities may publish it: what the
-    # server's permissions are built from. The launcher, admin of its run, may publish
-    # every topic and is not listed.
-    producers: tuple[str, ...] = ()
+    # Which identities may publish it is the role registry's (``bus.kinds.producers``).
 
 
 TOPICS: dict[Topic, TopicSpec] = {
@@ -73,7 +70,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             None,
             "orchestrator",
             "all roles, replay",
-            ("orchestrator",),
         ),
         TopicSpec(
             Topic.RUN_STOPPED,
@@ -81,7 +77,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             None,
             "orchestrator",
             "all roles, replay",
-            ("orchestrator",),
         ),
         TopicSpec(
             Topic.TASK_REQUESTED,
@@ -89,7 +84,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             "env",
             "orchestrator",
             "env servers (shared durable per env)",
-            ("orchestrator",),
         ),
         TopicSpec(
             Topic.TRACE_COMPLETED,
@@ -97,7 +91,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             "env",
             "env server",
             "algorithm workers, lake",
-            ("env",),
         ),
         TopicSpec(
             Topic.EVAL_COMPLETED,
@@ -105,7 +98,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             "env",
             "env server",
             "orchestrator, lake",
-            ("env",),
         ),
         TopicSpec(
             Topic.SAMPLES_SCORED,
@@ -113,7 +105,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             "algorithm",
             "algorithm worker (orchestrator: a group past its deadline)",
             "orchestrator, lake",
-            ("algorithm", "attach", "orchestrator"),
         ),
         TopicSpec(
             Topic.BATCH_ASSEMBLED,
@@ -121,7 +112,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             None,
             "orchestrator",
             "trainer",
-            ("orchestrator",),
         ),
         TopicSpec(
             Topic.WEIGHTS_PUBLISHED,
@@ -129,7 +119,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             None,
             "trainer",
             "inference, orchestrator",
-            ("trainer",),
         ),
         TopicSpec(
             Topic.METRICS_REPORTED,
@@ -137,7 +126,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             "role",
             "every role",
             "lake, status",
-            ("orchestrator", "trainer", "inference", "env", "algorithm", "attach"),
         ),
         TopicSpec(
             Topic.DEAD_LETTERED,
@@ -145,8 +133,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             "role",
             "bus runtime",
             "operators, lake",
-            # every role kind with a durable consumer or a follower
-            ("orchestrator", "trainer", "inference", "env", "algorithm", "attach", "monitor"),
         ),
         TopicSpec(
             Topic.ALGORITHM_ATTACHED,
@@ -154,7 +140,6 @@ TOPICS: dict[Topic, TopicSpec] = {
             "algorithm",
             "rlbus algorithm attach",
             "orchestrator, the worker, status",
-            ("attach",),
         ),
         TopicSpec(
             Topic.ALGORITHM_DETACHED,
@@ -162,18 +147,15 @@ TOPICS: dict[Topic, TopicSpec] = {
             "algorithm",
             "rlbus algorithm detach",
             "orchestrator, the worker, status",
-            ("attach",),
         ),
     )
 }
 
 TOPIC_OF: dict[type[Event], Topic] = {spec.schema: t for t, spec in TOPICS.items()}
 
-# Core NATS (not stored): inference request/reply per model, in a queue group. Role
-# kinds (``bus.auth.KINDS``) that send requests, and those that answer them.
+# Core NATS (not stored): inference request/reply per model, in a queue group (who asks
+# and who answers: ``bus.kinds``).
 INFER = "infer"
-INFER_REQUESTERS: tuple[str, ...] = ("env", "algorithm", "attach", "gateway")
-INFER_SERVERS: tuple[str, ...] = ("inference", "teacher")
 
 
 def is_token(value: str) -> bool:

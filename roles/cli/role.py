@@ -39,7 +39,6 @@ DATA = typer.Option(
 
 
 def _start(
-    target: str,
     role: str,
     run: str,
     nats_url: str | None,
@@ -50,11 +49,13 @@ def _start(
     creds: str | None = None,
     **options: Any,
 ) -> None:
-    """Import ``module:function`` lazily (torch only loads when needed) and run it, as
-    the run's ``role`` identity (``--creds``, else the run's own file when it is local)."""
+    """Import the role's entry (``bus.kinds.ROLES``) lazily (torch only loads when needed)
+    and run it, as the run's ``role`` identity (``--creds``, else the run's own file when
+    it is local)."""
     import os
 
     from bus.auth import CREDS_ENV
+    from bus.kinds import ROLES
     from bus.log import configure
     from roles.runtime.context import role_context
     from roles.up.cpu_plan import apply_cpus
@@ -63,7 +64,7 @@ def _start(
     if creds:
         os.environ[CREDS_ENV] = creds  # this process's connections (bus.runtime)
 
-    module, func = target.split(":")
+    module, func = ROLES[role].entry.split(":")
     main = getattr(importlib.import_module(module), func)
     with server_for(run, nats_url, data_dir, identity=role) as url:
         ctx = run_async(role_context(run, url, role, config, suffix, data_dir=data_dir))
@@ -95,7 +96,6 @@ def inference(
 ) -> None:  # fmt: skip
     """Answer generate/score requests for one model (queue group; replicas share load)."""
     _start(
-        "roles.inference.role:main",
         "inference",
         run,
         nats_url,
@@ -115,7 +115,6 @@ def env(
 ) -> None:  # fmt: skip
     """Run rollouts of one environment (replicas share one durable consumer)."""
     _start(
-        "roles.env_server.role:main",
         "env",
         run,
         nats_url,
@@ -135,7 +134,6 @@ def teacher(
 ) -> None:  # fmt: skip
     """A scripted frozen teacher that answers the built-in tasks correctly (warm start)."""
     _start(
-        "roles.teacher.role:main",
         "teacher",
         run,
         nats_url,
@@ -153,7 +151,7 @@ def gateway(
     creds: str | None = CREDS,
 ) -> None:  # fmt: skip
     """The OpenAI-compatible endpoint over the run's inference ([gateway]; `rlbus serve`)."""
-    _start("roles.gateway.role:main", "gateway", run, nats_url, config, data_dir, creds=creds)
+    _start("gateway", run, nats_url, config, data_dir, creds=creds)
 
 
 @app.command("algorithm")
@@ -164,7 +162,6 @@ def algorithm(
 ) -> None:  # fmt: skip
     """Turn complete groups of traces into scored samples (one worker per algorithm)."""
     _start(
-        "roles.algorithm.role:main",
         "algorithm",
         run,
         nats_url,
@@ -185,9 +182,7 @@ def orchestrator(
     creds: str | None = CREDS,
 ) -> None:
     """Dispatch tasks, assemble batches, run evals, stop the run (one per run)."""
-    _start(
-        "roles.orchestrator.role:main", "orchestrator", run, nats_url, config, data_dir, creds=creds
-    )
+    _start("orchestrator", run, nats_url, config, data_dir, creds=creds)
 
 
 @app.command("trainer")
@@ -203,7 +198,6 @@ def trainer(
 ) -> None:
     """Train on assembled batches in order and publish new weights (on --nproc ranks)."""
     _start(
-        "roles.trainer.role:main",
         "trainer",
         run,
         nats_url,
@@ -222,7 +216,6 @@ def lake(
 ) -> None:  # fmt: skip
     """Keep the run's Parquet lake in sync while it runs (optional live role)."""
     _start(
-        "roles.lake.role:main",
         "lake",
         run,
         nats_url,
@@ -239,4 +232,4 @@ def monitor(
     creds: str | None = CREDS,
 ) -> None:  # fmt: skip
     """Follow the run's metrics into the [monitor] sinks (TensorBoard, W&B)."""
-    _start("roles.monitor.role:main", "monitor", run, nats_url, config, data_dir, creds=creds)
+    _start("monitor", run, nats_url, config, data_dir, creds=creds)

@@ -5,7 +5,7 @@ On a small machine that only happens when the two do not fight over the same cor
 when no process runs more BLAS threads than it has cores (oversubscribed threads spin and
 wait for each other). So the launcher plans placement before it starts anything:
 
-- the **compute roles** (the trainer, counted once per rank on the CPU, and every
+- the **compute roles** (``bus.kinds.Role.compute``: the trainer, counted once per rank on the CPU, and every
   inference replica the run may have, up to its pool's maximum) get disjoint slices of
   the CPUs this process may use, in proportion to their ranks; each gets as many torch
   threads as its slice has CPUs (a trainer's slice is divided among its ranks);
@@ -37,13 +37,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from bus.kinds import ROLES, role_of_process
 from configs.models import RunConfig
 from roles.lib.threads import THREADS_ENV
 
 CPUS_ENV = "RLBUS_CPUS"
 # Thread pools that would otherwise size themselves to every core of the machine.
 BLAS_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-COMPUTE_KINDS = ("trainer", "inference")
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,10 @@ class Slot:
         return f"{where} x{self.threads}"
 
 
-def kind_of(name: str) -> str:
-    """``inference-policy-0`` -> ``inference``, ``env-reverse-text-1`` -> ``env``."""
-    return name.split("-", 1)[0]
+def computes(name: str) -> bool:
+    """Whether process ``name`` runs a compute role (``bus.kinds.Role.compute``)."""
+    role = ROLES.get(role_of_process(name))
+    return role is not None and role.compute
 
 
 def available_cpus() -> list[int]:
@@ -87,7 +88,7 @@ def cpu_plan(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slo
 
 def _auto(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slot]:
     ranks = cfg.trainer.world_size
-    weights = {n: ranks if n == "trainer" else 1 for n in names if kind_of(n) in COMPUTE_KINDS}
+    weights = {n: ranks if n == "trainer" else 1 for n in names if computes(n)}
     total = sum(weights.values())
     if not weights or total >= len(cpus):
         return {}  # no CPU would be left for the light roles: let the scheduler place all
@@ -115,7 +116,7 @@ def _auto(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slot]:
 
 
 def _override(cfg: RunConfig, name: str, slot: Slot) -> Slot:
-    for key in (kind_of(name), name):  # the name wins over the kind
+    for key in (role_of_process(name), name):  # the name wins over the kind
         o = cfg.cpus.roles.get(key)
         if o is None:
             continue
@@ -132,13 +133,13 @@ def _override(cfg: RunConfig, name: str, slot: Slot) -> Slot:
 
 def plan_problems(cfg: RunConfig, names: list[str], cpus: list[int]) -> list[str]:
     """What is wrong with ``cpus.roles`` for this run and machine, one line each."""
-    known = set(names) | {kind_of(n) for n in names}
+    known = set(names) | {role_of_process(n) for n in names}
     problems = []
     for key, o in cfg.cpus.roles.items():
         if key not in known:
             problems.append(
                 f"`cpus.roles.{key}`: this run has no role of that kind or name "
-                f"(kinds: {', '.join(sorted({kind_of(n) for n in names}))})"
+                f"(kinds: {', '.join(sorted({role_of_process(n) for n in names}))})"
             )
         bad = sorted(set(o.cpus or ()) - set(cpus))
         if bad:

@@ -1,18 +1,22 @@
-"""The identities of a run: permissions derived from the topic registry, isolated per run,
+"""The identities of a run: permissions derived from the role registry, isolated per run,
 and credentials files made once and kept private. (The server enforcing them:
 tests/integration/test_auth.py.)"""
 
 from __future__ import annotations
 
 import json
+import re
 import stat
 from pathlib import Path
 
 import pytest
 
 from bus import auth
-from bus.auth import KINDS, RunAuth, kind_of_role, load_creds, permission_rows, permissions
-from bus.subjects import INFER_REQUESTERS, INFER_SERVERS, TOPICS, Topic, filter_subject
+from bus.auth import RunAuth, load_creds, permission_rows, permissions
+from bus.kinds import KINDS, ROLES, kind_of_role, kinds_that, producers
+from bus.subjects import TOPICS, Topic, filter_subject
+
+INFER_REQUESTERS, INFER_SERVERS = kinds_that("asks"), kinds_that("answers")
 
 
 def matches(pattern: str, subject: str) -> bool:
@@ -52,17 +56,19 @@ def run_resources(run: str) -> list[str]:
     return out + [f"_INBOX_{run}_env.abc.1", "_INBOX.abc"]
 
 
-def test_every_topic_names_known_producer_kinds() -> None:
-    for t, spec in TOPICS.items():
-        assert spec.producers, t
-        assert set(spec.producers) <= set(KINDS), t
-    assert set(INFER_REQUESTERS) | set(INFER_SERVERS) <= set(KINDS)
+def test_every_topic_has_a_producer_and_every_role_an_identity() -> None:
+    for t in TOPICS:
+        assert producers(t), t
+    assert set(INFER_REQUESTERS) == {"env", "algorithm", "attach", "gateway"}
+    assert set(INFER_SERVERS) == {"inference", "teacher"}
+    assert {r.kind for r in ROLES.values()} <= set(KINDS)
+    assert kind_of_role("lake") == "monitor" and kind_of_role("attach") == "attach"
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "launcher"])
 def test_a_kind_publishes_exactly_the_topics_it_produces(kind: str) -> None:
-    for t, spec in TOPICS.items():
-        assert may_publish("r1", kind, topic_subject("r1", t)) == (kind in spec.producers), t
+    for t in TOPICS:
+        assert may_publish("r1", kind, topic_subject("r1", t)) == (kind in producers(t)), t
     assert may_publish("r1", kind, "rl.r1.infer.policy") == (kind in INFER_REQUESTERS)
 
 
@@ -99,7 +105,7 @@ def test_only_the_launcher_changes_streams() -> None:
     assert not may_publish("r1", "reader", "$JS.API.STREAM.PURGE.OBJ_RLOBJ_r1")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_no_identity_reaches_another_run(kind: str) -> None:
     """Run ids that share a prefix included: a subject token matches whole."""
     for mine, other in (("a", "ab"), ("ab", "a"), ("a", "a_b"), ("a_env", "a")):
@@ -108,7 +114,7 @@ def test_no_identity_reaches_another_run(kind: str) -> None:
             assert not may_subscribe(mine, kind, subject), (mine, kind, subject)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_subscriptions_are_the_own_inbox_and_served_requests(kind: str) -> None:
     perms = permissions("r1", kind)
     subs = perms["subscribe"]["allow"]
@@ -175,3 +181,18 @@ def test_users_are_nats_server_entries(tmp_path: Path) -> None:
     for u in users:
         assert set(u) == {"user", "password", "permissions"}
         assert set(u["permissions"]) <= {"publish", "subscribe", "allow_responses"}
+
+
+def test_every_role_of_the_registry_has_its_rlbus_role_command_and_entry() -> None:
+    """``rlbus role <name>`` exists exactly for the registry's roles, and each entry names
+    a function of a module that exists (not imported here: torch)."""
+    import importlib.util
+
+    from roles.cli.role import app
+
+    assert {c.name for c in app.registered_commands} == set(ROLES)
+    for role in ROLES.values():
+        module, func = role.entry.split(":")
+        spec = importlib.util.find_spec(module)
+        assert spec is not None and spec.origin is not None, role
+        assert re.search(rf"async def {func}\(\s*ctx", Path(spec.origin).read_text()), role
