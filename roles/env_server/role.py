@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.consumer import Delivery, Subscription
-from bus.errors import NoResponders, Rejected
+from bus.errors import Rejected
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
 from configs import EnvServerConfig
@@ -260,12 +260,10 @@ class RolloutStats:
 # -- the inference client, adapted ------------------------------------------------------
 
 
-def client_generate(client: Any, wait_for_responders_s: float = 60.0) -> Generate:
-    """``client.generate`` as a harness ``Generate``.
-
-    When no inference replica is subscribed yet (a role starting up), retries for up to
-    ``wait_for_responders_s`` instead of failing the rollout at once.
-    """
+def client_generate(client: Any) -> Generate:
+    """``client.generate`` as a harness ``Generate``. Its one retry policy is the
+    client's (``InferenceClient._request``): no replica subscribed yet (a role starting
+    up), a replica lost, each retried until ``inference.request_timeout_s`` is spent."""
 
     async def generate(
         model: str,
@@ -278,20 +276,10 @@ def client_generate(client: Any, wait_for_responders_s: float = 60.0) -> Generat
         env: str | None = None,
         pin_version: int | None = None,
     ) -> Any:
-        loop = asyncio.get_running_loop()
         pin = {} if pin_version is None else {"pin_version": pin_version}
-        deadline = loop.time() + wait_for_responders_s
-        delay = 0.1
-        while True:
-            try:
-                return await client.generate(
-                    model, request_id, prompt_ids, sampling, stop_token_ids, seed, env=env, **pin
-                )
-            except NoResponders:
-                if loop.time() + delay > deadline:
-                    raise
-            await asyncio.sleep(delay)
-            delay = min(1.0, delay * 2)
+        return await client.generate(
+            model, request_id, prompt_ids, sampling, stop_token_ids, seed, env=env, **pin
+        )
 
     return generate
 
@@ -458,14 +446,14 @@ async def main(ctx: RoleContext, env: str) -> None:
     from roles.lib.clients import InferenceClient
 
     bus = await ctx.connect()
-    timeout = ctx.cfg.inference.request_timeout_s
-    client = InferenceClient(bus, timeout, ctx.cfg.inference.attempt_timeout_s)
+    inference = ctx.cfg.inference
+    client = InferenceClient(bus, inference.request_timeout_s, inference.attempt_timeout_s)
     server = EnvServer(
         bus,
         ctx.instance,
         env,
         renderer,
-        client_generate(client, wait_for_responders_s=timeout),
+        client_generate(client),
         **server_options(ctx, env),
     )
     await serve_role(server)

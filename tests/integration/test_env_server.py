@@ -105,7 +105,7 @@ async def env_server(
     """An EnvServer replica with its own connection, served in a task of this loop."""
     bus = await Bus.connect(url, run=run, producer=f"env-{env}", settings=SETTINGS)
     client = InferenceClient(bus, timeout_s=timeout_s)
-    server = EnvServer(bus, f"env-{env_key(env)}-{id(bus)}", env, R, client_generate(client, timeout_s),
+    server = EnvServer(bus, f"env-{env_key(env)}-{id(bus)}", env, R, client_generate(client),
                        metrics_interval_s=0.5, heartbeat_interval_s=0.5, **kw)  # fmt: skip
     task = asyncio.create_task(serve_role(server, install_signals=False))
     try:
@@ -249,7 +249,7 @@ from roles.lib.model.tokenizer import build_tokenizer
 async def main(url, run):
     bus = await Bus.connect(url, run=run, producer="doomed",
                             settings=BusSettings(ack_wait_s=2.0, nak_delay_s=0.1, max_deliver=3))
-    gen = client_generate(InferenceClient(bus, timeout_s=60), 60)
+    gen = client_generate(InferenceClient(bus, timeout_s=60))
     await serve_role(EnvServer(bus, "doomed", "reverse-text", Renderer(build_tokenizer()), gen))
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))

@@ -86,33 +86,29 @@ async def test_bad_split_gives_errored_group() -> None:
 
 
 async def test_client_generate_adapter() -> None:
-    """env= reaches the client; a missing inference replica (no responders) is waited for,
-    other timeouts are not retried."""
+    """env= and pin_version reach the client, once: retrying (no replica yet, a replica
+    lost) is the client's alone (tests/unit/test_client_retry.py), so a wait is bounded
+    by inference.request_timeout_s, not a multiple of it."""
 
-    class Starting:
+    class Client:
         def __init__(self) -> None:
-            self.calls = 0
+            self.calls: list[dict] = []
 
         async def generate(
-            self, model, request_id, prompt_ids, sampling, stop_token_ids=(), seed=0, env=None
+            self, model, request_id, prompt_ids, sampling, stop_token_ids=(), seed=0, **kw
         ):  # type: ignore[no-untyped-def]
-            self.calls += 1
-            if self.calls < 3:
-                raise NoResponders("no responders")
-            if env == "slow":
-                raise RequestTimeout("no reply")
-            return env
+            self.calls.append(kw)
+            if kw.get("env") == "gone":
+                raise NoResponders("no reply on rl.r.infer.m within 60 s (5 attempt(s))")
+            return kw.get("env")
 
-    starting = Starting()
-    assert await client_generate(starting, 5.0)("m", "r", [1], SAMPLING, [], 0, env="e") == "e"
-    assert starting.calls == 3
-    slow = Starting()
-    slow.calls = 5
-    with pytest.raises(RequestTimeout):
-        await client_generate(slow)("m", "r", [1], SAMPLING, [], 0, env="slow")
-    assert slow.calls == 6  # a plain timeout is not retried
+    client = Client()
+    assert await client_generate(client)("m", "r", [1], SAMPLING, [], 0, env="e") == "e"
+    await client_generate(client)("m", "r", [1], SAMPLING, [], 0, pin_version=3)
+    assert client.calls == [{"env": "e"}, {"env": None, "pin_version": 3}]
     with pytest.raises(NoResponders):
-        await client_generate(Starting(), 0.05)("m", "r", [1], SAMPLING, [], 0)
+        await client_generate(client)("m", "r", [1], SAMPLING, [], 0, env="gone")
+    assert len(client.calls) == 3  # not retried on top of the client's own retries
 
 
 async def test_rollout_is_deterministic_given_replies() -> None:
