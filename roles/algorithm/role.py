@@ -15,7 +15,8 @@ publish is acknowledged.
 
 A worker attached to a live run (``rlbus algorithm attach``) may start at a later
 sequence (``from_seq``: the attach event, unless ``--from-start``), and stops by itself
-when an ``algorithm.detached`` event for its id appears. Distillation algorithms get
+when an ``algorithm.detached`` event for its id appears (a follower of that subject and
+``run.stopped``, ``on_end``). Distillation algorithms get
 their reference logprobs from the inference role first (``roles/algorithm/scoring.py``);
 every worker adds the env's tool-output cross-entropy when the env's config asks for it
 (``[orchestrator.train.env.sft]``).
@@ -32,12 +33,14 @@ with the traces read of those stored every ``CATCH_UP_LOG_S`` seconds.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
 from bus.consumer import Delivery, Effects, Subscription
+from bus.follower import Follow
 from bus.reader import Progress, last_seq, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, check_token, durable_name
@@ -47,7 +50,14 @@ from roles.algorithm.samples import GroupBuffer
 from roles.algorithm.scoring import RefScorer
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
-from schemas import MetricsReported, SamplesScored, TraceCompleted
+from schemas import (
+    AlgorithmDetached,
+    Event,
+    MetricsReported,
+    RunStopped,
+    SamplesScored,
+    TraceCompleted,
+)
 
 # Scored groups published per pipelined window while catching up on the log.
 CATCH_UP_WINDOW = 64
@@ -88,6 +98,7 @@ class AlgorithmWorker(Role):
         self.scorer = scorer
         self.from_seq = core.from_seq
         self.detach_floor = 0  # newest algorithm.detached seq for our id when we started
+        self.run_stopped = asyncio.Event()  # seen run.stopped (``on_end``)
         self.exit_when_done = exit_when_done  # attached by hand: exit once the run stopped
         self.on_catch_up = on_catch_up  # (traces read, traces stored) while catching up
         self.metrics_interval_s = metrics_interval_s
@@ -104,41 +115,49 @@ class AlgorithmWorker(Role):
     def state(self) -> Any:
         return self.core.state
 
-    def subscriptions(self) -> list[Subscription]:
+    def subscriptions(self) -> list[Subscription | Follow]:
         # batch 32: traces are up to the offload threshold (512 KiB) each, and a fetch of
         # batch x size above 64 MiB gets the consumer cut off (NATS_NOTES #5).
-        return [
-            Subscription(
-                durable_name("algorithm", self.name),
-                [(Topic.TRACE_COMPLETED, None)],
-                self.on_trace,
-                batch=32,
-                start_seq=self.from_seq,
-            )
-        ]
+        traces = Subscription(
+            durable_name("algorithm", self.name),
+            [(Topic.TRACE_COMPLETED, None)],
+            self.on_trace,
+            batch=32,
+            start_seq=self.from_seq,
+        )
+        if not self.exit_when_done:
+            return [traces]
+        # Attached by hand: its end is on the log (a detach after its start, the run's stop).
+        ends = [(Topic.ALGORITHM_DETACHED, self.name), (Topic.RUN_STOPPED, None)]
+        return [traces, Follow("end", ends, self.on_end)]
 
     async def setup(self) -> None:
         self.detach_floor = await last_seq(self.bus, Topic.ALGORITHM_DETACHED, self.name)
         await self.catch_up()
 
     def background(self) -> list[Awaitable[Any]]:
-        return [self.report_every(self.metrics_interval_s, self.metrics), self._watch_end()]
+        return [self.report_every(self.metrics_interval_s, self.metrics), self._drain_then_stop()]
 
-    async def _watch_end(self, interval_s: float = 1.0) -> None:
-        """For a worker attached by hand (``exit_when_done``): stop when ``rlbus algorithm
+    async def on_end(self, event: Event, delivery: Delivery) -> None:
+        """A worker attached by hand (``exit_when_done``) stops when ``rlbus algorithm
         detach`` names it, or once the run has stopped and every stored trace is scored.
         A worker ``rlbus up`` supervises keeps running when detached (its samples no
         longer train; the supervisor would only restart it)."""
+        if isinstance(event, AlgorithmDetached) and delivery.stream_seq > self.detach_floor:
+            self.log.info("algorithm.detached")
+            self.stop_event.set()
+        elif isinstance(event, RunStopped):
+            self.run_stopped.set()
+
+    async def _drain_then_stop(self, interval_s: float = 1.0) -> None:
+        """Once the run has stopped: stop when no stored trace is left to score."""
         if not self.exit_when_done:
             return
+        await self.run_stopped.wait()
         while not await self.sleep(interval_s):
-            if await last_seq(self.bus, Topic.ALGORITHM_DETACHED, self.name) > self.detach_floor:
-                self.log.info("algorithm.detached")
+            if all([await c.pending() == 0 for c in self.consumers]):
+                self.log.info("algorithm.done", scored=self.scored_total)
                 self.stop_event.set()
-            elif await last_seq(self.bus, Topic.RUN_STOPPED) > 0:
-                if all([await c.pending() == 0 for c in self.consumers]):
-                    self.log.info("algorithm.done", scored=self.scored_total)
-                    self.stop_event.set()
 
     async def status(self) -> dict[str, object]:
         out = await super().status()
