@@ -229,3 +229,27 @@ def test_a_token_added_later_moves_no_initial_weight() -> None:
         assert torch.equal(grown[name][: len(w)], w), name
     emb = grown["model.embed_tokens.weight"]
     assert torch.allclose(emb[BASE_VOCAB:], emb[:BASE_VOCAB].mean(0).expand_as(emb[BASE_VOCAB:]))
+
+
+def test_auto_device_and_a_tokenizer_need_no_torch_without_a_gpu_driver(tiny_dir: Path) -> None:
+    """ "auto" is cpu without asking torch where no GPU driver is (this machine), and the
+    same as torch's answer where one is; the tiny model's tokenizer loads, as
+    ``AutoTokenizer`` builds it, without importing torch (env servers and the teacher
+    start seconds sooner)."""
+    from transformers import AutoTokenizer
+
+    from roles.lib.model import loading
+
+    probe = (
+        "import sys; from roles.lib.model.loading import gpu_driver_present, resolve_device, "
+        f"load_tokenizer; load_tokenizer({str(tiny_dir)!r}); "
+        "print(gpu_driver_present(), resolve_device('auto'), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    driver, device, torch_loaded = out.stdout.split()
+    if driver == "False":
+        assert (device, torch_loaded) == ("cpu", "False")
+    assert loading.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    auto, fast = AutoTokenizer.from_pretrained(tiny_dir), loading.load_tokenizer(tiny_dir)
+    assert type(auto) is type(fast) and auto.chat_template == fast.chat_template
+    assert auto("reverse: abc<|im_end|>").input_ids == fast("reverse: abc<|im_end|>").input_ids

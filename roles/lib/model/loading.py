@@ -10,21 +10,23 @@ the network.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from roles.lib.model import REPO_ID
 
+if TYPE_CHECKING:  # torch loads where a model or a device is asked for, not to read a tokenizer
+    import torch
+
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+    "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16",
+}  # fmt: skip
+# The tokenizer classes ``PreTrainedTokenizerFast`` itself is (transformers 5 names it
+# ``TokenizersBackend``): what ``AutoTokenizer`` would build for them, built without the
+# model-config machinery it imports (and torch with it).
+_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 class ModelNotFound(Exception):
@@ -34,17 +36,35 @@ class ModelNotFound(Exception):
 def resolve_device(device: str = "auto") -> str:
     """Map "auto" to "cuda" when a GPU is visible, else "cpu"; pass anything else through."""
     if device == "auto":
+        if not gpu_driver_present():
+            return "cpu"  # torch could not see a GPU either: no need to import it to ask
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
 
+def gpu_driver_present() -> bool:
+    """Whether this Linux machine has a GPU driver torch could use (NVIDIA's, ROCm's, or
+    WSL's GPU bridge); without one ``torch.cuda.is_available()`` is False. Elsewhere
+    (not Linux) it cannot tell, and says True, so that torch is asked."""
+    if not Path("/proc").is_dir():
+        return True
+    return any(
+        Path(p).exists() for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+    )
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
     """A dtype name ("float32", "bf16", ...) as a torch dtype; "auto" stays "auto"."""
+    import torch
+
     if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)} or 'auto'")
-    return _DTYPES[dtype]
+    resolved: torch.dtype = getattr(torch, _DTYPES[dtype])
+    return resolved
 
 
 def _in_hub_cache(repo_id: str) -> bool:
@@ -74,11 +94,29 @@ def resolve_source(path_or_id: str | Path, *, local_files_only: bool = True) -> 
 
 
 def load_tokenizer(path_or_id: str | Path, *, local_files_only: bool = True) -> Any:
-    """The tokenizer saved with the model (a `PreTrainedTokenizerFast` for the tiny one)."""
+    """The tokenizer saved with the model (a `PreTrainedTokenizerFast` for the tiny one),
+    as `AutoTokenizer` builds it. A local model whose tokenizer is `PreTrainedTokenizerFast`
+    itself (every model built here, many real ones) is loaded by that class directly:
+    the same object, without `AutoTokenizer`'s import of torch (~3 s of a role's start)."""
+    source = resolve_source(path_or_id, local_files_only=local_files_only)
+    if _tokenizer_class(source) in _FAST_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(source, local_files_only=local_files_only)
     from transformers import AutoTokenizer
 
-    source = resolve_source(path_or_id, local_files_only=local_files_only)
     return AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+
+
+def _tokenizer_class(source: str) -> str | None:
+    """``tokenizer_class`` of a local model's ``tokenizer_config.json`` (None: a hub id,
+    no such file, or none named)."""
+    try:
+        config = json.loads((Path(source) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def load_model(
