@@ -211,6 +211,7 @@ class Consumer:
         psub = await self.bus.js.pull_subscribe_bind(self.sub.durable, self.bus.stream)
         sequential = self.sub.concurrency <= 1
         keepalive = asyncio.create_task(self._keep_alive())
+        stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 if self._broken is not None:  # a concurrent handler's (see HandlerBroken)
@@ -219,8 +220,16 @@ class Consumer:
                 if want == 0:
                     await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
                     continue
+                # An idle fetch waits out its timeout: the stop ends it at once instead (a
+                # message the server sends it meanwhile is redelivered after ack_wait).
+                fetch = asyncio.ensure_future(psub.fetch(want, timeout=self.sub.fetch_timeout_s))
+                await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not fetch.done():
+                    fetch.cancel()
+                    await asyncio.gather(fetch, return_exceptions=True)
+                    break
                 try:
-                    msgs = await psub.fetch(want, timeout=self.sub.fetch_timeout_s)
+                    msgs = fetch.result()
                 except (TimeoutError, nats.errors.TimeoutError):
                     continue
                 except nats.js.errors.ServiceUnavailableError:
@@ -244,6 +253,7 @@ class Consumer:
                         self._inflight.add(task)
                         task.add_done_callback(self._inflight.discard)
         finally:
+            stopping.cancel()
             await self._drain(drain_timeout_s, hand_back)
             keepalive.cancel()
             # What is still held (a sequential consumer stopped by an error) is not kept

@@ -186,7 +186,7 @@ class LogReader:
                 if self.stop is not None and self.stop.is_set():
                     return
                 try:
-                    msg = await sub.next_msg(timeout=self.idle_timeout_s)
+                    msg = await self._next(sub)
                 except (TimeoutError, nats.errors.TimeoutError) as e:
                     if self.follow:
                         continue
@@ -216,6 +216,22 @@ class LogReader:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def _next(self, sub: Any) -> Msg:
+        """The next message, or ``TimeoutError`` after ``idle_timeout_s``, or at once
+        when ``stop`` is set meanwhile (a follower stopping does not wait out the idle
+        timeout; the loop then sees the stop)."""
+        if self.stop is None:
+            return await sub.next_msg(timeout=self.idle_timeout_s)  # type: ignore[no-any-return]
+        nxt = asyncio.ensure_future(sub.next_msg(timeout=self.idle_timeout_s))
+        stopping = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({nxt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+            raise TimeoutError("stopped")
+        return nxt.result()  # type: ignore[no-any-return]
 
     async def entries(self) -> AsyncGenerator[Entry, None]:
         """The decoded events from the start position on, in order (see the module doc)."""

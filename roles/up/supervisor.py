@@ -79,6 +79,7 @@ class RunFollower:
             idle_timeout_s=idle_timeout_s, headers_only=True, stop=self.stop,
         )  # fmt: skip
         self.tasks: list[asyncio.Task[None]] = []
+        self.run_stopped = asyncio.Event()  # folded a run.stopped: the launcher acts at once
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._fold()), asyncio.create_task(self._count())]
@@ -120,6 +121,8 @@ class RunFollower:
                 self.monitor.passed(msg.metadata.sequence.stream)
                 if isinstance(event, TYPES):
                     self.monitor.apply(event)
+                    if self.monitor.stopped is not None:
+                        self.run_stopped.set()
 
     async def _count(self) -> None:
         async for msg in self.counts.messages():
@@ -353,7 +356,7 @@ async def stop_group(
                 watcher.role_state(r.name, stopped_text(r, started))
         if watcher:
             watcher.refresh()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.05)  # polling a few processes costs nothing; each group waits on it
     for r in group:
         await asyncio.to_thread(r.wait, 0.1)  # kills one still running; closes its log
         if r in draining and watcher:
@@ -383,8 +386,11 @@ async def keep_running(
             return failed
         follower.check()
         view.refresh()
-        with contextlib.suppress(TimeoutError):  # a signal ends the wait at once
-            await asyncio.wait_for(stop.wait(), 0.5)
+        # A signal or the run's stop ends the wait at once.
+        waits = [asyncio.ensure_future(e.wait()) for e in (stop, follower.run_stopped)]
+        await asyncio.wait(waits, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
     if follower.monitor.stopped is not None:
         view.note(stopped_line(follower.monitor.stopped))
     return None
