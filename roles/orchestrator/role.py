@@ -16,7 +16,7 @@ Beside the fold, a watch (``_watch``, once a second) acts on the clock, which th
 never reads: a train group not scored within ``orchestrator.group_timeout_s`` is
 released (a ``samples.scored`` with ``failed="deadline ..."`` for each algorithm it
 still waits for, folded like any other), and a run with no new batch for longer than
-the stall threshold is reported (``run.stalled`` with what it waits for, in the
+the stall threshold (``StepTimes``) is reported (``run.stalled`` with what it waits for, in the
 heartbeat's info for ``rlbus status`` and the live view, a ``metrics.reported.stall``)
 and, past ``stall_stop_s``, stopped with reason "stalled". Rollouts that only error
 (none could train, no trainer step) for ``error_stop_s`` stop the run sooner, with
@@ -181,7 +181,7 @@ class Orchestrator(Role):
     async def _watch(self, interval_s: float = 1.0) -> None:
         o = self.cfg.orchestrator
         dispatched: dict[str, float] = {}  # group id -> when the watch first saw it in flight
-        batches: deque[float] = deque(maxlen=11)  # when the newest batches were seen
+        steps = StepTimes()
         assembled, progress = -1, time.monotonic()
         erroring = ErrorClock()
         while not await self.sleep(interval_s):
@@ -192,11 +192,8 @@ class Orchestrator(Role):
                 progress = now
                 continue
             if s.assembled != assembled:
-                if assembled >= 0 and s.assembled > 0:
-                    # A step's time runs from one batch to the next: not from the start
-                    # (the roles' own startup) or a restart's catch-up, which would raise
-                    # the stall threshold past a real stall.
-                    batches.append(now)
+                if assembled >= 0 and s.assembled > 0:  # a new batch (not one found at start)
+                    steps.batch(now, stalled=self.stall is not None)
                 assembled, progress = s.assembled, now
                 self._stall_over()
             for gid in list(dispatched):
@@ -210,8 +207,7 @@ class Orchestrator(Role):
             if detail := error_stop(s, self.cfg, erroring.seconds(s, now)):
                 await self._stop("rollout_errors", detail)
                 continue
-            steps = [b - a for a, b in zip(batches, list(batches)[1:], strict=False)]
-            threshold = max(o.stall_min_s, o.stall_factor * statistics.median(steps or [0.0]))
+            threshold = max(o.stall_min_s, o.stall_factor * steps.median())
             if now - progress > threshold:
                 await self._stalled(progress, threshold)
 
@@ -310,6 +306,27 @@ class Orchestrator(Role):
             elif isinstance(e, MetricsReported) and e.role == "eval":
                 values = {k.replace("/", "_").replace("@", "_at_"): v for k, v in e.values.items()}
                 self.log.info("eval.reported", version=e.step, **values)
+
+
+class StepTimes:
+    """The run's recent step times, what the stall threshold scales: from one batch the
+    watch sees to the next, when no stall was reported in between. Neither the roles'
+    startup, nor a restart's catch-up, nor a stall itself is a step: any of them would
+    raise the threshold past the next real stall (a warm start's teacher batch arrives
+    seconds before inference has loaded the policy for the first RL batch)."""
+
+    def __init__(self, keep: int = 10) -> None:
+        self.times: deque[float] = deque(maxlen=keep)
+        self.last: float | None = None  # when the newest batch was seen (monotonic)
+
+    def batch(self, now: float, stalled: bool) -> None:
+        """A new batch seen at ``now``; ``stalled``: a stall was reported since the last."""
+        if self.last is not None and not stalled:
+            self.times.append(now - self.last)
+        self.last = now
+
+    def median(self) -> float:
+        return statistics.median(self.times) if self.times else 0.0
 
 
 class ErrorClock:

@@ -65,7 +65,8 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     url = await reached_version(proc, tmp_path, run, 2, timeout_s=400)
     assert url is not None, "the run never reached version 2"
     injected = await inject(url, run, squat_step)
-    await pause((await running_role(url, run, "trainer")).pid, 8)  # > stall_min_s + 3 beats
+    # > stall_min_s + 3 beats, once the batches the trainer's window allows are assembled
+    await pause((await running_role(url, run, "trainer")).pid, 10)
     await pause((await running_role(url, run, "algorithm", "grpo")).pid, 8)  # > group_timeout_s
     out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
     assert proc.returncode == 0, out[-4000:]

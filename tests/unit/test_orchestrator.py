@@ -439,3 +439,21 @@ def test_an_eval_only_env_is_evaluated_with_its_own_table_and_never_trained() ->
         new += step(state, cfg, weights(v))
     assert state.assembled >= 3 and len(train) >= 6
     assert {r.env for r in train} == {"reverse-text"}
+
+
+def test_the_stall_threshold_scales_with_steps_not_with_startup_or_stalls() -> None:
+    """A warm start's teacher batch comes seconds before inference has loaded the policy:
+    that wait (reported as a stall) is no step time, so the next real stall is reported
+    at the usual threshold (it once went unreported: the 6 s wait doubled it)."""
+    from roles.orchestrator.role import StepTimes
+
+    steps = StepTimes()
+    steps.batch(10.0, stalled=False)  # the teacher's batch (the first: no step yet)
+    assert steps.median() == 0.0
+    steps.batch(16.0, stalled=True)  # the first RL batch, after a reported stall
+    steps.batch(17.0, stalled=False)
+    steps.batch(18.0, stalled=False)
+    assert steps.median() == 1.0
+    steps.batch(30.0, stalled=False)  # a slow step that was no stall counts
+    steps.batch(31.0, stalled=False)
+    assert steps.median() == 1.0 and list(steps.times) == [1.0, 1.0, 12.0, 1.0]
