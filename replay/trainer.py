@@ -45,7 +45,6 @@ from typing import Any
 
 import msgspec
 
-from bus.errors import Rejected
 from bus.offload import sha256_digest
 from bus.reader import Progress, read_log
 from bus.runtime import Bus
@@ -228,6 +227,8 @@ def replay_steps(
     collects each step's weights; ``config_for(step)`` switches the config when it changes.
     ``on_progress(steps trained, batches after core's step up to ``until``)``.
     """
+    from roles.trainer.core import take_step  # torch loads with the core
+
     result = ReplayResult()
     start = time.perf_counter()
     todo = sum(1 for b in batches if b.step > core.step and (until is None or b.step <= until))
@@ -243,10 +244,7 @@ def replay_steps(
             break
         if config_for is not None and (cfg := config_for(batch.step)) is not core.cfg:
             core.reconfigure(cfg)
-        try:
-            metrics = core.train_step(batch)
-        except Rejected:  # refused by the trainer too: a step that trained nothing
-            metrics = core.refuse_step(batch)
+        metrics, _ = take_step(core, batch)  # the role's own step (a refused batch too)
         data = core.weights_bytes()
         rec = StepRecord(batch.step, metrics, _digest(core, data, recorded, batch.step))
         if keep is not None:

@@ -83,6 +83,19 @@ def batch_problem(batch: BatchAssembled) -> str | None:
     return None
 
 
+def take_step(trainer: Any, batch: BatchAssembled) -> tuple[dict[str, float], str | None]:
+    """Step ``batch.step`` on ``batch``: (its metrics, why it was refused or None).
+
+    The one definition of a trainer step that the role, its catch-up and trainer replay
+    share: the batch is trained, or, refused before anything was trained (``Rejected``:
+    ``batch_problem``), it is a step all the same that trains nothing (``refuse_step``).
+    ``trainer`` is a ``TrainerCore`` or a multi-rank trainer (``roles.trainer.group``)."""
+    try:
+        return trainer.train_step(batch), None
+    except Rejected as e:
+        return trainer.refuse_step(batch), str(e)
+
+
 def lr_at(cfg: RunConfig, step: int, phase: str = "rl") -> float:
     """Learning rate of batch ``step`` (1-based).
 

@@ -80,7 +80,7 @@ from roles.lib.model.weights import digest, write_atomic
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from roles.trainer import retention
-from roles.trainer.core import BatchGap, TrainerCore, latest_checkpoint
+from roles.trainer.core import BatchGap, TrainerCore, latest_checkpoint, take_step
 from roles.trainer.group import GroupBroken, Ranks, make_trainer, start_ranks
 from schemas import (
     BatchAssembled,
@@ -287,12 +287,8 @@ class TrainerRole(Role):
         wait_s: float,
         recorded: WeightsPublished | None = None,
     ) -> None:
-        refused = None
-        try:
-            metrics = await asyncio.to_thread(self.core.train_step, batch)
-        except Rejected as e:  # refused before anything was trained: a step all the same
-            refused = str(e)
-            metrics = await asyncio.to_thread(self.core.refuse_step, batch)
+        metrics, refused = await asyncio.to_thread(take_step, self.core, batch)
+        if refused is not None:  # refused before anything was trained: a step all the same
             self.log.error("trainer.batch_refused", step=batch.step, seq=seq, reason=refused)
         if metrics.get("nonfinite_step"):
             self.log.warning(
