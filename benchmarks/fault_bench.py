@@ -32,7 +32,7 @@ from benchmarks.common import RESULTS, save
 from bus.reader import read_log
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
-from bus.subjects import Topic
+from bus.subjects import Topic, subject
 from schemas import EVENT_TYPES, DeadLettered, SamplesScored, WeightsPublished
 from tests.e2e.faults import FORGED, inject, invariants, pause, sigkill, time_to_next_step
 from tests.e2e.helpers import reached_version, rlbus_up, running_role
@@ -118,7 +118,7 @@ async def bad_input(root: Path, steps: int = 30) -> list[dict[str, Any]]:
 
 async def first_stall(bus: Bus) -> float:
     """When the first stall report reaches the log (monotonic clock)."""
-    subject_ = f"rl.{bus.run}.{Topic.METRICS_REPORTED}.stall"
+    subject_ = subject(bus.run, Topic.METRICS_REPORTED, "stall")
     while True:
         try:
             await bus.js.get_last_msg(bus.stream, subject_)

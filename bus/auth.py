@@ -39,7 +39,19 @@ from pathlib import Path
 from typing import Any
 
 from bus.kinds import KINDS, check_kind, kind_of_role, producers
-from bus.subjects import INFER, STREAM_PREFIX, TOPICS, check_token
+from bus.subjects import (
+    INFER,
+    TOPICS,
+    check_token,
+    filter_subject,
+    infer_patterns,
+    objects_bucket,
+    relative_subject,
+    role_keys_pattern,
+    roles_bucket_name,
+    run_pattern,
+    stream_name,
+)
 
 CREDS_ENV = "RLBUS_NATS_CREDS"  # a credentials file to connect with (``--creds``)
 TLS_CA_ENV = "RLBUS_NATS_CA"  # the CA file that signs the servers' certificates (bus.tls_ca)
@@ -55,9 +67,10 @@ def inbox_prefix(run: str, kind: str) -> str:
 
 
 def _names(run: str) -> tuple[str, str, str, str, str]:
-    """(stream, object bucket, its stream, registry bucket, its stream), unchecked."""
-    obj, roles = f"RLOBJ_{run}", f"RLROLES_{run}"
-    return f"{STREAM_PREFIX}{run}", obj, f"OBJ_{obj}", roles, f"KV_{roles}"
+    """(stream, object bucket, its stream, registry bucket, its stream): the JetStream
+    streams behind an object store and a KV bucket are ``OBJ_<bucket>``, ``KV_<bucket>``."""
+    obj, roles = objects_bucket(run), roles_bucket_name(run)
+    return stream_name(run), obj, f"OBJ_{obj}", roles, f"KV_{roles}"
 
 
 def _read_api(streams: tuple[str, ...], consumers: tuple[str, ...]) -> list[str]:
@@ -88,27 +101,23 @@ def _admin_api(streams: tuple[str, ...]) -> list[str]:
 
 
 def _topics(run: str, kind: str) -> list[str]:
-    return [
-        f"rl.{run}.{t.value}" + (".*" if spec.key_field else "")
-        for t, spec in TOPICS.items()
-        if kind in producers(t)
-    ]
+    return [filter_subject(run, t) for t in TOPICS if kind in producers(t)]
 
 
 def _permissions(run: str, kind: str) -> dict[str, Any]:
     stream, obj, obj_stream, roles, kv_stream = _names(run)
-    inbox = f"_INBOX_{run}_{kind}.>"
+    inbox = f"{inbox_prefix(run, kind)}.>"
     if kind == "launcher":
-        pub = [f"rl.{run}.>", f"$O.{obj}.>", f"$KV.{roles}.>"]
+        pub = [run_pattern(run), f"$O.{obj}.>", f"$KV.{roles}.>"]
         pub += _admin_api((stream, obj_stream, kv_stream))
-        return {"publish": {"allow": pub}, "subscribe": {"allow": [inbox, f"rl.{run}.>"]}}
+        return {"publish": {"allow": pub}, "subscribe": {"allow": [inbox, run_pattern(run)]}}
     spec = KINDS[kind]
     pub = _topics(run, kind)
     if spec.infer == "asks":
-        pub += [f"rl.{run}.{INFER}.*", f"rl.{run}.{INFER}.*.*"]  # a model, or one replica
+        pub += infer_patterns(run)  # a model, or one replica
     if spec.objects:  # chunks and meta; replacing or deleting one purges its old chunks
         pub += [f"$O.{obj}.>", f"$JS.API.STREAM.PURGE.{obj_stream}"]
-    pub += [f"$KV.{roles}.{run}.{role}.*" for role in spec.heartbeats]
+    pub += [f"$KV.{roles}.{role_keys_pattern(run, role)}" for role in spec.heartbeats]
     pub += _read_api((stream, obj_stream, kv_stream), (stream, obj_stream))
     if spec.durables:
         pub += [
@@ -120,7 +129,7 @@ def _permissions(run: str, kind: str) -> dict[str, Any]:
     sub = [inbox]
     perms: dict[str, Any] = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
     if spec.infer == "answers":
-        sub += [f"rl.{run}.{INFER}.*", f"rl.{run}.{INFER}.*.*"]
+        sub += infer_patterns(run)
         perms["allow_responses"] = True
     return perms
 
@@ -130,15 +139,17 @@ def permissions(run: str, kind: str) -> dict[str, Any]:
     return _permissions(check_token(run, "run id"), check_kind(kind))
 
 
-def permission_rows(run: str = "<run>") -> list[tuple[str, str, str]]:
-    """(kind, may publish, may consume) of every kind, in words, for a table."""
+def permission_rows() -> list[tuple[str, str, str]]:
+    """(kind, may publish, may consume) of every kind, in words, for a table (topics
+    relative to the run: ``trace.completed.*``)."""
+    run = "r"  # any run: the rows name its subjects relative to it
     rows = []
     for kind in KINDS:
         if kind == "launcher":
-            rows.append((kind, f"rl.{run}.>, objects, registry", "everything of its run (admin)"))
+            rows.append((kind, "the run's subjects, objects, registry", "everything of its run (admin)"))  # fmt: skip
             continue
         spec = KINDS[kind]
-        pub = [t.removeprefix(f"rl.{run}.") for t in _topics(run, kind)]
+        pub = [relative_subject(run, t) for t in _topics(run, kind)]
         if spec.infer == "asks":
             pub.append(f"{INFER}.* (requests)")
         pub += ["objects"] if spec.objects else []

@@ -201,8 +201,7 @@ def roles_bucket_name(run: str) -> str:
 
 def stream_subjects(run: str) -> list[str]:
     """What the run's stream captures: every topic, and nothing else (not inference)."""
-    check_token(run, "run id")
-    return [f"rl.{run}.{t.value}" + (".*" if TOPICS[t].key_field else "") for t in Topic]
+    return [filter_subject(run, t) for t in Topic]
 
 
 def subject(run: str, topic: Topic, key: str | None = None) -> str:
@@ -303,6 +302,25 @@ def durable_name(role: str, *parts: str) -> str:
 
 def role_key(run: str, role: str, instance: str) -> str:
     return f"{check_token(run, 'run id')}.{check_token(role, 'role')}.{check_token(instance, 'instance')}"
+
+
+# -- patterns: what a server permission names (``bus.auth``) -------------------------------
+
+
+def run_pattern(run: str) -> str:
+    """Every subject of ``run``'s scheme: its topics and its inference."""
+    return f"rl.{check_token(run, 'run id')}.>"
+
+
+def infer_patterns(run: str) -> list[str]:
+    """Every inference subject of ``run``: a model's, and one replica's of a model."""
+    base = f"rl.{check_token(run, 'run id')}.{INFER}"
+    return [f"{base}.*", f"{base}.*.*"]
+
+
+def role_keys_pattern(run: str, role: str) -> str:
+    """Every registry key of ``role``'s instances in ``run`` (``role_key``)."""
+    return f"{check_token(run, 'run id')}.{check_token(role, 'role')}.*"
 
 
 def topology() -> list[tuple[str, str, str, str]]:

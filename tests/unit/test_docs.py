@@ -1,4 +1,5 @@
-"""The README's topology table stays true to the subjects registry."""
+"""The docs stay true to the code: the topology table, the quickstart, every config key, and
+every package docstring's list of its modules."""
 
 from __future__ import annotations
 
@@ -45,3 +46,23 @@ def test_every_default_config_key_is_documented() -> None:
         k for k in _leaves(load_config("default").model_dump(mode="json")) if f"`{k}`" not in doc
     ]
     assert missing == []
+
+
+def test_every_package_docstring_names_each_of_its_modules() -> None:
+    """A newcomer reads a package's docstring to find their way: it names every module
+    and subpackage there is (``name``), so a module added without a word fails here."""
+    import ast
+    import re
+
+    missing = {}
+    for init in sorted(ROOT.glob("*/**/__init__.py")):
+        package = init.parent
+        if package.relative_to(ROOT).parts[0] not in ("bus", "schemas", "configs", "replay", "roles"):  # fmt: skip
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        modules = {p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")}
+        modules |= {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+        absent = [m for m in sorted(modules) if not re.search(rf"`{re.escape(m)}`", doc)]
+        if absent:
+            missing[str(package.relative_to(ROOT))] = absent
+    assert not missing, missing

@@ -73,3 +73,20 @@ def test_a_subject_moves_to_another_run_with_its_topic_and_key() -> None:
     )
     plain = subject("old", Topic.WEIGHTS_PUBLISHED)
     assert moved_subject(plain, "old", "new") == "rl.new.weights.published"
+
+
+def test_only_bus_subjects_spells_a_subject_of_the_scheme() -> None:
+    """``rl.<run>...`` is written in bus/subjects.py alone: every other module of the
+    product asks it (``subject``, ``filter_subject``, ``infer_patterns``, ...)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spelled = re.compile(r"""f?["']rl\.""")
+    found = [
+        str(path.relative_to(root))
+        for package in ("bus", "schemas", "configs", "roles", "replay")
+        for path in sorted((root / package).rglob("*.py"))
+        if path != root / "bus" / "subjects.py" and spelled.search(path.read_text())
+    ]
+    assert not found, found
