@@ -4,6 +4,16 @@
     cfg = load_config("smoke", ["trainer.lr=1e-4"])   # preset name or TOML path
     print(dump_toml(cfg))                             # fully resolved, re-loadable
 
+- ``models``: the run config, one pydantic model per TOML section (``RunConfig`` on top)
+- ``orchestrator``: the ``[orchestrator]`` section (sampling, envs, algorithms, model
+  endpoints, eval, the SFT warm start) and its cross-field rules
+- ``loading``: a TOML file or preset plus ``key=value`` overrides -> a validated RunConfig
+- ``deprecations``: old config spellings, translated to current ones before validation
+- ``errors``: ``ConfigError`` and ``ConfigDeprecationWarning``
+- ``paths``: where runs live (the data directory) and a run's files (``RunPaths``)
+- ``toml_emit``: a tiny TOML writer, so a resolved config can be saved and re-run as is
+- ``presets/``: the TOML presets ``load_config`` finds by name
+
 Imports nothing heavy (pydantic and the stdlib only): the CLI and every role import
 this before deciding whether they need torch.
 """

@@ -6,10 +6,16 @@
 
 - reading a run's log in order is ``bus.reader.LogReader`` (legacy versions upcast by
   ``schemas.legacy``, unknown ones reported and skipped), the same reader roles use.
-- ``replay.algorithm``, ``replay.trainer``, ``replay.rubric``, ``replay.orchestrator``:
-  re-run a role's pure core over the recorded log and diff (``rlbus replay``).
-- ``replay.lake``: the log materialised as Parquet tables (``rlbus lake sync``);
-  ``replay.tables``: the pure row builders; ``replay.sql``: DuckDB views (``rlbus sql``).
+- ``algorithm``, ``trainer``, ``rubric``, ``orchestrator``:
+  re-run a role's pure core over the recorded log and diff (``rlbus replay``);
+  ``diff``: the pure comparisons they share (exact, the first difference first).
+- ``lake``: the log materialised as Parquet tables (``rlbus lake sync``);
+  ``tables``: the pure row builders; ``sql``: DuckDB views (``rlbus sql``);
+  ``trace_index``: which stored events a rollout's chain needs, written with the lake.
+- ``inspect``: one rollout and its causation chain through the log (``rlbus trace``).
+- ``portable``: a whole run in one file, loadable on another machine (``rlbus export``,
+  ``rlbus import``).
+- ``plots``: a run's curves in one PNG, read from its log alone (``rlbus plot``).
 - ``open_run``: the same tables as polars LazyFrames (below).
 
 Heavy imports (polars, duckdb, nats) happen inside functions: importing ``replay`` is free.

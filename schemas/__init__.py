@@ -1,6 +1,18 @@
 """Every message rlbus exchanges, as msgspec Structs (msgpack on the wire).
 
 ``EVENT_TYPES`` lists every stored event; ``bus.subjects`` maps each one to its topic.
+
+- ``base``: the event envelope every stored message shares (``Event``), and the id rules
+- ``run``: run lifecycle events, the first and last of every run (``RunStarted``,
+  ``RunStopped``)
+- ``rollout``: the request an env server runs (``TaskRequested``) and the ``Trace`` it
+  records
+- ``training``: scored samples, assembled batches, published weights, algorithm
+  attach/detach
+- ``inference``: inference request/reply messages (core NATS, not stored)
+- ``ops``: operational messages: metrics, dead letters, heartbeats, offloaded bodies
+- ``arrays``: per-token arrays on the wire, as raw little-endian bytes
+- ``legacy``: old versions of events and their pure upcasters, so old logs still replay
 """
 
 from __future__ import annotations

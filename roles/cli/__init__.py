@@ -9,6 +9,22 @@ positional where its positionals leave room (``roles.cli.common.RunCommand``). H
 is plain (no rich markup: ``[cpus]`` and ``[monitor]`` in a docstring are config
 sections, not styles). prime-rl's spellings (``@ file.toml``, ``--trainer.lr 1e-4``) are
 translated before click parses (``prime_rl_argv``).
+
+- ``core``: ``up``, ``status``, ``events``, ``topology``; ``events``: the log printed in
+  order, one line per event
+- ``role``: ``rlbus role <name>``, one role process attached to a run
+- ``algorithm``: ``rlbus algorithm attach|detach|list`` on a live run; ``attachments``:
+  which algorithm workers a run has (the config's and those attached at runtime)
+- ``rollout``: ``rlbus rollout``; ``eval``: ``rlbus eval`` (avg@k and pass@k of a model)
+- ``serve``: ``rlbus serve``, a model behind an OpenAI-compatible endpoint
+- ``lake``: ``rlbus lake sync|info`` and ``rlbus sql``
+- ``replay``: ``rlbus replay``, ``export``, ``import``, ``plot``
+- ``trace``: ``rlbus trace``, one rollout and what caused it and what it caused
+- ``monitor``: ``rlbus monitor``, a run's metrics into TensorBoard or W&B
+- ``model``: ``rlbus model``, build a local model, export a run's policy
+- ``nats``: ``rlbus nats``, a NATS server or loopback cluster, and cluster config files
+- ``common``: shared plumbing (the run id's grammar, finding the run's server, ``fail``)
+- ``progress``: a long command's progress (a bar on a terminal, plain lines otherwise)
 """
 
 from __future__ import annotations

@@ -2,5 +2,6 @@
 ``trace.completed.<env>`` / ``eval.completed.<env>`` out (``rlbus role env``).
 
 The environments themselves are a library (``roles.lib.envs``); this package is the
-process that serves them.
+process that serves them: ``role`` (the server, its metrics and the inference client
+adapted to the rollout harness).
 """

@@ -11,6 +11,13 @@
 - `torch_backend`: the async `Backend` over the engine (its decode loop in a worker thread)
 - `vllm_backend`: the same contract on vLLM (optional `vllm` extra, GPU)
 - `role`: `rlbus role inference --run R [--model policy]` (serves, follows weights)
+- `pinning`: eval pinning (a swap held back for requests pinned to a version) and snapshots
+- `weights_io`: where published weights come from (the newest announcement, its bytes,
+  retries of transient fetch failures)
+- `capacity`: which models the torch engine runs, in which dtype, how many KV rows fit
+  (no torch: `rlbus up`'s preflight applies the engine's rules)
+- `torch_setup`: process setup for the torch engine (threads, CUDA memory share, default
+  stop tokens)
 
 This package imports nothing: torch loads only when a submodule is imported.
 """

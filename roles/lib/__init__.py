@@ -6,4 +6,7 @@
 - ``clients``: the inference client (request/reply on ``infer.<model>``)
 - ``plugins``: loading a user's class or function by ``module:name``
 - ``threads``: a role process's torch thread count (``$RLBUS_TORCH_THREADS``)
+- ``openai_api``: the OpenAI API's wire format, pure (the gateway and agent envs)
+- ``curves``: a run's metrics folded into curves (``rlbus up``'s monitor, ``rlbus plot``)
+- ``plotting``: drawing a run's curves, the panels ``curves.png`` and ``rlbus plot`` share
 """

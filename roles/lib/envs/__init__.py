@@ -11,6 +11,7 @@
 - ``filters``: rollout filters (gibberish, repetition, length, user detectors) -> the
   trace's ``filters``/``is_filtered`` verdict
 - ``seats``: who plays which member of a multi-agent rollout
+- ``vf``: verifiers environments, unchanged (``vf:<module>`` runs a verifiers taskset)
 
 The process that serves them is the env server role (``roles.env_server``). This
 package imports nothing heavy.

@@ -2,6 +2,8 @@
 
 - `tokenizer`: the character tokenizer and chat template of the tiny model
 - `tiny`: build the tiny Llama-style model from a seed (`rlbus model init`)
+- `families`: models of real families (Qwen3, Llama) built here: a BPE tokenizer, a chat
+  template, random weights
 - `loading`: load any model/tokenizer directory with no network
 - `weights`: weights <-> deterministic safetensors bytes with a sha256 digest
 - `render`: token-in/token-out chat rendering for multi-turn episodes

@@ -1,4 +1,12 @@
-"""The built-in environments, by name (see ``roles.lib.envs.registry``)."""
+"""The built-in environments, by name (see ``roles.lib.envs.registry``).
+
+- ``reverse_text``: ``reverse-text``, reverse a short lowercase string (single turn)
+- ``alphabet_sort``: ``alphabet-sort``, sort names, then keep the list sorted as names
+  arrive (multi-turn)
+- ``calculator``: ``tool-calc``, add two numbers by calling a calculator tool
+- ``relay_reverse``: ``relay-reverse``, a two-member relay (multi-agent)
+- ``debate``: ``debate``, two debaters answer a reverse-text task, a judge picks the better
+"""
 
 from __future__ import annotations
 
