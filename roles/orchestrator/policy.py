@@ -23,6 +23,7 @@ import msgspec
 
 from configs import RunConfig
 from roles.lib.envs.seats import seating_of
+from roles.lib.tasks import eval_seed, sampling_params, seed_root
 from roles.orchestrator.eval_stats import eval_metrics
 from roles.orchestrator.state import OrchestratorState
 from schemas import (
@@ -30,7 +31,6 @@ from schemas import (
     Event,
     MetricsReported,
     RunStopped,
-    SamplingParams,
     TaskRef,
     TaskRequested,
     batch_id,
@@ -53,17 +53,9 @@ def trains_on(cfg: RunConfig) -> dict[str, dict[str, set[str]]]:
     return {"rl": rl, "sft": sft}
 
 
-def sampling_params(s: Any) -> SamplingParams:
-    return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        max_completion_tokens=s.max_completion_tokens, stop=list(s.stop),
-    )  # fmt: skip
-
-
 def sampling_seed(cfg: RunConfig, sampling: Any) -> int:
-    """The root of rollouts' sampling seeds: the sampling table's ``seed``, else the run
-    seed. Setting it redraws every sample on the same tasks (the run seed picks them)."""
-    return cfg.seed if sampling.seed is None else sampling.seed
+    """The root of rollouts' sampling seeds (``roles.lib.tasks.seed_root``)."""
+    return seed_root(cfg.seed, sampling)
 
 
 def choose_env(cfg: RunConfig, n: int) -> Any:
@@ -236,9 +228,7 @@ class Decider:
                             model=self.cfg.orchestrator.actor,
                             step=s.assembled,
                             policy_version=v,
-                            seed=stable_seed(
-                                sampling_seed(self.cfg, env.sampling), "eval", env.id, i
-                            ),
+                            seed=eval_seed(sampling_seed(self.cfg, env.sampling), env.id, i),
                             max_turns=env.max_turns,
                             args=dict(env.args),
                             phase="eval",

@@ -95,7 +95,7 @@ def plan_requests(
     args and max_turns, else the eval defaults), else its train entry, if any."""
     from roles.lib.envs.registry import env_key
     from roles.lib.envs.seats import seating_of
-    from schemas import SamplingParams
+    from roles.lib.tasks import sampling_params
 
     o = cfg.orchestrator
     entry = o.env(env)
@@ -106,13 +106,7 @@ def plan_requests(
         s = entry.sampling if entry is not None and entry.sampling is not None else o.train.sampling
     args = target.args if target is not None else dict(entry.args) if entry else {}
     max_turns = target.max_turns if target is not None else entry.max_turns if entry else None
-    sampling = SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_completion_tokens=s.max_completion_tokens,
-        stop=list(s.stop),
-    )
+    sampling = sampling_params(s)
     return Plan(
         env=env,
         key=env_key(env),
@@ -154,12 +148,13 @@ def build_requests(
 ) -> list[Any]:
     """One TaskRequested per group: tasks 0, 1, ... of the split (of ``size`` tasks).
     Train seeds derive from the run seed; eval seeds are the orchestrator's eval seeds
-    (both from the sampling table's ``seed`` when it sets one, as the orchestrator's do).
+    (``roles.lib.tasks``: both from the sampling table's ``seed`` when it sets one).
     ``policy_version``: the weights version asked at (an eval pins its turns to it)."""
+    from roles.lib.tasks import eval_seed
     from schemas import TaskRef, TaskRequested, derive_id, new_id, stable_seed
 
     eval_split = plan.split == "eval"
-    seed = seed if plan.seed is None else plan.seed
+    seed = seed if plan.seed is None else plan.seed  # plan.seed: the table's (seed_root)
     out = []
     for g in range(plan.groups):
         event_id = new_id()  # a fresh request each time: a rerun must not be deduplicated away
@@ -175,7 +170,7 @@ def build_requests(
                 model=plan.model,
                 phase=ADHOC_PHASE,
                 policy_version=policy_version,
-                seed=stable_seed(seed, "eval", plan.env, g)
+                seed=eval_seed(seed, plan.env, g)
                 if eval_split
                 else stable_seed(seed, "rollout", plan.split, g),
                 max_turns=plan.max_turns,
