@@ -39,7 +39,12 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-engine bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss bench-weights
+bench: bench-startup bench-engine bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss bench-weights
+
+# rlbus up's start and stop on a 2-step smoke run: spawn, each role ready, the ordered stop.
+[group('bench')]
+bench-startup *ARGS:
+    {{python}} -m benchmarks.startup_bench {{ARGS}}
 
 # rlbus runtime vs raw nats-py on ~23 KB trace events.
 [group('bench')]
