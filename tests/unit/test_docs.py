@@ -55,10 +55,9 @@ def test_every_package_docstring_names_each_of_its_modules() -> None:
     import re
 
     missing = {}
-    for init in sorted(ROOT.glob("*/**/__init__.py")):
+    inits = [i for p in ("bus", "schemas", "configs", "replay", "roles") for i in (ROOT / p).rglob("__init__.py")]  # fmt: skip
+    for init in sorted(inits):
         package = init.parent
-        if package.relative_to(ROOT).parts[0] not in ("bus", "schemas", "configs", "replay", "roles"):  # fmt: skip
-            continue
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         modules = {p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")}
         modules |= {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
