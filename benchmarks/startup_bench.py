@@ -30,7 +30,8 @@ from typing import Any
 
 from benchmarks.common import save
 
-ROLES = ("orchestrator", "env-reverse-text", "teacher-teacher", "trainer", "inference-policy-0")
+# The role processes whose readiness is reported.
+WATCHED = ("orchestrator", "env-reverse-text", "teacher-teacher", "trainer", "inference-policy-0")
 
 
 def one_run(tree: Path | None) -> dict[str, float]:
@@ -76,7 +77,7 @@ def _timeline(logs: Path, start: float) -> dict[str, float]:
                 last_stop = max(last_stop, t)
     assert spawned is not None, f"no role was started (logs in {logs})"
     out = {"spawn_s": spawned, "stop_s": last_stop - stopped_at}
-    out |= {f"{r}_ready_s": ready[r] - spawned for r in ROLES if r in ready}
+    out |= {f"{r}_ready_s": ready[r] - spawned for r in WATCHED if r in ready}
     return out
 
 

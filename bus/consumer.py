@@ -39,7 +39,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus import codec
 from bus.errors import BodyError, DecodeError, HandlerBroken, Rejected
-from bus.runtime import Bus
+from bus.runtime import Bus, unless_stopped
 from bus.subjects import TOPICS, Topic, TopicSpec, check_schema, filter_subject
 from schemas import DeadLettered, Event, derive_id
 
@@ -211,7 +211,6 @@ class Consumer:
         psub = await self.bus.js.pull_subscribe_bind(self.sub.durable, self.bus.stream)
         sequential = self.sub.concurrency <= 1
         keepalive = asyncio.create_task(self._keep_alive())
-        stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 if self._broken is not None:  # a concurrent handler's (see HandlerBroken)
@@ -222,11 +221,8 @@ class Consumer:
                     continue
                 # An idle fetch waits out its timeout: the stop ends it at once instead (a
                 # message the server sends it meanwhile is redelivered after ack_wait).
-                fetch = asyncio.ensure_future(psub.fetch(want, timeout=self.sub.fetch_timeout_s))
-                await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if not fetch.done():
-                    fetch.cancel()
-                    await asyncio.gather(fetch, return_exceptions=True)
+                fetch = await unless_stopped(psub.fetch(want, timeout=self.sub.fetch_timeout_s), stop)  # fmt: skip
+                if fetch is None:
                     break
                 try:
                     msgs = fetch.result()
@@ -253,7 +249,6 @@ class Consumer:
                         self._inflight.add(task)
                         task.add_done_callback(self._inflight.discard)
         finally:
-            stopping.cancel()
             await self._drain(drain_timeout_s, hand_back)
             keepalive.cancel()
             # What is still held (a sequential consumer stopped by an error) is not kept

@@ -53,7 +53,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
 
 from bus import codec
 from bus.errors import BodyError, DecodeError
-from bus.runtime import Bus
+from bus.runtime import Bus, unless_stopped
 from bus.subjects import Topic, check_schema, filter_subject
 from schemas import EVENT_TYPES, BatchAssembled, Event
 from schemas.legacy import LEGACY_TYPES, upcast
@@ -218,20 +218,15 @@ class LogReader:
                 await sub.unsubscribe()
 
     async def _next(self, sub: Any) -> Msg:
-        """The next message, or ``TimeoutError`` after ``idle_timeout_s``, or at once
-        when ``stop`` is set meanwhile (a follower stopping does not wait out the idle
-        timeout; the loop then sees the stop)."""
-        if self.stop is None:
+        """The next message, or ``TimeoutError`` after ``idle_timeout_s``, or at once when
+        ``stop`` is set while it waits (a follower stopping does not wait out the idle
+        timeout; the loop then sees the stop). Messages already buffered are taken as is."""
+        if self.stop is None or sub.pending_msgs:
             return await sub.next_msg(timeout=self.idle_timeout_s)  # type: ignore[no-any-return]
-        nxt = asyncio.ensure_future(sub.next_msg(timeout=self.idle_timeout_s))
-        stopping = asyncio.ensure_future(self.stop.wait())
-        await asyncio.wait({nxt, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        if not nxt.done():
-            nxt.cancel()
-            await asyncio.gather(nxt, return_exceptions=True)
+        got = await unless_stopped(sub.next_msg(timeout=self.idle_timeout_s), self.stop)
+        if got is None:
             raise TimeoutError("stopped")
-        return nxt.result()  # type: ignore[no-any-return]
+        return got.result()  # type: ignore[no-any-return]
 
     async def entries(self) -> AsyncGenerator[Entry, None]:
         """The decoded events from the start position on, in order (see the module doc)."""

@@ -105,6 +105,23 @@ _LEADERLESS = (
 T = TypeVar("T")
 
 
+async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> asyncio.Future[T] | None:
+    """Run ``work`` until it completes (its finished future: ``result()`` returns or
+    raises what it did) or until ``stop`` is set first (None: ``work`` is cancelled). An
+    idle read that would wait out its timeout ends as the role stops."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if task.done():
+        return task
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
 @dataclass
 class _Link:
     """The connection's state as its callbacks see it."""

@@ -35,7 +35,7 @@ from bus.reader import LogReader, Progress
 from bus.runtime import Bus
 from bus.subjects import Topic, filter_subject
 from configs import RunConfig, resolve
-from schemas import DeadLettered, Event, RunStarted, run_resumed_id, run_started_id
+from schemas import DeadLettered, Event, RunStarted
 
 if TYPE_CHECKING:
     from roles.orchestrator.core import Transition
@@ -82,14 +82,13 @@ async def read_orchestrator_log(bus: Bus, on_progress: Progress | None = None) -
 
 
 def _config_at_end(run: str, inputs: list[tuple[int, Event]]) -> RunConfig:
-    """The config of the run's newest start (its first, or the newest resumed segment's:
-    the orchestrator's own ids, as ``rlbus up --resume`` publishes them)."""
-    starts = [e for _, e in inputs if isinstance(e, RunStarted) and e.event_id == run_started_id(run)]  # fmt: skip
+    """The config of the run's newest segment start (``core.segment_starts``), as a
+    restarted orchestrator takes it."""
+    from roles.orchestrator.core import segment_starts
+
+    starts = segment_starts(run, [e for _, e in inputs if isinstance(e, RunStarted)])
     if not starts:
         raise ValueError(f"run {run!r} has no run.started event: nothing to replay")
-    for _, e in inputs:
-        if isinstance(e, RunStarted) and e.resumed and e.event_id == run_resumed_id(run, len(starts)):  # fmt: skip
-            starts.append(e)
     cfg = resolve(starts[-1].config, source=f"run.started {starts[-1].event_id} of {run}")
     cfg.run = run
     return cfg

@@ -20,6 +20,7 @@ in force then (``config_in_force``): the newest ``run.started`` folded so far.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from bus.subjects import Topic
 from configs import RunConfig, resolve
 from roles.orchestrator.policy import decide, trains_on
 from roles.orchestrator.state import OrchestratorState
-from schemas import Event, RunStarted, SamplesScored
+from schemas import Event, RunStarted, SamplesScored, run_resumed_id
 
 # What the orchestrator reads, from sequence 1: the topics it folds, the eval reports
 # (its own, read back), and the tasks env servers dead-lettered (each releases a group).
@@ -60,7 +61,6 @@ class OrchestratorCore:
         self.cfg = cfg
         self.run = cfg.run
         self.state = OrchestratorState(trains_on=trains_on(cfg))
-        self.applied = 0  # inputs folded (refused ones are not)
         self._configs: dict[str, RunConfig] = {}  # by run.started id (``config_in_force``)
 
     def step(self, event: Event) -> Transition:
@@ -75,7 +75,6 @@ class OrchestratorCore:
             return Transition(self._decide(event), rejected=reason)
         skip_zero = self.config_in_force().orchestrator.skip_zero_advantage_groups
         self.state.apply(event, skip_zero=skip_zero)
-        self.applied += 1
         return Transition(self._decide(event))
 
     def _decide(self, cause: Event) -> list[Event]:
@@ -100,6 +99,18 @@ class OrchestratorCore:
             return self.cfg
         cfg.run = self.run
         return cfg
+
+
+def segment_starts(run: str, starts: Iterable[RunStarted]) -> list[RunStarted]:
+    """The starts of ``run``'s segments among its ``run.started`` events (log order): the
+    first (whoever wrote it: the orchestrator, a fork, an import), then each resumed
+    segment's, which the orchestrator publishes as ``run_resumed_id(run, k)``; any other
+    is not a start. The last one's config is the one in force at the log's end."""
+    out: list[RunStarted] = []
+    for e in starts:
+        if not out or (e.resumed and e.event_id == run_resumed_id(run, len(out))):
+            out.append(e)
+    return out
 
 
 def decisive(cfg: RunConfig) -> dict[str, Any]:

@@ -53,11 +53,6 @@ def trains_on(cfg: RunConfig) -> dict[str, dict[str, set[str]]]:
     return {"rl": rl, "sft": sft}
 
 
-def sampling_seed(cfg: RunConfig, sampling: Any) -> int:
-    """The root of rollouts' sampling seeds (``roles.lib.tasks.seed_root``)."""
-    return seed_root(cfg.seed, sampling)
-
-
 def choose_env(cfg: RunConfig, n: int) -> Any:
     """The env of group ``n``: drawn by ratio from a seed derived from the run and n."""
     envs = cfg.orchestrator.train.env
@@ -196,7 +191,7 @@ class Decider:
                 model=o.warmup.actor if phase == "sft" else o.actor,
                 step=s.assembled,
                 policy_version=s.trainer_version,
-                seed=stable_seed(sampling_seed(self.cfg, sampling), "rollout", n),
+                seed=stable_seed(seed_root(self.cfg.seed, sampling), "rollout", n),
                 max_turns=env.max_turns,
                 args=dict(env.args),
                 phase=phase,
@@ -228,7 +223,7 @@ class Decider:
                             model=self.cfg.orchestrator.actor,
                             step=s.assembled,
                             policy_version=v,
-                            seed=eval_seed(sampling_seed(self.cfg, env.sampling), env.id, i),
+                            seed=eval_seed(seed_root(self.cfg.seed, env.sampling), env.id, i),
                             max_turns=env.max_turns,
                             args=dict(env.args),
                             phase="eval",

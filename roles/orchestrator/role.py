@@ -42,7 +42,13 @@ from bus.reader import read_log
 from bus.registry import is_alive
 from bus.subjects import Topic
 from configs import RunConfig
-from roles.orchestrator.core import INPUTS, OrchestratorCore, changed_keys, decisive
+from roles.orchestrator.core import (
+    INPUTS,
+    OrchestratorCore,
+    changed_keys,
+    decisive,
+    segment_starts,
+)
 from roles.orchestrator.policy import error_stop, waits_for
 from roles.orchestrator.state import OrchestratorState
 from roles.runtime.context import RoleContext, read_run_started
@@ -146,12 +152,9 @@ class Orchestrator(Role):
         the one in force (the newest of the run's starts), publish it as the start of the
         run's next segment (``resumed=True``, ``run_resumed_id``), which the fold, the
         launcher and a replay read as the config from there on."""
-        starts = [first]
         events = read_log(self.bus, [(Topic.RUN_STARTED, None)], (RunStarted,))
         async with contextlib.aclosing(events):
-            async for e in events:
-                if e.resumed and e.event_id == run_resumed_id(self.run, len(starts)):
-                    starts.append(e)
+            starts = segment_starts(self.run, [e async for e in events]) or [first]
         in_force = starts[-1]
         if self.core.config_of(in_force) is self.cfg:
             self.log.info("orchestrator.resuming", segment=len(starts) - 1)
