@@ -41,6 +41,14 @@ def rlbus_up(
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def stop_if_running(proc: subprocess.Popen[str]) -> None:
+    """After a failed wait: kill the launcher if it still runs and close its pipe, so that
+    neither outlives the test (a later test would fail on the ResourceWarning)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
 def rlbus(data_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """One ``rlbus`` command over the runs under ``data_dir`` (its embedded servers)."""
     env = {**os.environ, "RLBUS_DATA_DIR": str(data_dir)}

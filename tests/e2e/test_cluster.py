@@ -15,7 +15,7 @@ import pytest
 from bus.cluster import EmbeddedCluster
 from bus.runtime import Bus
 from tests.e2e.faults import assert_log_intact, read_seq_events, sigkill, time_to_next_step
-from tests.e2e.helpers import reached_version, rlbus_up, summary
+from tests.e2e.helpers import reached_version, rlbus_up, stop_if_running, summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -52,28 +52,31 @@ async def _stream_nodes(url: str, run: str) -> tuple[str, list[str], int]:
 async def test_stream_leader_killed_and_restarted(tmp_path: Path) -> None:
     run = "node1"
     proc = rlbus_up(tmp_path, run, f"max_steps={STEPS}", "--cluster", "3")
-    url = await reached_version(proc, tmp_path, run, 2, timeout_s=400)
-    assert url is not None, "the run never reached version 2"
-    assert url.count(",") == 2, url  # every node's URL
-    # the run's servers take no anonymous client: nothing can be written into the run
-    for node in url.split(","):
-        assert await _anonymous_answer(node) == "-ERR 'Authorization Violation'"
-    leader, _, replicas = await _stream_nodes(url, run)
-    assert replicas == 3
-    pid = json.loads((tmp_path / run / "nats" / leader / "server.json").read_text())["pid"]
-    bus = await Bus.connect(url, run=run, producer="e2e")
     try:
-        took = await time_to_next_step(bus, sigkill(pid), steps=3)
-        print(f"stream leader {leader} killed: 3 more steps in {took:.1f} s")
+        url = await reached_version(proc, tmp_path, run, 2, timeout_s=400)
+        assert url is not None, "the run never reached version 2"
+        assert url.count(",") == 2, url  # every node's URL
+        # the run's servers take no anonymous client: nothing can be written into the run
+        for node in url.split(","):
+            assert await _anonymous_answer(node) == "-ERR 'Authorization Violation'"
+        leader, _, replicas = await _stream_nodes(url, run)
+        assert replicas == 3
+        pid = json.loads((tmp_path / run / "nats" / leader / "server.json").read_text())["pid"]
+        bus = await Bus.connect(url, run=run, producer="e2e")
+        try:
+            took = await time_to_next_step(bus, sigkill(pid), steps=3)
+            print(f"stream leader {leader} killed: 3 more steps in {took:.1f} s")
+        finally:
+            await bus.close()
+        out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
+        assert proc.returncode == 0, out[-4000:]
+        assert f"nats-server {leader} is back" in out
+        assert summary(tmp_path, run)["steps"] == STEPS
+        # A role whose JetStream call failed through the election may exit once and resume
+        # (its durable consumer and the log make that safe); none keeps dying.
+        assert all(n <= 1 for n in summary(tmp_path, run).get("restarts", {}).values())
     finally:
-        await bus.close()
-    out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
-    assert proc.returncode == 0, out[-4000:]
-    assert f"nats-server {leader} is back" in out
-    assert summary(tmp_path, run)["steps"] == STEPS
-    # A role whose JetStream call failed through the election may exit once and resume
-    # (its durable consumer and the log make that safe); none keeps dying.
-    assert all(n <= 1 for n in summary(tmp_path, run).get("restarts", {}).values())
+        stop_if_running(proc)  # a failed wait must not leave the run (and its pipe) behind
 
     with EmbeddedCluster(tmp_path / run / "nats") as cluster:  # anonymous: a test's reader
         seq_events = await read_seq_events(cluster.url, run)
@@ -88,16 +91,19 @@ async def test_follower_killed_for_good(tmp_path: Path) -> None:
         proc = rlbus_up(
             tmp_path, run, f"max_steps={STEPS}", f'bus.url="{cluster.url}"', "bus.replicas=3"
         )
-        url = await reached_version(proc, tmp_path, run, 2, timeout_s=400, url=cluster.url)
-        assert url is not None, "the run never reached version 2"
-        leader, followers, replicas = await _stream_nodes(cluster.url, run)
-        assert replicas == 3
-        victim = cluster.node_named(followers[0])
-        assert victim.proc is not None
-        victim.proc.kill()
-        out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
-        assert proc.returncode == 0, out[-4000:]
-        assert not victim.alive
+        try:
+            url = await reached_version(proc, tmp_path, run, 2, timeout_s=400, url=cluster.url)
+            assert url is not None, "the run never reached version 2"
+            leader, followers, replicas = await _stream_nodes(cluster.url, run)
+            assert replicas == 3
+            victim = cluster.node_named(followers[0])
+            assert victim.proc is not None
+            victim.proc.kill()
+            out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
+            assert proc.returncode == 0, out[-4000:]
+            assert not victim.alive
+        finally:
+            stop_if_running(proc)
         seq_events = await read_seq_events(cluster.url, run)
     assert summary(tmp_path, run)["steps"] == STEPS
     assert_log_intact(seq_events, STEPS, tmp_path / run)
