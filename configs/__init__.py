@@ -8,7 +8,8 @@
 - ``orchestrator``: the ``[orchestrator]`` section (sampling, envs, algorithms, model
   endpoints, eval, the SFT warm start) and its cross-field rules
 - ``loading``: a TOML file or preset plus ``key=value`` overrides -> a validated RunConfig
-- ``deprecations``: old config spellings, translated to current ones before validation
+- ``deprecations``: old (and prime-rl's) config spellings, translated to current ones
+  before validation
 - ``errors``: ``ConfigError`` and ``ConfigDeprecationWarning``
 - ``paths``: where runs live (the data directory) and a run's files (``RunPaths``)
 - ``toml_emit``: a tiny TOML writer, so a resolved config can be saved and re-run as is

@@ -2,9 +2,9 @@
 
     cfg = load_config("smoke", ["trainer.lr=1e-4", "orchestrator.train.env.0.group_size=2"])
 
-Steps, each a small function: read the TOML (`read_raw`), translate deprecated
-spellings (`configs.deprecations`), apply overrides (`apply_overrides`), validate
-(`resolve`). Every failure is a `ConfigError` whose message names the file and the
+Steps, each a small function: read the TOML (`read_raw`), translate deprecated and
+prime-rl spellings in the file and in each override (`configs.deprecations`), apply
+overrides (`apply_overrides`), validate (`resolve`). Every failure is a `ConfigError` whose message names the file and the
 full dotted path of each bad key, because bad config must fail at start, readably.
 """
 
@@ -22,13 +22,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from configs.deprecations import (
-    dotted,
-    removed_key,
-    translate_deprecated,
-    translate_key,
-    translate_tabled,
-)
+from configs.deprecations import TRANSLATED, dotted, translate_deprecated, translate_override
 from configs.errors import ConfigDeprecationWarning, ConfigError
 from configs.models import RunConfig
 from configs.toml_emit import toml_value
@@ -98,17 +92,12 @@ def translate_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]
     messages: list[str] = []
     for item in overrides:
         keys, value = parse_override(item)  # validates the shape
-        if gone := removed_key(tuple(keys)):
-            messages.append(gone)
-            continue
-        if (reshaped := translate_tabled(tuple(keys), value)) is not None:
-            new_path, new_value, msg = reshaped
-            messages.append(msg)
-            out.append(f"{dotted(new_path)}={toml_value(new_value)}")
-            continue
-        new_keys, msgs = translate_key(tuple(keys))
+        items, msgs = translate_override(tuple(keys), value)
         messages += msgs
-        out.append(dotted(new_keys) + "=" + item.partition("=")[2] if msgs else item)
+        for path, new_value in items:
+            # The value's own text when it is unchanged (only its key moved, or nothing).
+            text = item.partition("=")[2] if new_value == value else toml_value(new_value)
+            out.append(f"{dotted(path)}={text}")
     return out, messages
 
 
@@ -263,7 +252,8 @@ def _resolve(raw: Any, source: str | None, stacklevel: int) -> RunConfig:
     for msg in messages:
         warnings.warn(msg, ConfigDeprecationWarning, stacklevel=stacklevel)
     try:
-        return RunConfig.model_validate(translated)
+        # Translated above: OrchestratorConfig need not translate its section again.
+        return RunConfig.model_validate(translated, context={TRANSLATED: True})
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source)) from None
 

@@ -3,24 +3,56 @@
 Sampling, environments, algorithms, auxiliary model endpoints (teacher, reference),
 eval (its envs: train envs, or eval-only ones that are never trained on; resolved by
 `OrchestratorConfig.eval_targets`) and the SFT warm start. `orchestrator_problems` holds
-the cross-field rules (actor and env algorithm references, unique ids); `RunConfig` calls
-it so its messages can name full dotted paths.
+the cross-field rules (actor and env algorithm references, unique ids, the reserved
+`policy` model key); `RunConfig` calls it so its messages can name full dotted paths.
+
+`OrchestratorConfig` reads old and prime-rl spellings of its keys before validating
+(`configs.deprecations.translate_orchestrator`), so a section validated on its own
+(`OrchestratorConfig.model_validate(section)`) reads them as a whole file does. The
+naming rules translation needs live here: `is_token` (subject tokens), `env_key` (an
+env's token) and `algorithm_name` (an algorithm id's registered name: `rl` is `grpo`).
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+from configs.errors import ConfigDeprecationWarning
 
 # The built-in name of the model being trained; always a valid actor.
 POLICY = "policy"
 # Algorithm ids and model names become subject tokens and consumer names; the same rule
 # as bus.subjects.check_token (configs imports no bus), checked at load, not in a role.
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+# Algorithm ids that run a registered algorithm of another name when the entry names
+# none. `rl` is prime-rl's default loss: a group's advantages r_i - mean(r) (no division
+# by the std) under the token-level importance-ratio loss with a trust region, which is
+# `grpo` with its default options (`std_normalize = false`) under rlbus's trainer loss.
+ALGORITHM_ALIASES: dict[str, str] = {"rl": "grpo"}
+
+
+def is_token(value: str) -> bool:
+    """Whether ``value`` may name subjects and consumers (an algorithm id, a model name)."""
+    return bool(_TOKEN.match(value))
+
+
+def env_key(env_id: str) -> str:
+    """An env's token on subjects and consumer names (``bus.subjects.token_for``)."""
+    from bus.subjects import token_for  # a pure string function; keeps configs light
+
+    return token_for(env_id)
+
+
+def algorithm_name(algorithm_id: str, name: str | None) -> str:
+    """The registered algorithm an algorithm id runs: ``name``, else the id's alias
+    (`ALGORITHM_ALIASES`), else the id itself."""
+    return name if name is not None else ALGORITHM_ALIASES.get(algorithm_id, algorithm_id)
 
 
 class _Section(BaseModel):
@@ -123,10 +155,8 @@ class EnvConfig(_Section):
 
     @property
     def key(self) -> str:
-        """The env's token on subjects and consumer names (``bus.subjects.token_for``)."""
-        from bus.subjects import token_for  # a pure string function; keeps configs light
-
-        return token_for(self.id)
+        """The env's token on subjects and consumer names (``env_key``)."""
+        return env_key(self.id)
 
 
 def _default_envs() -> list[EnvConfig]:
@@ -163,14 +193,14 @@ class AlgorithmConfig(_Section):
     """One algorithm worker (`[[orchestrator.algorithms]]`)."""
 
     id: str = Field(min_length=1)  # unique within the run; envs refer to it
-    name: str | None = None  # registered algorithm name; defaults to `id`
+    # Registered algorithm name; defaults to `id` (`algorithm_name`: id "rl" runs "grpo").
+    name: str | None = None
     options: dict[str, Any] = {}
     shadow: bool = False  # scores samples (for metrics/comparison) that are never trained on
 
     @model_validator(mode="after")
     def _default_name(self) -> AlgorithmConfig:
-        if self.name is None:
-            self.name = self.id
+        self.name = algorithm_name(self.id, self.name)
         return self
 
 
@@ -214,10 +244,8 @@ class EvalEnvConfig(_Section):
 
     @property
     def key(self) -> str:
-        """The env's token on subjects and consumer names (``bus.subjects.token_for``)."""
-        from bus.subjects import token_for
-
-        return token_for(self.id)
+        """The env's token on subjects and consumer names (``env_key``)."""
+        return env_key(self.id)
 
 
 class EvalConfig(_Section):
@@ -306,6 +334,22 @@ class OrchestratorConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _translate(cls, data: Any, info: ValidationInfo) -> Any:
+        # Old and prime-rl spellings of this section's keys, each warned once. A whole
+        # config is translated before it is validated (configs.deprecations
+        # .translate_deprecated, which warns): it passes TRANSLATED, so nothing is
+        # translated, or warned, twice. Imported here: deprecations imports this module.
+        from configs.deprecations import TRANSLATED, translate_orchestrator
+
+        if not isinstance(data, dict) or (info.context or {}).get(TRANSLATED):
+            return data
+        translated, messages = translate_orchestrator(data)
+        for msg in messages:
+            warnings.warn(msg, ConfigDeprecationWarning, stacklevel=2)
+        return translated
+
     # -- lookups and routing (one place for each; roles and replay ask these) ------------
 
     def env(self, id_or_key: str) -> EnvConfig | None:
@@ -369,9 +413,11 @@ class OrchestratorConfig(_Section):
 
     def algorithm_spec(self, algorithm_id: str) -> tuple[str, dict[str, Any]]:
         """(registered name, options) of an algorithm id; an id absent from the config is
-        taken as a registered name with no options."""
+        taken as a registered name (or an alias of one: `rl`) with no options."""
         spec = self.algorithm(algorithm_id)
-        return (spec.name or spec.id, dict(spec.options)) if spec else (algorithm_id, {})
+        if spec is None:
+            return algorithm_name(algorithm_id, None), {}
+        return algorithm_name(spec.id, spec.name), dict(spec.options)
 
     def routed_envs(self, algorithm_id: str) -> set[str] | None:
         """Env keys a config algorithm trains on (None: every env, e.g. a shadow, an id not
@@ -406,7 +452,7 @@ def _token_problems(o: OrchestratorConfig) -> list[str]:
     return [
         f"`{key}` = {value!r} must use letters, digits, '-' and '_' only (it names subjects)"
         for key, value in named
-        if not _TOKEN.match(value)
+        if not is_token(value)
     ]
 
 
@@ -418,6 +464,12 @@ def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
         problems.append(
             f"`orchestrator.actor` = {o.actor!r} must be {POLICY!r} or a key of "
             f"`orchestrator.models` (declared: {keys or 'none'})"
+        )
+    if POLICY in o.models:
+        problems.append(
+            f"`orchestrator.models.{POLICY}`: {POLICY!r} is the model being trained, a model "
+            "key of every run; an auxiliary model (a frozen copy of the policy: kind = "
+            '"reference") needs a key of its own, e.g. `[orchestrator.models.ref]`'
         )
     problems += _token_problems(o)
     algo_ids = [a.id for a in o.algorithms]
