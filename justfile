@@ -15,7 +15,7 @@ up *ARGS: install
 [group('run')]
 install:
     @{{python}} -c "import torch" 2>/dev/null || {{python}} -m pip install -q torch==2.13.0
-    @{{python}} -c "import roles, nats, msgspec, pytest, tensorboard, wandb, cryptography, renderers, aiohttp, openai, verifiers" 2>/dev/null || {{python}} -m pip install -q -e ".[dev]"
+    @{{python}} -c "import roles, nats, msgspec, pytest, tensorboard, wandb, cryptography, renderers, aiohttp, openai, verifiers, peft" 2>/dev/null || {{python}} -m pip install -q -e ".[dev]"
 
 # Run the embedded nats-server (JetStream, loopback) in the foreground.
 [group('run')]
@@ -39,7 +39,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-startup bench-engine bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-faults bench-node-loss bench-weights
+bench: bench-startup bench-engine bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-lora bench-faults bench-node-loss bench-weights
 
 # rlbus up's start and stop on a 2-step smoke run: spawn, each role ready, the ordered stop.
 [group('bench')]
@@ -120,6 +120,11 @@ bench-trace:
 [group('bench')]
 bench-trainer:
     {{python}} -m benchmarks.trainer_bench
+
+# LoRA vs full fine-tuning: memory, trained tokens/s, bytes published per step.
+[group('bench')]
+bench-lora *ARGS:
+    {{python}} -m benchmarks.lora_bench {{ARGS}}
 
 # The fault suite's table: bad input, paused roles, kill -9 of every role and the server.
 [group('bench')]

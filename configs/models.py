@@ -231,6 +231,42 @@ class LossConfig(_Section):
     normalize: Literal["tokens", "sequences"] = "tokens"
 
 
+# The projections LoRA adapts by default: every linear layer of a Llama/Qwen-style block.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (``[trainer.lora]``; the peft library): only the adapters train,
+    checkpoint and travel to inference, which serves the base weights plus
+    ``alpha / rank x B @ A`` (roles.lib.model.lora)."""
+
+    rank: int = Field(default=8, ge=1)
+    alpha: int = Field(default=16, gt=0)  # the update is scaled by alpha / rank
+    dropout: float = Field(default=0.0, ge=0, lt=1)  # on the adapter's input, in training
+    # Module names (the last part of their path) that get adapters.
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    # Modules trained whole beside the adapters, and published whole (e.g. "embed_tokens":
+    # where the output layer is tied to the embeddings, as in the tiny model, the output
+    # distribution moves only through them; the tie is kept).
+    modules_to_save: list[str] = []
+
+
+def lora_targets_problem(lora: LoraConfig, linear: set[str], modules: set[str]) -> str | None:
+    """Why ``trainer.lora`` does not fit a model whose linear layers are ``linear`` and
+    whose modules with parameters are ``modules`` (last part of their path), or None:
+    each target must be a linear layer, each module to save a module, and none both (a
+    typo would train less than asked). The trainer and ``rlbus up``'s preflight ask."""
+    if unmatched := sorted(set(lora.target_modules) - linear):
+        return (f"`trainer.lora.target_modules`: {unmatched} matches no linear layer of the "
+                f"model (its linear layers: {sorted(linear)})")  # fmt: skip
+    if unmatched := sorted(set(lora.modules_to_save) - modules):
+        return (f"`trainer.lora.modules_to_save`: {unmatched} matches no module of the model "
+                f"(its modules with weights: {sorted(modules)})")  # fmt: skip
+    if both := sorted(set(lora.modules_to_save) & set(lora.target_modules)):
+        return f"`trainer.lora`: {both} is in both `target_modules` and `modules_to_save`"
+    return None
+
+
 class TrainerConfig(_Section):
     """Optimizer, schedule, packing and checkpoints of the trainer role."""
 
@@ -281,6 +317,8 @@ class TrainerConfig(_Section):
     broadcast_host: str = "127.0.0.1"
     weights_dir: str | None = None  # None = <run dir>/weights
     loss: LossConfig = Field(default_factory=LossConfig)
+    # None: full fine-tuning; a table: LoRA adapters only (see LoraConfig).
+    lora: LoraConfig | None = None
 
 
 class WandbConfig(_Section):
@@ -373,6 +411,26 @@ class RunConfig(_Section):
                 f"`trainer.weights_via` = {self.trainer.weights_via!r} sends one trainer "
                 "process's weights: set `trainer.world_size` = 1 or another `trainer.weights_via`"
             )
+        problems += _lora_problems(self.trainer)
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def _lora_problems(t: TrainerConfig) -> list[str]:
+    """LoRA trains one process's adapters and sends them as bytes: what it does not do yet
+    is refused here, naming the key, before any role starts."""
+    if t.lora is None:
+        return []
+    problems = []
+    if t.world_size > 1:
+        problems.append(
+            "`trainer.lora` trains on one trainer process: set `trainer.world_size` = 1"
+        )
+    if t.weights_via in ("ipc", "broadcast"):
+        problems.append(
+            f"`trainer.weights_via` = {t.weights_via!r} copies whole models device to "
+            'device; with `trainer.lora` the adapters travel as bytes: use "auto", '
+            '"object", "path" or "shm"'
+        )
+    return problems

@@ -57,7 +57,6 @@ model or env. Registered in the app by ``roles.cli`` (``app.command("eval")(eval
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -337,12 +336,10 @@ def served_dir(source: ModelSource, models: Path, base_path: str) -> Path:
     if not (base / "config.json").exists():
         fail(f"error: checkpoint {source.dir}: no initial model of its run at {base} to "
              "take the config and tokenizer from")  # fmt: skip
+    from roles.lib.model.weights import write_checkpoint_model
+
     target = models / f"{source.run_dir.name}-{source.dir.name}"
-    target.mkdir(parents=True, exist_ok=True)
-    for f in base.iterdir():  # config and tokenizer: not the base's weights (or their index)
-        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
-            shutil.copy2(f, target / f.name)
-    shutil.copy2(source.dir / "model.safetensors", target / "model.safetensors")
+    write_checkpoint_model(source.dir, base, target)
     return target
 
 

@@ -65,12 +65,11 @@ def export(
 
     The config and tokenizer files come from the run's initial model (the tiny model it
     built, or its ``model.path``), the weights from
-    the checkpoint: use it as `[orchestrator.models.<key>] path` (a reference for opd, a
+    the checkpoint (a LoRA run's adapters merged into them): use it as `[orchestrator.models.<key>] path` (a reference for opd, a
     teacher) or as `model.path` of a new run.
     """
-    import shutil
-
     from roles.cli.common import local_runs, no_run, run_paths
+    from roles.lib.model.weights import write_checkpoint_model
     from roles.trainer.core import latest_checkpoint
 
     paths = run_paths(run, data_dir)
@@ -86,9 +85,5 @@ def export(
     ckpt = latest_checkpoint(paths.dir) if step is None else paths.checkpoint(step)
     if ckpt is None or not (ckpt / "model.safetensors").exists():
         raise typer.BadParameter(f"no checkpoint {'' if step is None else step} under {paths.dir}")
-    out.mkdir(parents=True, exist_ok=True)
-    for f in initial.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy2(f, out / f.name)
-    shutil.copy2(ckpt / "model.safetensors", out / "model.safetensors")
+    write_checkpoint_model(ckpt, initial, out)
     typer.echo(json.dumps({"out": str(out), "checkpoint": str(ckpt)}))

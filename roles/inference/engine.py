@@ -83,11 +83,11 @@ from roles.lib.model.broadcast import BROADCAST_KIND, BroadcastReceiver, Rendezv
 from roles.lib.model.loading import load_model, load_tokenizer, resolve_device
 from roles.lib.model.shared_weights import Layout, SharedReader
 from roles.lib.model.weights import (
-    WeightsDigestMismatch,
-    bytes_to_state_dict,
-    digest,
+    adapter_scale,
     load_state_bytes,
+    state_to_load,
     tied_keys,
+    verified,
 )
 from schemas import (
     GenerateRequest,
@@ -350,18 +350,17 @@ class TorchEngine:
         self._version = version
 
     def check_state(self, data: bytes, expected_digest: str) -> dict[str, torch.Tensor]:
-        """``data`` decoded, once it has the announced digest, fits this model exactly and
-        is finite everywhere (``WeightsNotFinite`` names the first tensor that is not).
+        """``data`` decoded (an adapter blob: the layers it adapts, merged), once it has the
+        announced digest, fits this model exactly and is finite everywhere (``WeightsNotFinite`` names the first tensor that is not).
 
         Run before holding the loop: a bad blob is refused without touching the model, so
         a half-copied or NaN state dict can never serve.
         """
-        actual = digest(data)
-        if actual != expected_digest:
-            raise WeightsDigestMismatch(expected_digest, actual)
-        state = bytes_to_state_dict(data)
+        state = state_to_load(self.model, verified(data, expected_digest))
         own = self.model.state_dict()
         expected = {k: tuple(v.shape) for k, v in own.items() if k not in tied_keys(own)}
+        if adapter_scale(data) is not None:  # merged layers only: the others stay as they are
+            expected = {k: v for k, v in expected.items() if k in state}
         got = {k: tuple(v.shape) for k, v in state.items()}
         if got != expected:
             missing = sorted(set(expected) - set(got))

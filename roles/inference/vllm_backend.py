@@ -12,7 +12,8 @@ How the ``Backend`` contract maps onto vLLM:
   with the engine started with ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2),
   so the logprob of a sampled token is taken after temperature/top-k/top-p, like the
   torch backend's; greedy requests report the unscaled log-softmax;
-- weights: the bytes are verified against the digest, written as a safetensors file
+- weights: the bytes are verified against the digest (a LoRA run's adapters merged
+  into the base layers read from the model directory: ``weights.merged_with``), written as a safetensors file
   under ``weights_dir``, checked finite tensor by tensor from that file
   (``backend.check_finite``: a NaN or an inf refuses them before the engine is paused),
   and loaded by every vLLM worker through ``collective_rpc``
@@ -43,8 +44,13 @@ from pathlib import Path
 from typing import Any
 
 from roles.inference.backend import admit_generate, admit_score, check_finite
-from roles.lib.model.weights import WeightsDigestMismatch, write_atomic
-from roles.lib.model.weights import digest as weights_digest
+from roles.lib.model.weights import (
+    adapter_scale,
+    merged_with,
+    tensors_to_bytes,
+    verified,
+    write_atomic,
+)
 from schemas import (
     GenerateRequest,
     GenerateResult,
@@ -153,6 +159,7 @@ class VllmBackend:
         self._engine = AsyncLLMEngine.from_engine_args(args)
         self._max_model_len = int(self._engine.model_config.max_model_len)
         self._vocab_size = max(self._vocab_size, int(self._engine.model_config.get_vocab_size()))
+        self._model_path = Path(model_path)  # the base a LoRA run's adapters merge into
         self._weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rlbus-vllm-weights-"))
         self._weights_dir.mkdir(parents=True, exist_ok=True)
         self._gate = _SwapGate()
@@ -284,9 +291,10 @@ class VllmBackend:
     # -- weights ------------------------------------------------------------------------
 
     async def load_weights(self, data: bytes, digest: str, version: int) -> float:
-        actual = weights_digest(data)
-        if actual != digest:
-            raise WeightsDigestMismatch(digest, actual)
+        data = verified(data, digest)
+        if adapter_scale(data) is not None:  # LoRA: the adapted layers merged on the host
+            merged = await asyncio.to_thread(merged_with, self._model_path, data, whole=False)
+            data = tensors_to_bytes(merged)
         path = self._weights_dir / f"policy-v{version}.safetensors"
         await asyncio.to_thread(write_atomic, path, data)
         try:

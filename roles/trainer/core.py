@@ -20,6 +20,11 @@ optimizer step, the gradients are dropped, and its metrics say ``nonfinite_step=
 with the loss. Both are pure functions of the batch, so a restart and a replay step
 over exactly the same batches and reach the same weights.
 
+With ``trainer.lora`` the model is wrapped with LoRA adapters (``roles.lib.model.lora``):
+AdamW steps only the adapters (and ``modules_to_save``), and the weights this fold
+publishes and checkpoints are those alone (``weights_bytes``), drawn at start from a seed
+of their own, so the fold stays a pure function of config, initial weights and batches.
+
 A checkpoint is a snapshot of the fold: ``<run_dir>/checkpoints/step-<8 digits>/`` with
 ``model.safetensors``, ``optimizer.pt`` and ``state.json`` (step, weights digest, the
 caller's ``extra``). It is written to a temporary sibling and renamed into place, so a
@@ -52,8 +57,16 @@ import torch
 from bus.errors import Rejected
 from configs import RunConfig
 from configs.paths import CHECKPOINT_PREFIX, RunPaths
+from roles.lib.model import lora
 from roles.lib.model.loading import load_model, resolve_device
-from roles.lib.model.weights import digest, load_state_bytes, state_dict_to_bytes
+from roles.lib.model.weights import (
+    adapter_to_bytes,
+    adapters_of,
+    digest,
+    load_state_bytes,
+    state_dict_to_bytes,
+    verified,
+)
 from roles.lib.threads import torch_threads
 from roles.trainer.loss import PHASES, LossStats, loss_denominators, policy_loss
 from roles.trainer.packing import MicroBatch, collate, pack
@@ -165,11 +178,13 @@ class TrainerCore:
             local_files_only=cfg.model.local_files_only,
         )
         model.train()
+        t = cfg.trainer
+        if t.lora is not None:  # only the adapters train (roles.lib.model.lora)
+            model = lora.wrap(model, t.lora, stable_seed(cfg.seed, "trainer", "lora"))
         self.model = self._wrap(model)
         self.pad_id = int(self.model.config.pad_token_id or 0)
-        t = cfg.trainer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=t.lr,
             betas=(t.betas[0], t.betas[1]),
             weight_decay=t.weight_decay,
@@ -380,7 +395,11 @@ class TrainerCore:
     # -- weights ------------------------------------------------------------------------
 
     def weights_bytes(self) -> bytes:
-        """The current weights as safetensors bytes (what ``weights.published`` names)."""
+        """The current weights as safetensors bytes (what ``weights.published`` names):
+        the whole model, or with ``trainer.lora`` its adapters."""
+        lo = self.cfg.trainer.lora
+        if lo is not None:
+            return adapter_to_bytes(lora.adapter_state(self.model), lora.scale(lo.alpha, lo.rank))
         return state_dict_to_bytes(self.model)
 
     def weights_digest(self) -> str:
@@ -429,9 +448,14 @@ class TrainerCore:
 
     def read_snapshot(self, folder: Path, state: dict[str, Any]) -> None:
         """Inverse of ``write_snapshot`` (rank hook)."""
-        load_state_bytes(
-            self.model, (folder / "model.safetensors").read_bytes(), state["weights_digest"]
-        )
+        data = (folder / "model.safetensors").read_bytes()
+        if self.cfg.trainer.lora is not None:
+            adapter = adapters_of(verified(data, state["weights_digest"]))
+            if adapter is None:
+                raise ValueError(f"{folder}: a whole model's weights, but trainer.lora is set")
+            lora.load_adapter_state(self.model, adapter[0])
+        else:
+            load_state_bytes(self.model, data, state["weights_digest"])
         opt = torch.load(folder / "optimizer.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(opt)
 

@@ -29,6 +29,9 @@ it can check cheaply (no torch, no model load, no network), each problem naming 
   ``teacher``) can read each train env's first prompt back into the messages it was
   rendered from (the teacher answers from them: ``roles.teacher``), through the policy's
   renderer;
+- ``trainer.lora.target_modules`` names linear layers of the policy and
+  ``modules_to_save`` modules of it (for a model other than the tiny one, built on the
+  meta device: torch and transformers, no weights);
 - ``trainer.device`` and ``inference.device``, when they name a CUDA device
   (``"cuda"``, ``"cuda:1"``), name one torch sees (``"auto"`` falls back to the CPU and
   is not checked); this imports torch, and only then;
@@ -107,6 +110,7 @@ def _problems(cfg: RunConfig, devices: bool) -> list[str]:
         *algorithm_problems(cfg),
         *backend_problems(cfg),
         *engine_problems(cfg),
+        *lora_problems(cfg),
         *template_problems(cfg),
         *teacher_problems(cfg),
         *(device_problems(cfg) if devices else []),
@@ -280,6 +284,44 @@ def engine_problems(cfg: RunConfig) -> list[str]:
         except capacity.KVCacheTooSmall as e:
             problems.append(f"`inference.kv_cache_gb` ({key}): {e}")
     return problems
+
+
+# The tiny model's modules with weights, by the last part of their name (its families
+# are Llama-shaped; Qwen3 adds a norm on queries and keys): preflight builds no model.
+_TINY_MODULES = {"embed_tokens", "lm_head", "input_layernorm", "post_attention_layernorm", "norm"}
+
+
+def lora_problems(cfg: RunConfig) -> list[str]:
+    """``trainer.lora``'s targets are linear layers of the policy and its modules to save
+    modules of it (the tiny model's by its families' names; another model is built on
+    the meta device from its config: torch and transformers, no weights)."""
+    lo = cfg.trainer.lora
+    if lo is None:
+        return []
+    from configs.models import LORA_TARGETS, lora_targets_problem
+
+    if cfg.model.path == TINY:
+        linear = set(LORA_TARGETS)  # (its lm_head is tied to its embeddings)
+        modules = (
+            linear
+            | _TINY_MODULES
+            | ({"q_norm", "k_norm"} if cfg.model.tiny.arch == "qwen3" else set())
+        )
+    else:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from roles.lib.model.lora import linear_layers, module_names
+
+        try:
+            config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        except (OSError, ValueError):
+            return []  # (model_problems names an unreadable model)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        linear, modules = linear_layers(model), module_names(model)
+    problem = lora_targets_problem(lo, linear, modules)
+    return [] if problem is None else [problem]
 
 
 def _policy_renderer(cfg: RunConfig) -> tuple[Any, list[str]]:

@@ -5,7 +5,9 @@
 - `families`: models of real families (Qwen3, Llama) built here: a BPE tokenizer, a chat
   template, random weights
 - `loading`: load any model/tokenizer directory with no network
-- `weights`: weights <-> deterministic safetensors bytes with a sha256 digest
+- `weights`: weights <-> deterministic safetensors bytes with a sha256 digest (a whole
+  model, or LoRA adapters merged where they serve)
+- `lora`: LoRA adapters (``trainer.lora``, the peft library) and their merge
 - `render`: token-in/token-out chat rendering for multi-turn episodes
 - `shared_weights`, `broadcast`: weights device to device (``trainer.weights_via``
   "ipc" and "broadcast")
