@@ -318,6 +318,10 @@ class OrchestratorConfig(_Section):
     # `stall_min_s`. It is reported (log line, `rlbus status`, the live view) with what
     # the run waits for; a stall longer than `stall_stop_s` stops the run (reason "stalled").
     stall_factor: float = Field(default=5.0, gt=0)
+    # Stop (reason "rollouts_filtered", naming the filter) after this many batches' worth of
+    # RL groups in a row had every rollout filtered: each such group is regenerated (a new
+    # one is dispatched in its place) until then. 0 = never.
+    max_filtered_batches: int = Field(default=5, ge=0)
     stall_min_s: float = Field(default=30.0, gt=0)
     stall_stop_s: float = Field(default=900.0, gt=0)
     # Rollouts that only error: no trainer step and not one rollout that could train for

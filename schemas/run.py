@@ -50,8 +50,8 @@ def run_stopped_id(run: str, segment: int = 0) -> str:
 
 
 class RunStopped(Event, frozen=True, tag="run_stopped/1"):
-    # "max_steps" | "no_learning_signal" | "env_error" | "stalled" | "rollout_errors"
-    # (the orchestrator's: roles/orchestrator) | "user" | "error"
+    # "max_steps" | "no_learning_signal" | "env_error" | "stalled" | "rollout_errors" |
+    # "rollouts_filtered" (the orchestrator's: roles/orchestrator) | "user" | "error"
     reason: str
     step: int = 0
     detail: str = ""

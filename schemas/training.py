@@ -111,6 +111,9 @@ class SamplesScored(Event, frozen=True, tag="samples_scored/1"):
     # Rollouts an enforcing filter flagged (``Trace.is_filtered``): their rewards are in
     # ``rewards`` and the baseline, their samples are not here.
     filtered: NonNegative = 0
+    # Which enforcing filters flagged them: filter name -> rollouts (a rollout flagged by
+    # two counts for both); what the orchestrator's filter stop names.
+    filtered_by: dict[str, NonNegative] = msgspec.field(default_factory=dict)
     zero_advantage: bool = False  # no channel has a non-zero weight: no learning signal
     # Why this algorithm could not score the group (its scoring raised, it made a sample
     # that cannot be trained, or the orchestrator gave up waiting: "deadline ..."); the

@@ -32,6 +32,7 @@ Nothing here reads the clock, the RNG or the network: replay calls the same func
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -275,6 +276,9 @@ def score_group(
         rewards=[float(t.reward) for t in ok],
         excluded=len(events) - len(ok),
         filtered=sum(t.is_filtered for t in ok),
+        filtered_by=dict(
+            sorted(Counter(f.name for t in ok for f in t.filters if f.enforced).items())
+        ),
         excluded_members=[
             b.member for e in events if not e.trace.ok for b in e.trace.branches if b.member
         ],

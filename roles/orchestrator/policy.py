@@ -263,6 +263,11 @@ class Decider:
                 "the policy gets no learning signal: check the reward function, raise the temperature "
                 "or the group size, or warm-start the policy"
             )
+        elif (
+            o.max_filtered_batches
+            and s.filtered_streak >= o.max_filtered_batches * groups_per_batch
+        ):
+            reason, detail = "rollouts_filtered", filter_stop_detail(s, o.max_filtered_batches)
         elif s.trainer_version >= self.cfg.max_steps:
             # The final eval reported, and every earlier round too: an older round can be
             # answered after a newer one (inference loading late, its env server slower).
@@ -350,6 +355,20 @@ def error_stop(state: OrchestratorState, cfg: RunConfig, erroring_s: float) -> s
         f"(no trainer step for {erroring_s:.0f} s); {count} of them {headline} "
         f"[{state.streak_source}]; {ERROR_ADVICE.get(kind, DEFAULT_ADVICE)} "
         f"(stopped by `orchestrator.error_stop_s` = {limit:g}; 0 never stops)"
+    )
+
+
+def filter_stop_detail(state: OrchestratorState, batches: int) -> str:
+    """Why a run whose rollouts are all filtered stops: how many groups in a row, the
+    filter that flagged most of them, and what to change."""
+    named = state.streak_filters.most_common(1)
+    which = (f"filter {named[0][0]!r} flagged {named[0][1]} of their rollouts"
+             if named else "no filter named itself")  # fmt: skip
+    return (
+        f"{state.filtered_streak} groups in a row had every rollout filtered ({which}): "
+        "nothing trains; loosen or stop enforcing that filter (`enforce = false` only "
+        "records its verdicts), or warm-start the policy (stopped by "
+        f"`orchestrator.max_filtered_batches` = {batches}; 0 never stops)"
     )
 
 

@@ -114,6 +114,10 @@ class OrchestratorState:
     streak_errors: Counter[str] = field(default_factory=Counter)
     streak_source: str = ""  # "env <key>, model <key>" of the newest errored group
     filtered_groups: int = 0  # RL groups whose every rollout was filtered
+    # RL groups in a row whose every rollout was filtered, and the filters that flagged
+    # them (``SamplesScored.filtered_by``): what the filter stop names (``policy.stop``).
+    filtered_streak: int = 0
+    streak_filters: Counter[str] = field(default_factory=Counter)
     released: int = 0  # groups closed without training (an algorithm failed, a deadline)
     last_release: str = ""  # why the newest one was released
     # Own task requests an env server dead-lettered (env code raised, or it could not
@@ -294,7 +298,12 @@ class OrchestratorState:
         phase = group.request.phase
         if phase == "rl" and first.rewards and first.filtered == len(first.rewards):
             self.filtered_groups += 1  # every rollout filtered: nothing to train, and not
-            return  # the rewards' fault, so it does not count toward no_learning_signal
+            self.filtered_streak += 1  # the rewards' fault, so it does not count toward
+            self.streak_filters.update(first.filtered_by)  # no_learning_signal
+            return
+        if phase == "rl":
+            self.filtered_streak = 0
+            self.streak_filters.clear()
         if phase == "rl" and skip_zero and all(e.zero_advantage for e in events):
             self.skipped_zero += 1
             self.total_skipped_zero += 1

@@ -73,11 +73,12 @@ Metrics (``LossStats``, summed over micro-batches then ``finalize``d):
   ce and ref tokens have no ratio of interest (a teacher's or a tool's tokens);
 - ``loss_tokens`` (positions in any channel), ``rl_tokens``, ``ce_tokens``, ``ref_tokens``;
 - ``ce_nll``: mean ``-lp1`` over ce positions, unweighted (the NLL of the tool-output /
-  SFT tokens);
+  SFT tokens), and ``ce_nll_max``, the largest (prime-rl's ``sft_nll_max``: the one
+  token the model fits worst, which a mean hides);
 - ``ref_kl``: mean over ref positions of the k3 estimator ``exp(ref - lp1) - 1 - (ref -
   lp1)`` (>= 0), an estimate of KL(π ‖ π_ref).
 
-``ce_nll`` and ``ref_kl`` are emitted only when their channel has tokens in the batch: a
+``ce_nll``, ``ce_nll_max`` and ``ref_kl`` are emitted only when their channel has tokens in the batch: a
 0.0 would read as a perfect fit, a missing value is a gap in the curve.
 """
 
@@ -178,7 +179,8 @@ def token_logprobs(
 
 @dataclass
 class LossStats:
-    """Sums over loss positions; add micro-batches with ``+``, then ``finalize``."""
+    """Sums over loss positions (the ``MAXED`` fields: maxima); add micro-batches with
+    ``+``, then ``finalize``."""
 
     loss: float = 0.0
     loss_rl: float = 0.0
@@ -193,12 +195,17 @@ class LossStats:
     mismatch_kl_sum: float = 0.0
     ratio_sum: float = 0.0
     ce_nll_sum: float = 0.0
+    ce_nll_max: float = 0.0  # the worst-fit ce token (NLLs are >= 0, so 0 is "none")
     ref_kl_sum: float = 0.0
 
+    MAXED = frozenset({"ce_nll_max"})  # combined by max, not summed (micro-batches, ranks)
+
     def __add__(self, other: LossStats) -> LossStats:
-        return LossStats(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        )
+        def both(name: str) -> float:
+            a, b = getattr(self, name), getattr(other, name)
+            return max(a, b) if name in self.MAXED else a + b
+
+        return LossStats(**{f.name: both(f.name) for f in fields(self)})
 
     def finalize(self) -> dict[str, float]:
         n, rl = max(self.loss_tokens, 1), max(self.rl_tokens, 1)
@@ -219,6 +226,7 @@ class LossStats:
         # Only when measured: 0.0 would read as a perfect fit (see the module docstring).
         if self.ce_tokens:
             out["ce_nll"] = self.ce_nll_sum / self.ce_tokens
+            out["ce_nll_max"] = self.ce_nll_max
         if self.ref_tokens:
             out["ref_kl"] = self.ref_kl_sum / self.ref_tokens
         return out
@@ -339,6 +347,7 @@ def policy_loss(
             mismatch_kl_sum=float(k3[rl].double().sum()),
             ratio_sum=float(torch.exp(clamped)[rl].double().sum()),
             ce_nll_sum=float(-lp1.detach()[ce].double().sum()),
+            ce_nll_max=float(-lp1.detach()[ce].min()) if bool(ce.any()) else 0.0,
             ref_kl_sum=float(ref_k3[ref].double().sum()),
         )
     return loss, stats

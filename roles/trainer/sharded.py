@@ -143,6 +143,11 @@ class ShardedCore(TrainerCore):
         )
         dist.all_reduce(values)
         summed = dict(zip(_STAT_FIELDS, values.tolist(), strict=True))
+        maxed = [f for f in _STAT_FIELDS if f in LossStats.MAXED]
+        peaks = torch.tensor([float(getattr(stats, f)) for f in maxed], dtype=torch.float64,
+                             device=self.device)  # fmt: skip
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        summed.update(zip(maxed, peaks.tolist(), strict=True))
         ints = {f for f in _STAT_FIELDS if isinstance(getattr(stats, f), int)}
         return LossStats(**{f: int(v) if f in ints else v for f, v in summed.items()})
 

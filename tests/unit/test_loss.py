@@ -271,7 +271,9 @@ def test_micro_batches_sum_to_the_loss_and_gradient_of_one_big_batch(normalize: 
     assert x.grad is not None
     torch.testing.assert_close(x.grad, big_grad, rtol=1e-12, atol=1e-15)
     split, big = stats.finalize(), big_stats.finalize()
-    assert split.keys() == big.keys() >= {"ce_nll", "ref_kl", "loss_rl", "loss_ce", "loss_ref"}
+    assert split.keys() == big.keys() >= {
+        "ce_nll", "ce_nll_max", "ref_kl", "loss_rl", "loss_ce", "loss_ref",
+    }  # fmt: skip
     for key, value in big.items():
         assert split[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
     assert all(big[f"loss_{c}"] != 0 for c in CHANNELS)
@@ -337,6 +339,7 @@ def test_metrics_per_channel() -> None:
     m = policy_loss(logits, mb, LossConfig(), "rl", den)[1].finalize()
     lp1 = token_logprobs(logits, mb.targets, torch.ones(2, 4, dtype=F64))[0]
     assert m["ce_nll"] == pytest.approx(float(-lp1[sft].mean()), rel=1e-12)
+    assert m["ce_nll_max"] == float((-lp1[sft]).max()) > m["ce_nll"]
     assert m["loss_ce"] == pytest.approx(float(-(ce_w * lp1)[sft].sum() / 3), rel=1e-12)
     assert (m["ce_tokens"], m["rl_tokens"], m["ref_tokens"], m["loss_tokens"]) == (3, 5, 0, 8)
     assert "ref_kl" not in m and m["loss_ref"] == 0.0

@@ -218,6 +218,51 @@ def test_zero_advantage_groups_are_skipped_and_stop_the_run_when_persistent() ->
     assert state.total_skipped_zero == 4  # 2 batches x 2 groups per batch
 
 
+def filtered(req: TaskRequested, n: int, by: dict[str, int]) -> SamplesScored:
+    """A group whose ``n`` rollouts an enforcing filter all flagged: rewards, no samples."""
+    return msgspec.structs.replace(scored(req, [0.5] * n), samples=[], filtered=n, filtered_by=by)
+
+
+def test_all_filtered_groups_are_regenerated_then_stop_the_run_naming_the_filter() -> None:
+    """Each all-filtered group is replaced by a new one (nothing of it is batched); a
+    group with a rollout that can train ends the streak; at max_filtered_batches' worth
+    of groups in a row the run stops with reason rollouts_filtered, naming the filter
+    that flagged most of them."""
+    cfg, state = make("orchestrator.max_filtered_batches=2")
+    reqs = tasks(step(state, cfg, started(cfg)))
+    # Three all-filtered groups, then a trainable one: the streak starts over.
+    for _ in range(3):
+        r = reqs.pop(0)
+        new = step(state, cfg, filtered(r, 4, {"gibberish": 4}))
+        assert len(tasks(new)) == 1 and r.group_id not in state.groups  # regenerated
+        reqs += tasks(new)
+    assert state.filtered_streak == 3
+    r = reqs.pop(0)
+    reqs += tasks(step(state, cfg, scored(r, [1, 0, 1, 0])))
+    assert state.filtered_streak == 0 and not state.streak_filters
+    out: list[Event] = []
+    while not any(isinstance(e, RunStopped) for e in out):
+        r = reqs.pop(0)
+        new = step(state, cfg, filtered(r, 4, {"repetition": 3, "gibberish": 4}))
+        reqs += tasks(new)
+        out += new
+        assert len(out) < 100
+    assert not any(isinstance(e, BatchAssembled) for e in out)
+    (stop,) = [e for e in out if isinstance(e, RunStopped)]
+    assert stop.reason == "rollouts_filtered"
+    assert state.filtered_streak == 4  # 2 batches x 2 groups per batch
+    assert "filter 'gibberish' flagged 16" in stop.detail
+    assert "orchestrator.max_filtered_batches` = 2" in stop.detail
+    # 0: never stops.
+    cfg, state = make("orchestrator.max_filtered_batches=0")
+    reqs = tasks(step(state, cfg, started(cfg)))
+    for _ in range(12):
+        r = reqs.pop(0)
+        new = step(state, cfg, filtered(r, 4, {"gibberish": 4}))
+        assert not any(isinstance(e, RunStopped) for e in new)
+        reqs += tasks(new)
+
+
 def test_warm_start_batches_are_sft_from_the_teacher() -> None:
     """The first warmup.steps batches come from the warmup actor and are phase sft."""
     cfg, state = make(

@@ -8,7 +8,16 @@ import numpy as np
 from roles.algorithm import create
 from roles.algorithm.base import Targets
 from roles.algorithm.samples import GroupBuffer, score_group, trace_samples
-from schemas import Branch, Message, TaskRef, Trace, TraceCompleted, TraceError, derive_id
+from schemas import (
+    Branch,
+    FilterVerdict,
+    Message,
+    TaskRef,
+    Trace,
+    TraceCompleted,
+    TraceError,
+    derive_id,
+)
 from schemas.arrays import f32, mask, pack_f32, pack_i32, pack_mask
 
 
@@ -213,9 +222,14 @@ def test_filtered_traces_count_in_the_baseline_but_never_train() -> None:
     """A filtered trace's reward is in the group's rewards and baseline, but no sample of
     it is kept; it is not an errored (excluded) rollout."""
     traces = [single(f"r{i}", r, i) for i, r in enumerate([1.0, 0.0, 0.0, 1.0])]
-    traces[3] = msgspec.structs.replace(traces[3], is_filtered=True)
+    flagged = [
+        FilterVerdict(name="gibberish", value=0.9, flagged=True, enforced=True),
+        FilterVerdict(name="length", value=40.0, flagged=True),  # monitored: not named
+    ]
+    traces[3] = msgspec.structs.replace(traces[3], is_filtered=True, filters=flagged)
     scored = score_group("grpo", create("grpo"), [completed(t) for t in traces])
     assert [s.rollout_id for s in scored.samples] == ["r0", "r1", "r2"]
+    assert scored.filtered == 1 and scored.filtered_by == {"gibberish": 1}
     assert scored.rewards == [1.0, 0.0, 0.0, 1.0] and scored.excluded == 0
     # baseline over all four rewards (mean 0.5), the filtered one included
     assert [float(f32(s.advantages)[-1]) for s in scored.samples] == [0.5, -0.5, -0.5]
