@@ -87,7 +87,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -201,7 +201,7 @@ class LossStats:
     MAXED = frozenset({"ce_nll_max"})  # combined by max, not summed (micro-batches, ranks)
 
     def __add__(self, other: LossStats) -> LossStats:
-        def both(name: str) -> float:
+        def both(name: str) -> Any:  # an int or a float, as the field is
             a, b = getattr(self, name), getattr(other, name)
             return max(a, b) if name in self.MAXED else a + b
 
