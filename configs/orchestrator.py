@@ -134,6 +134,10 @@ class EnvConfig(_Section):
     # Judge members never become samples (false: a judge played by the actor trains).
     drop_judge: bool = True
     filters: list[FilterConfig] = []  # rollout filters, applied by the env server
+    # State keys recorded on each trace (`Trace.state`) after the env's own
+    # `state_columns`: its own first, then these (duplicates dropped; a key the state
+    # lacks is recorded as null).
+    state_columns: list[str] = []
     # The env's server pool, started by `rlbus up`: `replicas` processes, each with
     # `max_concurrent` groups in flight (None: `env_server.groups_in_flight`). Elastic
     # when `max_replicas` > `min_replicas`: the launcher adds a replica while the env's
@@ -231,6 +235,9 @@ class EvalEnvConfig(_Section):
     # to its train pool, so setting these on a train env is an error).
     replicas: int | None = Field(default=None, ge=1)  # None: 1
     max_concurrent: int | None = Field(default=None, ge=1)  # None: `env_server.groups_in_flight`
+    # An eval-only env's extra state columns (as `EnvConfig.state_columns`); a train env's
+    # come from its train entry, whose servers answer its evals.
+    state_columns: list[str] = []
 
     @property
     def servers(self) -> int:
@@ -311,6 +318,10 @@ class OrchestratorConfig(_Section):
     max_groups_in_flight: int = Field(default=16, ge=1)
     skip_zero_advantage_groups: bool = True
     max_no_signal_batches: int = Field(default=5, ge=1)  # stop after this many signal-free batches
+    # Stop (reason "rollouts_filtered", naming the filter) after this many batches' worth of
+    # RL groups in a row had every rollout filtered: each such group is regenerated (a new
+    # one is dispatched in its place) until then. 0 = never.
+    max_filtered_batches: int = Field(default=5, ge=0)
     # A train group not fully scored this long after the orchestrator saw it dispatched is
     # released ("deadline"): its slot frees, nothing of it trains.
     group_timeout_s: float = Field(default=600.0, gt=0)
@@ -318,10 +329,6 @@ class OrchestratorConfig(_Section):
     # `stall_min_s`. It is reported (log line, `rlbus status`, the live view) with what
     # the run waits for; a stall longer than `stall_stop_s` stops the run (reason "stalled").
     stall_factor: float = Field(default=5.0, gt=0)
-    # Stop (reason "rollouts_filtered", naming the filter) after this many batches' worth of
-    # RL groups in a row had every rollout filtered: each such group is regenerated (a new
-    # one is dispatched in its place) until then. 0 = never.
-    max_filtered_batches: int = Field(default=5, ge=0)
     stall_min_s: float = Field(default=30.0, gt=0)
     stall_stop_s: float = Field(default=900.0, gt=0)
     # Rollouts that only error: no trainer step and not one rollout that could train for
@@ -531,7 +538,7 @@ def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
 
 def _eval_env_problems(o: OrchestratorConfig, train_ids: list[str]) -> list[str]:
     """`orchestrator.eval.env`: unique ids and keys (an eval-only env's key names its
-    servers' consumer), and no pool settings on a train env (its eval
+    servers' consumer), and no pool settings or state columns on a train env (its eval
     requests go to the train env's own pool). Whether an id names an env at all is
     checked where envs can be built (`roles.up.preflight.eval_env_problems`)."""
     problems = []
@@ -550,7 +557,8 @@ def _eval_env_problems(o: OrchestratorConfig, train_ids: list[str]) -> list[str]
     for i, entry in enumerate(entries):
         where = f"orchestrator.eval.env.{i}"
         if entry.id in train_ids:
-            pooled = [k for k in ("replicas", "max_concurrent") if getattr(entry, k) is not None]
+            served = ("replicas", "max_concurrent", "state_columns")
+            pooled = [k for k in served if getattr(entry, k) not in (None, [])]
             for key in pooled:
                 problems.append(
                     f"`{where}.{key}`: {entry.id!r} is a train env, whose eval is served "

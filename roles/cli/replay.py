@@ -242,7 +242,8 @@ def rubric(
         log = run_async(load(url, update))
     with progress(f"replay {run} rubric", unit="traces") as update:
         result = rescore(log, update)
-    console.print(f"{result.scored} traces rescored ({result.errored} errored traces skipped), {len(result.changed_traces)} changed")  # fmt: skip
+    grouped = f", {result.groups} groups scored together" if result.groups else ""
+    console.print(f"{result.scored} traces rescored ({result.errored} errored traces skipped{grouped}), {len(result.changed_traces)} changed")  # fmt: skip
     for line in result.diff.summary("rewards"):
         console.print(line)
     for f in result.failures[:5]:
@@ -250,7 +251,9 @@ def rubric(
     if len(result.failures) > 5:
         console.print(f"  ... the rubric raised on {len(result.failures)} traces in all")
     if result.failures or not result.diff.ok:
+        console.print(f"[red bold]MISMATCH[/] rubric: {len(result.changed_traces)} traces changed, {len(result.failures)} not rescored")  # fmt: skip
         raise typer.Exit(1)
+    console.print(f"[green bold]MATCH[/] rubric: {result.scored} traces, every reward exactly equal")  # fmt: skip
 
 
 @replay_app.command("orchestrator")

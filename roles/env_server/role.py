@@ -6,7 +6,7 @@ Every replica of an env binds one shared durable consumer, ``env-<env key>``, on
 ``task.requested.<env key>`` (a work queue: each request goes to one replica, and a
 request whose replica dies is redelivered to another after ``ack_wait``). Up to
 ``concurrency`` groups (the env's ``max_concurrent``, else ``env_server.groups_in_flight``)
-are in flight per replica; the rollouts of a group run concurrently. For a ``TaskRequested`` the server builds ``make_env(env, request.args)``,
+are in flight per replica; the rollouts of a group run concurrently. For a ``TaskRequested`` the server builds ``make_env(env, request.args)`` (plus its config entry's ``state_columns``),
 takes ``task(split, index)`` and runs ``group_size`` rollouts (rollout ``i`` samples with
 seed ``stable_seed(request.seed, i)``), then returns:
 
@@ -16,7 +16,9 @@ seed ``stable_seed(request.seed, i)``), then returns:
   its policy turns are pinned to ``request.policy_version`` (inference holds that version
   while they run), so an eval at vN is answered by vN.
 
-Train traces then pass the env's rollout filters (``roles.lib.envs.filters``): each
+An env with a group rubric has the group's finished rollouts scored together once all of
+them are done, before anything is published (``roles.lib.envs.group``). Train traces
+then pass the env's rollout filters (``roles.lib.envs.filters``): each
 verdict is recorded on the trace (``filters``, ``is_filtered``), so the log, the lake and
 algorithm replay see the same verdict.
 
@@ -41,7 +43,7 @@ import json
 import time
 import traceback
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +53,9 @@ from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
 from configs import EnvServerConfig
 from configs.orchestrator import POLICY
-from roles.lib.envs.base import EnvCodeError, Environment, check_split
+from roles.lib.envs.base import EnvCodeError, Environment, Messages, State, check_split
 from roles.lib.envs.filters import Filter, apply_filters, build_filters
+from roles.lib.envs.group import score_group
 from roles.lib.envs.harness import Generate, completion_tokens, run_rollout
 from roles.lib.envs.registry import env_key, make_env
 from roles.runtime.context import RoleContext
@@ -141,9 +144,11 @@ async def rollout_group(
     filters: Sequence[Filter] = (),
     models: Sequence[str] = (POLICY,),
 ) -> list[Trace]:
-    """The ``group_size`` rollouts of one request, run concurrently; train traces pass
-    ``filters``. An ``EnvCodeError`` (a bug in env code) propagates. ``models``: the
-    run's model keys, which an agent env's code may call (``roles.lib.envs.agent``).
+    """The ``group_size`` rollouts of one request, run concurrently; an env with a group
+    rubric then scores the finished ones together (``roles.lib.envs.group``), and train
+    traces pass ``filters``. An ``EnvCodeError`` (a bug in env code) propagates.
+    ``models``: the run's model keys, which an agent env's code may call
+    (``roles.lib.envs.agent``).
 
     The orchestrator draws task indices from a large space without knowing the taskset;
     the index is reduced modulo the split's size here, and the trace records the task's
@@ -161,6 +166,11 @@ async def rollout_group(
     task = TaskRef(index=index, split=request.task.split, data=data)
     if task.split == "eval":
         generate = pinned(generate, request.policy_version)
+    seen: dict[int, tuple[Messages, State]] = {}  # what each rollout's rubric scored
+
+    def keep(i: int) -> Callable[[Messages, State], None]:
+        return lambda messages, state: seen.__setitem__(i, (messages, state))
+
     # A TaskGroup: an EnvCodeError in one rollout cancels its siblings and propagates
     # (bare, not in an ExceptionGroup, so the env server can dead-letter the task).
     try:
@@ -184,6 +194,7 @@ async def rollout_group(
                         seating=request.seating,
                         group_seed=request.seed,
                         agent_models=models,
+                        on_scored=keep(i) if env.group_scored else None,
                     )
                 )
                 for i in range(request.group_size)
@@ -191,7 +202,7 @@ async def rollout_group(
     except BaseExceptionGroup as group:  # a rollout never raises anything else
         bugs = [e for e in group.exceptions if isinstance(e, EnvCodeError)]
         raise (bugs[0] if bugs else group.exceptions[0]) from None
-    traces = [t.result() for t in tasks]
+    traces = await score_group(env, data, [t.result() for t in tasks], seen, request.env)
     if task.split == "train" and filters:
         traces = [apply_filters(t, filters) for t in traces]
     return traces
@@ -300,6 +311,7 @@ class EnvServer(Role):
         *,
         default_args: dict[str, Any] | None = None,
         filters: Sequence[Filter] = (),
+        state_columns: Sequence[str] = (),
         models: Sequence[str] = (POLICY,),
         concurrency: int = EnvServerConfig().groups_in_flight,
         metrics_interval_s: float = METRICS_INTERVAL_S,
@@ -312,6 +324,7 @@ class EnvServer(Role):
         self.generate = generate
         self.default_args = dict(default_args or {})
         self.filters = list(filters)
+        self.state_columns = tuple(state_columns)
         self.models = tuple(models)
         self.concurrency = concurrency
         self.metrics_interval_s = metrics_interval_s
@@ -352,10 +365,11 @@ class EnvServer(Role):
         return out
 
     def env_for(self, args: dict[str, Any]) -> Environment:
-        """The env built with ``args`` (cached: one instance per distinct args)."""
+        """The env built with ``args``, recording the config's ``state_columns`` beside its
+        own (cached: one instance per distinct args)."""
         cache_key = json.dumps(args, sort_keys=True, default=str)
         if cache_key not in self._envs:
-            self._envs[cache_key] = make_env(self.env_id, args)
+            self._envs[cache_key] = make_env(self.env_id, args, self.state_columns)
         return self._envs[cache_key]
 
     async def on_task(self, request: TaskRequested, delivery: Delivery) -> list[Event]:
@@ -427,14 +441,15 @@ def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
 def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
     """``EnvServer``'s keyword arguments from the run's config: the env's args and
     filters (a train env's; an eval-only env has none: eval traces are never filtered),
-    the groups in flight (the env's ``max_concurrent``, else
-    ``env_server.groups_in_flight``), the heartbeat interval."""
+    the state columns its entry adds, the groups in flight (the env's
+    ``max_concurrent``, else ``env_server.groups_in_flight``), the heartbeat interval."""
     entry = ctx.cfg.orchestrator.served_env(env_id)
     concurrency = entry.max_concurrent if entry is not None else None
     train = ctx.cfg.orchestrator.env(env_id)
     return {
         "default_args": config_args(ctx, env_id),
         "filters": build_filters(train.filters) if train is not None else [],
+        "state_columns": list(entry.state_columns) if entry is not None else [],
         "models": ctx.cfg.orchestrator.model_keys(),
         "concurrency": concurrency or ctx.cfg.env_server.groups_in_flight,
         "heartbeat_interval_s": ctx.cfg.bus.heartbeat_interval_s,

@@ -414,10 +414,12 @@ async def run_agent_rollout(
     models: Sequence[str],
     max_turns: int | None,
     clock: Callable[[], float],
+    on_scored: Callable[[Messages, State], None] | None = None,
 ) -> Any:
     """One rollout of an ``AgentHarness`` env (module docstring) -> a ``Trace``: the
     policy's calls as one branch (their tokens exactly as sampled), other models' calls
-    recorded beside it, the rubric's score of the messages ``run`` returns."""
+    recorded beside it, the rubric's score of the messages ``run`` returns (handed to
+    ``on_scored`` with the state, as ``run_rollout`` does)."""
     from roles.lib.envs.base import EnvCodeError
     from roles.lib.envs.chat import check_messages, state_columns
     from roles.lib.envs.harness import _Builder, scored
@@ -445,6 +447,8 @@ async def run_agent_rollout(
             timings["env_s"] += clock() - t - timings["generate_s"]
         score = scored(await env.ascore(final, data, state))
         state_record = state_columns(name, env.state_columns, state)
+        if on_scored is not None:
+            on_scored(final, state)
     except EnvCodeError:
         raise
     except Exception as e:  # the agent failed: because inference did, the template did, or its bug

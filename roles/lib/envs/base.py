@@ -22,12 +22,19 @@ without a model or a bus:
   (the functions with weight 0, as in verifiers, plus extra metric functions). A
   function may be ``async`` (a judge that asks a model): the harness awaits
   ``ascore``; ``score`` runs them to completion where no event loop runs (replay).
+  ``group_funcs`` score a whole group at once (comparative or pairwise judgements, as
+  verifiers' group reward functions): ``(messages of each rollout, task, state of each
+  rollout) -> one value per rollout``, run by the env server once every rollout of the
+  group is done (``roles.lib.envs.group``). They share ``weights`` with ``funcs`` (one
+  name space; weight 0 = a metric), and ``score_group`` folds their values into each
+  rollout's ``Score``: ``reward`` is then the weighted mean over both kinds.
 
 An ``Environment`` also declares its ``members`` (multi-agent envs name the agents
 whose messages carry ``Message.member``; single-agent envs leave it empty) and which of
 them are ``judges``; the other members are its ``seats``, where a learner may sit. Its
 ``state_columns`` name state keys the harness records on the trace after scoring
-(``Trace.state``: JSON-able values, queryable in the lake), and its harness's ``tools``
+(``Trace.state``: JSON-able values, queryable in the lake; a run's config may add more,
+``make_env(..., state_columns=)``), and its harness's ``tools``
 are the OpenAI function schemas the chat template shows the model (HF templates).
 
 Messages are OpenAI-style dicts ``{"role": ..., "content": ...}``. An assistant message
@@ -59,6 +66,7 @@ import asyncio
 import hashlib
 import inspect
 import json
+import numbers
 import random
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +81,11 @@ Messages = list[ChatMessage]
 State = dict[str, Any]
 # A reward or metric function: (messages, task, state) -> float (or an awaitable of one).
 RewardFn = Callable[[Messages, dict[str, Any], State], float | Awaitable[float]]
+# A group reward function: (each rollout's messages, the task, each rollout's state), the
+# group's finished rollouts in sample order -> one float per rollout (or an awaitable).
+GroupRewardFn = Callable[
+    [list[Messages], dict[str, Any], list[State]], Sequence[float] | Awaitable[Sequence[float]]
+]
 
 SPLITS = ("train", "eval")
 
@@ -350,7 +363,12 @@ class Score:
 
 @dataclass
 class Rubric:
-    """Named reward functions with weights (weight 0 = reported as a metric only)."""
+    """Named reward functions with weights (weight 0 = reported as a metric only).
+
+    ``group_funcs`` score the finished rollouts of a group together (``score_group``);
+    their names share ``weights`` with ``funcs`` and must differ from them. A rubric may
+    hold group functions only (its per-rollout ``reward`` is then 0 until grouped).
+    """
 
     funcs: Mapping[str, RewardFn]
     weights: Mapping[str, float] = field(default_factory=dict)  # missing name = weight 1
@@ -359,21 +377,36 @@ class Rubric:
     metric_funcs: Mapping[str, Callable[[Messages, dict[str, Any], State], dict[str, float]]] = (
         field(default_factory=dict)
     )
+    group_funcs: Mapping[str, GroupRewardFn] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = set(self.weights) - set(self.funcs)
+        shared = sorted(set(self.funcs) & set(self.group_funcs))
+        if shared:
+            raise ValueError(f"names of both a reward and a group function: {shared}")
+        unknown = set(self.weights) - set(self.funcs) - set(self.group_funcs)
         if unknown:
             raise ValueError(f"weights for unknown reward functions: {sorted(unknown)}")
         if any(w < 0 for w in self.weights.values()):
             raise ValueError("reward weights must be >= 0")
-        if not any(self.weight(n) > 0 for n in self.funcs):
+        if not any(self.weight(n) > 0 for n in (*self.funcs, *self.group_funcs)):
             raise ValueError("a rubric needs at least one reward function with weight > 0")
 
     def weight(self, name: str) -> float:
         return float(self.weights.get(name, 1.0))
 
+    def total(self, rewards: Mapping[str, float]) -> float:
+        """The reward: the weighted mean of ``rewards`` (named values of weight > 0, summed
+        in their order), 0.0 when there are none."""
+        total = 0.0
+        norm = 0.0
+        for name, value in rewards.items():
+            w = self.weight(name)
+            total += w * value
+            norm += w
+        return total / norm if norm else 0.0
+
     def _functions(self) -> list[tuple[str, str, Callable[..., Any]]]:
-        """(kind, name, function) of every function, in the order they run."""
+        """(kind, name, function) of every per-rollout function, in the order they run."""
         return [
             *(("reward", n, f) for n, f in self.funcs.items()),
             *(("metrics", n, f) for n, f in self.metric_funcs.items()),
@@ -385,19 +418,7 @@ class Rubric:
         loop runs (rubric replay, scripts); inside one, ``await ascore``."""
         values = {}
         for kind, name, fn in self._functions():
-            value = fn(messages, task, state)
-            if inspect.isawaitable(value):
-                try:
-                    asyncio.get_running_loop()
-                except RuntimeError:
-                    value = asyncio.run(_awaited(value))
-                else:
-                    if inspect.iscoroutine(value):
-                        value.close()
-                    raise RuntimeError(
-                        f"{kind} function {name!r} is async: await Rubric.ascore in an event loop"
-                    ) from None
-            values[kind, name] = value
+            values[kind, name] = _now(kind, name, fn(messages, task, state))
         return self._combine(values)
 
     async def ascore(self, messages: Messages, task: dict[str, Any], state: State) -> Score:
@@ -411,21 +432,93 @@ class Rubric:
     def _combine(self, values: dict[tuple[str, str], Any]) -> Score:
         rewards: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        total = 0.0
-        norm = 0.0
         for name in self.funcs:
             value = float(values["reward", name])
-            w = self.weight(name)
-            if w > 0:
+            if self.weight(name) > 0:
                 rewards[name] = value
-                total += w * value
-                norm += w
             else:
                 metrics[name] = value
         for name in self.metric_funcs:
             metrics.update({k: float(v) for k, v in values["metrics", name].items()})
         members = {m: float(values["member", m]) for m in self.member_funcs}
-        return Score(reward=total / norm, rewards=rewards, metrics=metrics, member_rewards=members)
+        return Score(
+            reward=self.total(rewards), rewards=rewards, metrics=metrics, member_rewards=members
+        )
+
+    def score_group(
+        self,
+        messages: Sequence[Messages],
+        task: dict[str, Any],
+        states: Sequence[State],
+        scores: Sequence[Score],
+    ) -> list[Score]:
+        """Each rollout's ``Score`` with the group functions' values folded in.
+
+        ``messages``, ``states`` and ``scores`` (``score``'s) are the group's finished
+        rollouts, in sample order. Each group function runs once, in order, and must
+        return one number per rollout. Its value goes to ``rewards`` (weight > 0) or
+        ``metrics`` (weight 0) under its name, after the per-rollout functions'; the
+        reward is ``total`` over both. Async functions run as ``score`` runs them."""
+        values = {}
+        for name, fn in self.group_funcs.items():
+            values[name] = _now(
+                "group", name, fn(list(messages), task, list(states)), "ascore_group"
+            )
+        return self._fold_group(values, scores)
+
+    async def ascore_group(
+        self,
+        messages: Sequence[Messages],
+        task: dict[str, Any],
+        states: Sequence[State],
+        scores: Sequence[Score],
+    ) -> list[Score]:
+        """``score_group``, awaiting the group functions that are async."""
+        values = {}
+        for name, fn in self.group_funcs.items():
+            value = fn(list(messages), task, list(states))
+            values[name] = await value if inspect.isawaitable(value) else value
+        return self._fold_group(values, scores)
+
+    def _fold_group(self, values: dict[str, Any], scores: Sequence[Score]) -> list[Score]:
+        n = len(scores)
+        checked = {name: _group_values(name, v, n) for name, v in values.items()}
+        out = []
+        for i, score in enumerate(scores):
+            rewards, metrics = dict(score.rewards), dict(score.metrics)
+            for name, vs in checked.items():
+                (rewards if self.weight(name) > 0 else metrics)[name] = vs[i]
+            out.append(Score(reward=self.total(rewards), rewards=rewards, metrics=metrics,
+                             member_rewards=dict(score.member_rewards)))  # fmt: skip
+        return out
+
+
+def _now(kind: str, name: str, value: Any, method: str = "ascore") -> Any:
+    """A function's value in code that cannot await: an awaitable is run to completion
+    when no event loop runs, refused inside one (await ``Rubric.<method>`` there)."""
+    if not inspect.isawaitable(value):
+        return value
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_awaited(value))
+    if inspect.iscoroutine(value):
+        value.close()
+    raise RuntimeError(
+        f"{kind} function {name!r} is async: await Rubric.{method} in an event loop"
+    ) from None
+
+
+def _group_values(name: str, values: Any, n: int) -> list[float]:
+    """A group function's result as ``n`` floats, else ``TypeError``/``ValueError`` (the
+    env's bug)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"group function {name!r} returned {values!r}, not a list of numbers")
+    if len(values) != n:
+        raise ValueError(f"group function {name!r} returned {len(values)} values for {n} rollouts")
+    if not all(isinstance(v, numbers.Real) for v in values):
+        raise TypeError(f"group function {name!r} returned {values!r}, not a list of numbers")
+    return [float(v) for v in values]
 
 
 async def _awaited(value: Awaitable[Any]) -> Any:
@@ -523,3 +616,31 @@ class Environment:
         if type(self).score is not Environment.score:  # a subclass that scores its own way
             return self.score(messages, task, state)
         return await self.rubric.ascore(messages, task, state)
+
+    @property
+    def group_scored(self) -> bool:
+        """Whether the group's rollouts are scored together (``score_group``): the rubric
+        has group functions, or a subclass scores groups its own way."""
+        return bool(self.rubric.group_funcs) or (
+            type(self).score_group is not Environment.score_group
+        )
+
+    def score_group(
+        self,
+        messages: Sequence[Messages],
+        task: dict[str, Any],
+        states: Sequence[State],
+        scores: Sequence[Score],
+    ) -> list[Score]:
+        return self.rubric.score_group(messages, task, states, scores)
+
+    async def ascore_group(
+        self,
+        messages: Sequence[Messages],
+        task: dict[str, Any],
+        states: Sequence[State],
+        scores: Sequence[Score],
+    ) -> list[Score]:
+        if type(self).score_group is not Environment.score_group:  # scored its own way
+            return self.score_group(messages, task, states, scores)
+        return await self.rubric.ascore_group(messages, task, states, scores)

@@ -54,7 +54,9 @@ exception from ``initial_messages``, ``init_state``, ``env_response`` (but
 dead-letters the task. ``CancelledError`` propagates too.
 
 After scoring, the env's ``state_columns`` are copied from its state into
-``Trace.state`` (as JSON would give them back, so the log and a replay agree).
+``Trace.state`` (as JSON would give them back, so the log and a replay agree; a column
+the state does not hold is None). An env with a group rubric is scored once more, with
+its group, by the env server (``roles.lib.envs.group``).
 
     trace = await run_rollout(env, TaskRef(index=0, data=env.task("train", 0)), client_generate,
                               Renderer(tokenizer), SamplingParams(), rollout_id="r0", seed=1)
@@ -70,7 +72,7 @@ from typing import Any, Protocol
 
 from bus.errors import RequestTimeout
 from configs.orchestrator import POLICY
-from roles.lib.envs.base import EnvCodeError, Environment, Messages, ParseError, Score
+from roles.lib.envs.base import EnvCodeError, Environment, Messages, ParseError, Score, State
 from roles.lib.envs.chat import (
     chat_calls,
     check_messages,
@@ -225,6 +227,7 @@ async def run_rollout(
     group_seed: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
     agent_models: Sequence[str] = (POLICY,),
+    on_scored: Callable[[Messages, State], None] | None = None,
 ) -> Trace:
     """Run one rollout of ``task`` (its ``data`` is the env's task dict) and record it.
 
@@ -239,6 +242,8 @@ async def run_rollout(
     ``env_name`` is recorded as ``Trace.env`` (the env's subject key); ``env_id`` (default:
     the same) is what each ``GenerateRequest.env`` says, so a scripted teacher can
     ``make_env`` it. Raises ``EnvCodeError`` for a bug in env code (module docstring).
+    ``on_scored(messages, state)`` gets what the rubric scored, once the rollout is
+    scored (a group rubric scores it again with its siblings: ``roles.lib.envs.group``).
     """
     name = env_name or env.name
     from roles.lib.envs.agent import AgentHarness, run_agent_rollout
@@ -255,6 +260,7 @@ async def run_rollout(
             env, task, generate, renderer, sampling, rollout_id=rollout_id, model=model,
             name=name, env_id=env_id or name, group_id=group_id, sample_index=sample_index,
             seed=seed, models=agent_models, max_turns=max_turns, clock=clock,
+            on_scored=on_scored,
         )  # fmt: skip
     turns = max_turns or env.max_turns
     t_start = clock()
@@ -409,6 +415,8 @@ async def run_rollout(
                 "a multi-agent rubric rewards every member or none",
             )
         state_record = state_columns(name, env.state_columns, state)
+        if on_scored is not None:
+            on_scored(chat, state)
     except _Failure as f:
         errors.append(f.error)
     except EnvCodeError:

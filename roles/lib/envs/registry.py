@@ -5,14 +5,17 @@
     make_env("vf:my_tasks", {"num_tasks": 100})        # a verifiers taskset (``vf``)
 
 The callable is called with the env's args as keyword arguments (as in verifiers'
-``load_environment(**kwargs)``). ``env_key`` is the env's token on the bus (subject key,
-durable name): a built-in name is its own key; an import path has its dots and colon
-replaced by ``-``.
+``load_environment(**kwargs)``). ``state_columns`` (a run's
+``orchestrator.train.env[].state_columns``) are recorded beside the env's own: its own
+first, then the new ones. ``env_key`` is the env's token on the bus (subject key, durable
+name): a built-in name is its own key; an import path has its dots and colon replaced by
+``-``.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 from bus.subjects import token_for
@@ -41,8 +44,23 @@ def _resolve(env_id: str) -> Any:
     return factory
 
 
-def make_env(env_id: str, args: dict[str, Any] | None = None) -> Environment:
-    """The Environment called ``env_id`` built with ``args``; a clear error otherwise."""
+def make_env(
+    env_id: str, args: dict[str, Any] | None = None, state_columns: Sequence[str] = ()
+) -> Environment:
+    """The Environment called ``env_id`` built with ``args``, recording ``state_columns``
+    beside its own (``merged_columns``); a clear error otherwise."""
+    env = _build(env_id, args)
+    if state_columns:
+        env.state_columns = merged_columns(env.state_columns, state_columns)
+    return env
+
+
+def merged_columns(own: Sequence[str], extra: Sequence[str]) -> tuple[str, ...]:
+    """An env's state columns, then those of ``extra`` it does not have (no duplicates)."""
+    return tuple(dict.fromkeys((*own, *extra)))
+
+
+def _build(env_id: str, args: dict[str, Any] | None) -> Environment:
     if env_id.startswith("vf:"):
         from roles.lib.envs import vf
 

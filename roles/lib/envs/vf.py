@@ -30,7 +30,7 @@ disagrees is errored (``render_error``). An episode that failed because env code
 program, a refused model call) is errored (``harness_error``). The reward, the named
 rewards and the metrics are verifiers' (its rubric runs inside the episode);
 ``stop_condition`` and the fields of the task's ``vf.State`` are the trace's state
-columns.
+columns (and any field a run's config adds: ``state_columns``).
 
 Rubric replay cannot rescore a verifiers env (its reward functions read verifiers'
 trace, which is not kept): ``rlbus replay <run> rubric`` names such traces as failures.
@@ -251,7 +251,7 @@ async def run_verifiers_rollout(
         metrics=built.metrics if ok else {}, timings=timings, errors=errors,
         policy_min=min(versions, default=0), policy_max=max(versions, default=0),
         truncated=built.truncated, num_turns=len(versions), from_policy=bool(versions),
-        state=_state_record(episode, harness.state_fields) if ok else {},
+        state=_state_record(episode, env.state_columns) if ok else {},
     )  # fmt: skip
 
 
@@ -363,11 +363,12 @@ def _claim(calls: list[TokenCall], prompt: list[int], completion: list[int]) -> 
     return None
 
 
-def _state_record(episode: Any, fields: tuple[str, ...]) -> dict[str, Any]:
-    """The trainable agent's ``stop_condition`` and ``vf.State`` fields (JSON values)."""
+def _state_record(episode: Any, columns: Sequence[str]) -> dict[str, Any]:
+    """The env's state columns from the trainable agent's trace: ``stop_condition``, and
+    its ``vf.State`` fields (JSON values; None for a field the state does not have)."""
     trace = next(t for t in episode.traces if t.agent.trainable)
     state = trace.state.model_dump(mode="json")
-    return {"stop_condition": trace.stop_condition, **{f: state.get(f) for f in fields}}
+    return {c: trace.stop_condition if c == "stop_condition" else state.get(c) for c in columns}
 
 
 __all__ = [

@@ -10,6 +10,15 @@ Texts are ``min_len``..``max_len`` (default 3..8) random lowercase letters drawn
 ``seed``. Reward ``lcs``: LCS(answer, target) / max(len(answer), len(target)), in [0, 1]
 and 1 iff the answer (stripped of surrounding whitespace) equals the reversed text.
 
+``rank_weight`` > 0 adds a group rubric (``roles.lib.envs.group``), the comparative
+variant: ``rank`` gives each rollout the share of the rest of its group it beats on
+``lcs`` (a tie counts half; 0.5 for a lone rollout), with that weight beside ``lcs``'s 1,
+so the reward is ``(lcs + rank_weight * rank) / (1 + rank_weight)``: the group's order
+is ``lcs``'s, with the gaps between its rollouts widened (an advantage for the better of
+two near answers even when ``lcs`` barely tells them apart).
+
+    rlbus up -c smoke 'orchestrator.train.env=[{id="reverse-text", group_size=4, args={rank_weight=1.0}}]'
+
     python -c "from roles.lib.envs.registry import make_env; e = make_env('reverse-text', {}); print(e.task('train', 0))"
 """
 
@@ -90,20 +99,44 @@ def exact_match(messages: Messages, task: dict[str, Any], state: State) -> float
     return float(last_answer(messages).strip() == str(task["text"])[::-1])
 
 
+def rank_reward(messages: list[Messages], task: dict[str, Any], states: list[State]) -> list[float]:
+    """A group function: each rollout's share of the others in its group that it beats on
+    ``lcs``, a tie counting half (0.5 for a rollout alone)."""
+    quality = [lcs_reward(m, task, s) for m, s in zip(messages, states, strict=True)]
+    if len(quality) == 1:
+        return [0.5]
+    others = len(quality) - 1
+    return [
+        (sum(q > o for o in quality) + 0.5 * (sum(q == o for o in quality) - 1)) / others
+        for q in quality
+    ]
+
+
 def make_env(
     min_len: int = 3,
     max_len: int = 8,
     seed: int = 0,
     train_size: int = 100_000,
     eval_size: int = 1_000,
+    rank_weight: float = 0.0,
 ) -> Environment:
-    args = dict(
+    if rank_weight < 0:
+        raise ValueError(f"rank_weight must be >= 0, got {rank_weight}")
+    args: dict[str, Any] = dict(
         min_len=min_len, max_len=max_len, seed=seed, train_size=train_size, eval_size=eval_size
     )
+    rubric = Rubric({"lcs": lcs_reward, "exact": exact_match}, weights={"exact": 0.0})
+    if rank_weight > 0:  # the comparative variant
+        args["rank_weight"] = rank_weight  # only when on: relay-reverse and debate reuse args
+        rubric = Rubric(
+            {"lcs": lcs_reward, "exact": exact_match},
+            weights={"exact": 0.0, "rank": rank_weight},
+            group_funcs={"rank": rank_reward},
+        )
     return Environment(
         "reverse-text",
         ReverseTextTasks(min_len, max_len, seed=seed, train_size=train_size, eval_size=eval_size),
         ReverseTextHarness(SYSTEM_PROMPT),
-        Rubric({"lcs": lcs_reward, "exact": exact_match}, weights={"exact": 0.0}),
+        rubric,
         args,
     )
