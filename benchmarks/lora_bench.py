@@ -105,10 +105,10 @@ def table(results: dict[str, dict[str, dict[str, Any]]], rank: int) -> str:
     for model, setups in results.items():
         for setup, r in setups.items():
             lines.append(
-                f"| {model} | {setup} | {r['trainable']:,} / {r['params']:,} "
+                f"| {model} | {setup} | {int(r['trainable']):,} / {int(r['params']):,} "
                 f"| {r['tokens_per_s']:,.0f} ({r['tokens_per_s_ratio']:.2f}x) "
                 f"| {r['peak_rss_mb']:,.0f} | {r['state_mb']:.1f} "
-                f"| {r['publish_bytes']:,} ({r['publish_bytes_ratio']:.3f}x) "
+                f"| {int(r['publish_bytes']):,} ({r['publish_bytes_ratio']:.3f}x) "
                 f"| {r['make_ms']:.1f} | {r['serve_load_ms']:.1f} |"
             )
     return "\n".join(lines) + "\n"
