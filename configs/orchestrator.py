@@ -201,6 +201,11 @@ class AlgorithmConfig(_Section):
     name: str | None = None
     options: dict[str, Any] = {}
     shadow: bool = False  # scores samples (for metrics/comparison) that are never trained on
+    # Groups the worker scores at once while it waits on a model's logprobs (opd, opsd:
+    # stateless algorithms that ask a reference): their score requests overlap. A stateful
+    # algorithm (rae) folds each group into the next and one that asks no model has
+    # nothing to wait on: both score one group at a time.
+    max_concurrent: int = Field(default=4, ge=1)
 
     @model_validator(mode="after")
     def _default_name(self) -> AlgorithmConfig:

@@ -17,7 +17,10 @@ A worker attached to a live run (``rlbus algorithm attach``) may start at a late
 sequence (``from_seq``: the attach event, unless ``--from-start``), and stops by itself
 when an ``algorithm.detached`` event for its id appears (a follower of that subject and
 ``run.stopped``, ``on_end``). Distillation algorithms get
-their reference logprobs from the inference role first (``roles/algorithm/scoring.py``);
+their reference logprobs from the inference role first (``roles/algorithm/scoring.py``),
+up to ``orchestrator.algorithms[].max_concurrent`` groups at once (a stateless
+algorithm's groups score independently, so a group's samples are the same whichever
+finishes first; a stateful one scores one group at a time, in order);
 every worker adds the env's tool-output cross-entropy when the env's config asks for it
 (``[orchestrator.train.env.sft]``).
 
@@ -44,6 +47,8 @@ from bus.follower import Follow
 from bus.reader import Progress, last_seq, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, check_token, durable_name
+from configs import RunConfig
+from configs.orchestrator import AlgorithmConfig
 from roles.algorithm.base import Refs
 from roles.algorithm.core import ScoringCore
 from roles.algorithm.samples import GroupBuffer
@@ -88,6 +93,7 @@ class AlgorithmWorker(Role):
         heartbeat_interval_s: float = 2.0,
         *,
         scorer: RefScorer | None = None,
+        max_concurrent: int = 1,
         exit_when_done: bool = False,
         on_catch_up: Progress | None = None,
     ):
@@ -96,6 +102,11 @@ class AlgorithmWorker(Role):
         self.core = core
         self.algorithm = core.algorithm
         self.scorer = scorer
+        # Groups scored at once: only a stateless algorithm that waits on a model gains, and
+        # only there is the order in which groups finish scoring free (no state to fold).
+        self.concurrency = (
+            max_concurrent if scorer is not None and not core.algorithm.stateful else 1
+        )
         self.from_seq = core.from_seq
         self.detach_floor = 0  # newest algorithm.detached seq for our id when we started
         self.run_stopped = asyncio.Event()  # seen run.stopped (``on_end``)
@@ -124,6 +135,7 @@ class AlgorithmWorker(Role):
             self.on_trace,
             batch=32,
             start_seq=self.from_seq,
+            concurrency=self.concurrency,
         )
         if not self.exit_when_done:
             return [traces]
@@ -279,6 +291,14 @@ class AlgorithmWorker(Role):
         )
 
 
+def max_concurrent(cfg: RunConfig, algorithm_id: str) -> int:
+    """``orchestrator.algorithms[].max_concurrent`` of the id (an attached worker that is
+    not in the config: the key's default)."""
+    return (
+        cfg.orchestrator.algorithm(algorithm_id) or AlgorithmConfig(id=algorithm_id)
+    ).max_concurrent
+
+
 def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
     """The inference client, the run's renderer and the run's envs, for distillation."""
     from roles.lib.clients import InferenceClient
@@ -307,6 +327,7 @@ async def serve_worker(
     scorer = make_scorer(ctx, bus) if core.needs_refs else None
     worker = AlgorithmWorker(
         bus, ctx.instance, core, scorer=scorer, exit_when_done=exit_when_done,
+        max_concurrent=max_concurrent(ctx.cfg, core.algorithm_id),
         heartbeat_interval_s=ctx.cfg.bus.heartbeat_interval_s, on_catch_up=on_catch_up,
     )  # fmt: skip
     await serve_role(worker)

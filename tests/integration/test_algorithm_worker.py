@@ -209,3 +209,66 @@ async def test_restart_rebuilds_pending_group_from_the_log(
         await stop_worker(second, second_task)
     (event,) = await read_all(bus, Topic.SAMPLES_SCORED, "grpo", SamplesScored)
     assert advantages(event) == {"g3-r0": 0.75, "g3-r1": -0.25, "g3-r2": -0.25, "g3-r3": -0.25}
+
+
+class SlowReference:
+    """A reference model's scorer (``RefScorer``'s one call) that answers after a pause
+    and counts how many groups wait on it at once."""
+
+    def __init__(self, pause_s: float) -> None:
+        self.pause_s, self.waiting, self.most = pause_s, 0, 0
+
+    async def refs(self, algorithm: object, name: str, traces: list[Trace]) -> dict:
+        self.waiting += 1
+        self.most = max(self.most, self.waiting)
+        try:
+            await asyncio.sleep(self.pause_s)
+        finally:
+            self.waiting -= 1
+        # One logprob per branch token, from the rollout's index alone.
+        return {
+            (t.rollout_id, 0): np.full(5, -0.1 * (1 + t.sample_index), np.float32) for t in traces
+        }
+
+
+@pytest.mark.parametrize("configured", [1, 3])
+async def test_opd_scores_up_to_max_concurrent_groups_at_once(
+    nats_server: EmbeddedServer, configured: int
+) -> None:
+    """``orchestrator.algorithms[].max_concurrent``: an opd worker waits on the reference
+    for that many groups at once (1: one at a time), and every group's samples carry the
+    reference's logprobs whatever the order they finished in."""
+    from configs import load_config
+    from roles.algorithm.role import max_concurrent
+
+    cfg = load_config(
+        "smoke", [f'orchestrator.algorithms=[{{id="opd", max_concurrent={configured}}}]']
+    )
+    run = f"opd-concurrent-{configured}"
+    bus = await Bus.connect(nats_server.url, run=run, producer="t", settings=SETTINGS)
+    reference = SlowReference(pause_s=0.4)
+    worker = AlgorithmWorker(
+        bus, "w", ScoringCore("opd", create("opd")), scorer=reference,  # type: ignore[arg-type]
+        max_concurrent=max_concurrent(cfg, "opd"),
+    )  # fmt: skip
+    task = asyncio.create_task(serve_role(worker, install_signals=False))
+    try:
+        groups = [f"g{i}" for i in range(6)]
+        await bus.publish_many(
+            [completed(run, g, i, 1.0, group_size=2) for g in groups for i in range(2)]
+        )
+
+        async def all_scored() -> bool:
+            return len(await read_all(bus, Topic.SAMPLES_SCORED, "opd", SamplesScored)) == len(
+                groups
+            )
+
+        await wait_until(all_scored, task)
+        scored = by_group(await read_all(bus, Topic.SAMPLES_SCORED, "opd", SamplesScored))
+        assert reference.most == configured
+        for g in groups:
+            refs = {s.rollout_id: f32(s.ref_logprobs)[-1] for s in scored[g].samples}
+            assert refs == pytest.approx({f"{g}-r0": -0.1, f"{g}-r1": -0.2})
+    finally:
+        await stop_worker(worker, task)
+        await bus.close()
