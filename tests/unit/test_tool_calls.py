@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from configs import load_config
 from roles.algorithm import create
+from roles.algorithm.core import ScoringCore
 from roles.algorithm.samples import ToolSft, score_group
 from roles.lib.envs.base import Environment, Harness, Rubric
 from roles.lib.envs.chat import chat_message
@@ -231,6 +233,23 @@ async def test_sft_on_tool_outputs_filters_by_the_name_resolved_from_the_call() 
     echo = create("echo", {"alpha": 1.0, "tool_names": ["calc"]})
     (s, _) = score_group("echo", echo, group).samples
     assert np.flatnonzero(mask(s.sft_mask)).tolist() == span
+
+    # The same rule from a run's config: `[orchestrator.train.env.sft]` reaches the worker's core.
+    for names, expected in ((["calc"], span), (["web"], None)):
+        cfg = load_config("smoke", [
+            'orchestrator.train.env=[{id="tool-calc", group_size=2, sft={on_tool_outputs=true, '
+            f'alpha=0.5, tool_names={json.dumps(names)}}}}}]',
+        ])  # fmt: skip
+        core = ScoringCore.for_run(cfg, "grpo")
+        assert await core.step(group[0]) is None
+        scored = await core.step(group[1])
+        assert scored is not None
+        s = scored.samples[0]
+        if expected is None:
+            assert s.sft_mask is None
+        else:
+            assert np.flatnonzero(mask(s.sft_mask)).tolist() == expected
+            assert f32(s.ce_weights)[expected].tolist() == [0.5, 0.5]
 
 
 async def test_an_env_without_tools_reads_a_call_marker_as_text() -> None:
