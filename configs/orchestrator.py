@@ -327,6 +327,10 @@ class OrchestratorConfig(_Section):
     # RL groups in a row had every rollout filtered: each such group is regenerated (a new
     # one is dispatched in its place) until then. 0 = never.
     max_filtered_batches: int = Field(default=5, ge=0)
+    # A warning (log line `batch.low_trainable_share`, naming the filter) when fewer than
+    # this share of the rollouts scored for an RL batch could train (errored or filtered
+    # ones cannot); each batch's `trainable_share` metric says it. 0 = never.
+    min_trainable_share: float = Field(default=0.5, ge=0, le=1)
     # A train group not fully scored this long after the orchestrator saw it dispatched is
     # released ("deadline"): its slot frees, nothing of it trains.
     group_timeout_s: float = Field(default=600.0, gt=0)

@@ -136,8 +136,12 @@ class Decider:
                     "env_errors_total": float(len(s.env_failures)),
                     "groups_released_total": float(s.released),
                     "async_lag": float(step - 1 - s.trainer_version), "sft": float(phase == "sft"),
+                    **(trainable_shares(s) if phase == "rl" else {}),
                 },
             )  # fmt: skip
+            if phase == "rl":
+                s.batch_rollouts = s.batch_trainable = 0
+                s.batch_filters.clear()
             self.emit(
                 BatchAssembled(
                     run=self.run,
@@ -355,6 +359,39 @@ def error_stop(state: OrchestratorState, cfg: RunConfig, erroring_s: float) -> s
         f"(no trainer step for {erroring_s:.0f} s); {count} of them {headline} "
         f"[{state.streak_source}]; {ERROR_ADVICE.get(kind, DEFAULT_ADVICE)} "
         f"(stopped by `orchestrator.error_stop_s` = {limit:g}; 0 never stops)"
+    )
+
+
+FILTERED_SHARE = "filtered_share/"  # + a filter's name: a batch metric
+
+
+def trainable_shares(state: OrchestratorState) -> dict[str, float]:
+    """An RL batch's metrics on the rollouts scored since the last RL batch:
+    ``trainable_share``, those that could train (neither errored nor filtered; 1.0 when
+    none was scored), and ``filtered_share/<filter>``, those each enforcing filter kept out."""
+    n = state.batch_rollouts
+    return {
+        "trainable_share": state.batch_trainable / n if n else 1.0,
+        **{
+            f"{FILTERED_SHARE}{name}": k / n for name, k in sorted(state.batch_filters.items()) if n
+        },
+    }
+
+
+def share_warning(metrics: MetricsReported, cfg: RunConfig) -> str | None:
+    """The warning for a batch whose ``trainable_share`` fell under
+    ``orchestrator.min_trainable_share`` (0: never): how low, and the filter that kept the
+    most rollouts out."""
+    share, floor = metrics.values.get("trainable_share"), cfg.orchestrator.min_trainable_share
+    if share is None or share >= floor:
+        return None
+    shares = {k.removeprefix(FILTERED_SHARE): v for k, v in metrics.values.items()
+              if k.startswith(FILTERED_SHARE)}  # fmt: skip
+    top = max(shares, key=lambda k: shares[k]) if shares else None
+    why = f"filter {top!r} flagged {shares[top]:.0%}" if top else "none filtered: they errored"
+    return (
+        f"only {share:.0%} of the rollouts scored for step {metrics.step} could train ({why}); "
+        f"under `orchestrator.min_trainable_share` = {floor:g}"
     )
 
 

@@ -49,7 +49,7 @@ from roles.orchestrator.core import (
     decisive,
     segment_starts,
 )
-from roles.orchestrator.policy import error_stop, waits_for
+from roles.orchestrator.policy import error_stop, share_warning, waits_for
 from roles.orchestrator.state import OrchestratorState
 from roles.runtime.context import RoleContext, read_run_started
 from roles.runtime.role import Role, serve_role
@@ -306,6 +306,8 @@ class Orchestrator(Role):
                 )  # fmt: skip
             elif isinstance(e, RunStopped):
                 self.log.info("run.stopped", reason=e.reason, detail=e.detail)
+            elif isinstance(e, MetricsReported) and (warning := share_warning(e, self.cfg)):
+                self.log.warning("batch.low_trainable_share", step=e.step, detail=warning)
             elif isinstance(e, MetricsReported) and e.role == "eval":
                 values = {k.replace("/", "_").replace("@", "_at_"): v for k, v in e.values.items()}
                 self.log.info("eval.reported", version=e.step, **values)

@@ -118,6 +118,11 @@ class OrchestratorState:
     # them (``SamplesScored.filtered_by``): what the filter stop names (``policy.stop``).
     filtered_streak: int = 0
     streak_filters: Counter[str] = field(default_factory=Counter)
+    # Since the last RL batch: rollouts scored, those that could train, and the filters
+    # that kept the others out (``policy.trainable_share``).
+    batch_rollouts: int = 0
+    batch_trainable: int = 0
+    batch_filters: Counter[str] = field(default_factory=Counter)
     released: int = 0  # groups closed without training (an algorithm failed, a deadline)
     last_release: str = ""  # why the newest one was released
     # Own task requests an env server dead-lettered (env code raised, or it could not
@@ -292,6 +297,10 @@ class OrchestratorState:
         first = events[0]  # every algorithm saw the same traces
         self.errored_rollouts += first.excluded
         self.filtered_rollouts += first.filtered
+        if group.request.phase == "rl":
+            self.batch_rollouts += first.excluded + len(first.rewards)
+            self.batch_trainable += len(first.rewards) - first.filtered
+            self.batch_filters.update(first.filtered_by)
         self._count_errors(group.request, first)
         if not first.rewards:
             return  # every rollout errored: nothing to train, and no verdict on the rewards

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from configs import load_config
 from roles.orchestrator.eval_stats import eval_metrics
@@ -261,6 +262,33 @@ def test_all_filtered_groups_are_regenerated_then_stop_the_run_naming_the_filter
         new = step(state, cfg, filtered(r, 4, {"gibberish": 4}))
         assert not any(isinstance(e, RunStopped) for e in new)
         reqs += tasks(new)
+
+
+def test_each_rl_batch_reports_its_trainable_share_and_warns_under_the_floor() -> None:
+    """``trainable_share`` (and ``filtered_share/<filter>``) over the rollouts scored since
+    the last batch; under ``orchestrator.min_trainable_share`` the role's warning names
+    the filter that kept the most out; the next batch counts afresh."""
+    from roles.orchestrator.policy import share_warning
+
+    cfg, state = make("orchestrator.min_trainable_share=0.7")
+    reqs = tasks(step(state, cfg, started(cfg)))
+    out = step(state, cfg, filtered(reqs[0], 4, {"gibberish": 4}))
+    out += step(state, cfg, scored(reqs[1], [1, 0, 1, 0]))
+    out += step(state, cfg, scored(reqs[2], [1, 0, 0, 0]))
+    (m,) = [e for e in out if isinstance(e, MetricsReported) and e.role == "orchestrator"]
+    assert m.values["trainable_share"] == pytest.approx(8 / 12)
+    assert m.values["filtered_share/gibberish"] == pytest.approx(4 / 12)
+    warning = share_warning(m, cfg)
+    assert warning is not None and "only 67%" in warning and "'gibberish' flagged 33%" in warning
+    assert "`orchestrator.min_trainable_share` = 0.7" in warning
+    reqs += tasks(out)
+    out = step(state, cfg, scored(reqs[3], [1, 0, 1, 0]))
+    out += step(state, cfg, scored(reqs[4], [0, 1, 0, 1]))
+    (m2,) = [e for e in out if isinstance(e, MetricsReported) and e.role == "orchestrator"]
+    assert m2.values["trainable_share"] == 1.0 and "filtered_share/gibberish" not in m2.values
+    assert share_warning(m2, cfg) is None
+    off, _ = make("orchestrator.min_trainable_share=0")
+    assert share_warning(m, off) is None
 
 
 def test_warm_start_batches_are_sft_from_the_teacher() -> None:
