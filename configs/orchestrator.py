@@ -4,7 +4,8 @@ Sampling, environments, algorithms, auxiliary model endpoints (teacher, referenc
 eval (its envs: train envs, or eval-only ones that are never trained on; resolved by
 `OrchestratorConfig.eval_targets`) and the SFT warm start. `orchestrator_problems` holds
 the cross-field rules (actor and env algorithm references, unique ids, the reserved
-`policy` model key); `RunConfig` calls it so its messages can name full dotted paths.
+`policy` model key, an env's `min_turns` against its `max_turns` and `schedule`:
+`_turn_problems`); `RunConfig` calls it so its messages can name full dotted paths.
 
 `OrchestratorConfig` reads old and prime-rl spellings of its keys before validating
 (`configs.deprecations.translate_orchestrator`), so a section validated on its own
@@ -122,6 +123,12 @@ class EnvConfig(_Section):
     sampling: SamplingConfig | None = None
     algorithms: list[str] = []  # ids from `orchestrator.algorithms`; empty = all
     max_turns: int | None = Field(default=None, ge=1)
+    # No rollout ends before this many assistant turns: an env's `done` before them is
+    # overridden (its messages are feedback, the next turn comes). None: the env's own.
+    min_turns: int | None = Field(default=None, ge=1)
+    # Multi-agent envs: the member writing each assistant turn, in order (a member may
+    # speak several in a row); the rollout ends after the last. []: the env's own order.
+    schedule: list[str] = []
     sft: EnvSftConfig = Field(default_factory=EnvSftConfig)
     # Multi-agent envs (docs/algorithms.md, "Members"): the model each member is played
     # by, "policy" or a key of `orchestrator.models` (unlisted members: the actor).
@@ -236,6 +243,10 @@ class EvalEnvConfig(_Section):
     # None: a train env's own `args` / `max_turns`; an eval-only env's: none.
     args: dict[str, Any] | None = None
     max_turns: int | None = Field(default=None, ge=1)
+    # An eval-only env's `min_turns` and `schedule` (as `EnvConfig`'s); a train env's come
+    # from its train entry, whose servers answer its evals.
+    min_turns: int | None = Field(default=None, ge=1)
+    schedule: list[str] = []
     # An eval-only env's server pool, started by `rlbus up` (a train env's eval requests go
     # to its train pool, so setting these on a train env is an error).
     replicas: int | None = Field(default=None, ge=1)  # None: 1
@@ -536,6 +547,8 @@ def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
                 f"`orchestrator.models.{key}.policy_version` is a snapshot of the policy: it "
                 'needs kind = "reference" and no `path`'
             )
+    for i, env in enumerate(o.train.env):
+        problems += _turn_problems(f"orchestrator.train.env.{i}", env)
     problems += _eval_env_problems(o, env_ids)
     if o.warmup.steps > 0 and o.warmup.actor not in o.models:
         problems.append(
@@ -545,10 +558,28 @@ def orchestrator_problems(o: OrchestratorConfig) -> list[str]:
     return problems
 
 
+def _turn_problems(where: str, env: EnvConfig | EvalEnvConfig) -> list[str]:
+    """An env entry's `min_turns` against its `max_turns` and `schedule` (what the env
+    allows, and whether the schedule names its members, is checked where envs are built:
+    `roles.up.preflight.env_problems`)."""
+    out = []
+    low, high, schedule = env.min_turns, env.max_turns, env.schedule
+    if low is not None and high is not None and low > high:
+        out.append(f"`{where}.min_turns` = {low} exceeds `{where}.max_turns` = {high}")
+    if low is not None and schedule and low > len(schedule):
+        out.append(
+            f"`{where}.min_turns` = {low} exceeds the {len(schedule)} turns of `{where}.schedule`"
+        )
+    if any(not m for m in schedule):
+        out.append(f"`{where}.schedule` holds an empty member name: {schedule}")
+    return out
+
+
 def _eval_env_problems(o: OrchestratorConfig, train_ids: list[str]) -> list[str]:
     """`orchestrator.eval.env`: unique ids and keys (an eval-only env's key names its
-    servers' consumer), and no pool settings or state columns on a train env (its eval
-    requests go to the train env's own pool). Whether an id names an env at all is
+    servers' consumer), no pool settings, state columns or turn settings on a train env
+    (its eval requests go to the train env's own pool) and no eval `max_turns` below its
+    `min_turns`, an eval-only env's `_turn_problems`. Whether an id names an env at all is
     checked where envs can be built (`roles.up.preflight.eval_env_problems`)."""
     problems = []
     entries = o.eval.env
@@ -566,17 +597,26 @@ def _eval_env_problems(o: OrchestratorConfig, train_ids: list[str]) -> list[str]
     for i, entry in enumerate(entries):
         where = f"orchestrator.eval.env.{i}"
         if entry.id in train_ids:
-            served = ("replicas", "max_concurrent", "state_columns")
+            j = train_ids.index(entry.id)
+            served = ("replicas", "max_concurrent", "state_columns", "min_turns", "schedule")
             pooled = [k for k in served if getattr(entry, k) not in (None, [])]
             for key in pooled:
                 problems.append(
                     f"`{where}.{key}`: {entry.id!r} is a train env, whose eval is served "
-                    f"by its train pool (set `orchestrator.train.env.{train_ids.index(entry.id)}"
-                    f".{key}` instead)"
+                    f"by its train pool (set `orchestrator.train.env.{j}.{key}` instead)"
+                )
+            low = o.train.env[j].min_turns
+            if entry.max_turns is not None and low is not None and low > entry.max_turns:
+                problems.append(
+                    f"`orchestrator.train.env.{j}.min_turns` = {low} exceeds "
+                    f"`{where}.max_turns` = {entry.max_turns}: its eval rollouts could not "
+                    "have that many turns"
                 )
         elif entry.key in train_keys:
             problems.append(
                 f"`{where}.id` = {entry.id!r} has the subject key of train env "
                 f"{train_keys[entry.key]!r}; name that train env by its id"
             )
+        else:
+            problems += _turn_problems(where, entry)
     return problems

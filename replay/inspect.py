@@ -163,6 +163,7 @@ def trace_chain(
         "reward": trace.reward, "rewards": trace.rewards, "metrics": trace.metrics,
         "errors": [{"kind": e.kind, "message": e.message} for e in trace.errors],
         "timings": trace.timings, "truncated": trace.truncated, "num_turns": trace.num_turns,
+        "stop_condition": trace.stop_condition or None,
         "policy": {"min": trace.policy_min, "max": trace.policy_max},
         "recorded_by": {"event_id": recorder.event_id, "type": type(recorder).__name__},
         "backward": {
@@ -251,7 +252,8 @@ def render_chain(chain: dict[str, Any], console: Console, tokens: bool = True) -
     c.rule(f"[bold]rollout {chain['rollout_id']}[/] ({chain['env']}, {chain['split']})")
     c.print(f"task {chain['task']['index']}: {chain['task']['data']}")
     c.print(f"group {chain['group_id']} sample {chain['sample_index']}, "
-            f"turns {chain['num_turns']}, truncated {chain['truncated']}")  # fmt: skip
+            f"turns {chain['num_turns']}, truncated {chain['truncated']}, "
+            f"stopped: {chain['stop_condition']}")  # fmt: skip
     c.print(f"[bold]reward[/] {chain['reward']!r} {chain['rewards']}  metrics {chain['metrics']}")
     for e in chain["errors"]:
         c.print(f"[red]error[/] {e['kind']}: {e['message']}")

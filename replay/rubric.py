@@ -14,7 +14,9 @@ server recorded.
 - ``args``: the ``task.requested`` event's ``args`` (what the env server used), else the
   env's ``args`` in the run's config.
 - ``state``: ``env.init_state(task)``, then the env's ``env_response`` replayed after every
-  assistant turn the harness answered (turns before ``max_turns``), on the recorded
+  assistant turn the harness answered (turns before ``max_turns`` and the end of the
+  env's ``schedule``: ``Environment.turn_limit``; the env is built with its config
+  entry's ``schedule`` and ``min_turns``, as its env server built it), on the recorded
   conversation so far: state a rubric reads is rebuilt as the rollout built it. An env
   whose ``env_response`` does I/O (a tool call) is re-executed here; one whose state
   depends on something outside the conversation (the clock, a sandbox) cannot be
@@ -132,24 +134,27 @@ class RubricResult:
 
 
 class _Envs:
-    """One env instance per (id, args), built on first use."""
+    """One env instance per (id, args), built on first use with the turn settings of its
+    entry in the run's config (``schedule``, ``min_turns``), as its env server built it."""
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: RunConfig | None = None) -> None:
+        self.cfg = cfg
         self.cache: dict[str, Any] = {}
 
     def get(self, env_id: str, args: dict[str, Any]) -> Any:
-        from roles.lib.envs.registry import make_env
+        from roles.lib.envs.registry import make_env, turn_options
 
         key = env_id + json.dumps(args, sort_keys=True, default=str)
         if key not in self.cache:
-            self.cache[key] = make_env(env_id, args)
+            entry = self.cfg.orchestrator.served_env(env_id) if self.cfg is not None else None
+            self.cache[key] = make_env(env_id, args, **turn_options(entry))
         return self.cache[key]
 
 
 def rescore(log: RubricLog, on_progress: Progress | None = None) -> RubricResult:
     out = RubricResult()
     ids = env_ids(log.cfg)
-    envs = _Envs()
+    envs = _Envs(log.cfg)
     groups: dict[str, list[Trace]] = {}  # by request id, in log order of their first trace
     for request_id, trace in log.traces:
         groups.setdefault(request_id, []).append(trace)
@@ -250,7 +255,7 @@ def _score_alone(
     env = envs.get(env_id, args)
     task = dict(trace.task.data) or env.task(trace.task.split, trace.task.index)
     chat = chat_of(trace)
-    turns = (request.max_turns if request is not None else None) or env.max_turns
+    turns = env.turn_limit(request.max_turns if request is not None else None)
     state = rebuild_state(env, chat, task, turns)
     return _Alone(env, task, chat, state, env.score(chat, task, state))
 

@@ -15,6 +15,7 @@ Errors, turn errors and filter verdicts are list columns (``error_kinds``,
 ``turn_error_kinds``, ``filters`` as {name, value, flagged, enforced} structs,
 ``flagged_filters``): their names vary per run, so one column each is impossible, and
 "per kind" or "per filter" is an UNNEST and a GROUP BY. ``state`` is JSON text.
+``stop_condition`` is why the rollout ended (NULL for a trace recorded before it was).
 Nothing here reads the clock, the network or the RNG.
 """
 
@@ -70,7 +71,8 @@ SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
                  "group_size": I64, "policy_min": I64, "policy_max": I64, "reward": F,
                  "rewards": NAMED, "metrics": NAMED, "num_turns": I64, "num_messages": I64,
                  "num_branches": I64, "prompt_tokens": I64, "completion_tokens": I64,
-                 "truncated": B, "finish_reason": S, "error_type": S, "error_message": S,
+                 "truncated": B, "stop_condition": S, "finish_reason": S, "error_type": S,
+                 "error_message": S,
                  "num_errors": I64, "error_kinds": KINDS, "turn_errors": I64,
                  "turn_error_kinds": KINDS, "is_filtered": B, "filters": VERDICTS,
                  "flagged_filters": KINDS, "from_policy": B, "tool_calls": I64, "state": S,
@@ -147,7 +149,8 @@ def rollout_rows(
         "metrics": _named(trace.metrics), "num_turns": trace.num_turns,
         "num_messages": len(trace.messages), "num_branches": len(trace.branches),
         "prompt_tokens": prompt_total, "completion_tokens": sampled_total,
-        "truncated": trace.truncated, "finish_reason": finish,
+        "truncated": trace.truncated, "stop_condition": trace.stop_condition or None,
+        "finish_reason": finish,
         "error_type": error.kind if error else None, "error_message": error.message if error else None,
         "num_errors": len(trace.errors), "error_kinds": [e.kind for e in trace.errors],
         "turn_errors": len(trace.turn_errors),

@@ -166,7 +166,7 @@ class Trace(Record, frozen=True):
     errors: list[TraceError] = msgspec.field(default_factory=list)
     policy_min: int = 0  # oldest weights version that sampled a token
     policy_max: int = 0  # newest
-    truncated: bool = False
+    truncated: bool = False  # a completion hit its token limit, or stop_condition "prompt_too_long"
     num_turns: int = 0
     # Multi-agent: the learner's member this rollout (None: no seat rule), and the model
     # key that played each member (its turns' ``Message.policy_version`` say which weights).
@@ -179,6 +179,10 @@ class Trace(Record, frozen=True):
     is_filtered: bool = False  # an enforcing filter flagged it: in metrics, never in a batch
     turn_errors: list[TraceError] = msgspec.field(default_factory=list)  # masked turns
     state: dict[str, Any] = msgspec.field(default_factory=dict)  # the env's state_columns
+    # Why it ended, the highest that held (``roles.lib.envs.stop``): "has_error",
+    # "schedule_exhausted", "prompt_too_long" (then ``truncated``) or "max_turns_reached";
+    # "" in a trace recorded before stop conditions were.
+    stop_condition: str = ""
 
     @property
     def ok(self) -> bool:

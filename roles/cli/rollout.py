@@ -176,6 +176,8 @@ def print_summary(plan: Plan, traces: list[Any], wall_s: float) -> None:
         f"mean completion tokens: {s['completion_tokens_mean']:.1f}  (truncated: {s['truncated']})"
     )
     typer.echo(f"errors: {errors}")
+    stopped = ", ".join(f"{k}: {v}" for k, v in s["stopped"].items()) or "none recorded"
+    typer.echo(f"stopped: {stopped}")
     typer.echo(f"wall time: {wall_s:.1f}s  ({s['rollouts'] / max(wall_s, 1e-9):.2f} rollouts/s)")
 
 

@@ -6,7 +6,7 @@ Every replica of an env binds one shared durable consumer, ``env-<env key>``, on
 ``task.requested.<env key>`` (a work queue: each request goes to one replica, and a
 request whose replica dies is redelivered to another after ``ack_wait``). Up to
 ``concurrency`` groups (the env's ``max_concurrent``, else ``env_server.groups_in_flight``)
-are in flight per replica; the rollouts of a group run concurrently. For a ``TaskRequested`` the server builds ``make_env(env, request.args)`` (plus its config entry's ``state_columns``),
+are in flight per replica; the rollouts of a group run concurrently. For a ``TaskRequested`` the server builds ``make_env(env, request.args)`` (plus its config entry's ``state_columns``, ``schedule`` and ``min_turns``),
 takes ``task(split, index)`` and runs ``group_size`` rollouts (rollout ``i`` samples with
 seed ``stable_seed(request.seed, i)``), then returns:
 
@@ -57,7 +57,8 @@ from roles.lib.envs.base import EnvCodeError, Environment, Messages, State, chec
 from roles.lib.envs.filters import Filter, apply_filters, build_filters
 from roles.lib.envs.group import score_group
 from roles.lib.envs.harness import Generate, completion_tokens, run_rollout
-from roles.lib.envs.registry import env_key, make_env
+from roles.lib.envs.registry import env_key, make_env, turn_options
+from roles.lib.envs.stop import HAS_ERROR
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from schemas import (
@@ -97,6 +98,7 @@ def failed_group(request: TaskRequested, env_name: str, kind: str, message: str)
             messages=[],
             branches=[Branch(messages=[])],
             errors=[TraceError(kind=kind, message=message[:2000])],
+            stop_condition=HAS_ERROR,
         )
         for i in range(request.group_size)
     ]
@@ -312,6 +314,7 @@ class EnvServer(Role):
         default_args: dict[str, Any] | None = None,
         filters: Sequence[Filter] = (),
         state_columns: Sequence[str] = (),
+        turns: dict[str, Any] | None = None,
         models: Sequence[str] = (POLICY,),
         concurrency: int = EnvServerConfig().groups_in_flight,
         metrics_interval_s: float = METRICS_INTERVAL_S,
@@ -325,6 +328,7 @@ class EnvServer(Role):
         self.default_args = dict(default_args or {})
         self.filters = list(filters)
         self.state_columns = tuple(state_columns)
+        self.turns = dict(turns or {})  # make_env's schedule, min_turns, max_turns
         self.models = tuple(models)
         self.concurrency = concurrency
         self.metrics_interval_s = metrics_interval_s
@@ -366,10 +370,11 @@ class EnvServer(Role):
 
     def env_for(self, args: dict[str, Any]) -> Environment:
         """The env built with ``args``, recording the config's ``state_columns`` beside its
-        own (cached: one instance per distinct args)."""
+        own, its turns as the config says (``turns``; cached: one instance per distinct
+        args)."""
         cache_key = json.dumps(args, sort_keys=True, default=str)
         if cache_key not in self._envs:
-            self._envs[cache_key] = make_env(self.env_id, args, self.state_columns)
+            self._envs[cache_key] = make_env(self.env_id, args, self.state_columns, **self.turns)
         return self._envs[cache_key]
 
     async def on_task(self, request: TaskRequested, delivery: Delivery) -> list[Event]:
@@ -441,7 +446,8 @@ def config_args(ctx: RoleContext, env_id: str) -> dict[str, Any]:
 def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
     """``EnvServer``'s keyword arguments from the run's config: the env's args and
     filters (a train env's; an eval-only env has none: eval traces are never filtered),
-    the state columns its entry adds, the groups in flight (the env's
+    the state columns its entry adds, its turn settings (``turn_options``), the groups in
+    flight (the env's
     ``max_concurrent``, else ``env_server.groups_in_flight``), the heartbeat interval."""
     entry = ctx.cfg.orchestrator.served_env(env_id)
     concurrency = entry.max_concurrent if entry is not None else None
@@ -450,6 +456,7 @@ def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
         "default_args": config_args(ctx, env_id),
         "filters": build_filters(train.filters) if train is not None else [],
         "state_columns": list(entry.state_columns) if entry is not None else [],
+        "turns": turn_options(entry),
         "models": ctx.cfg.orchestrator.model_keys(),
         "concurrency": concurrency or ctx.cfg.env_server.groups_in_flight,
         "heartbeat_interval_s": ctx.cfg.bus.heartbeat_interval_s,

@@ -161,11 +161,14 @@ def tokens_response(
     }  # fmt: skip
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a prompt too long
+
+
 def failure_error(failed: InferenceFailed) -> ApiError:
     """Inference's refusal as the API says it: a prompt too long is OpenAI's
     ``context_length_exceeded``, a bad request a 400, anything else a 500."""
     if failed.kind == "context_too_long":
-        return ApiError(400, failed.message, param="messages", code="context_length_exceeded")
+        return ApiError(400, failed.message, param="messages", code=CONTEXT_LENGTH_EXCEEDED)
     return ApiError(
         400 if failed.kind == "bad_request" else 500, f"{failed.kind}: {failed.message}"
     )

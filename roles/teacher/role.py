@@ -53,15 +53,16 @@ class Teacher(Role):
         return {"policy_version": 0, "info": {"answered": str(self.answered)}}
 
     def env(self, env_id: str) -> Any:
-        """The env a request names (an id, or a train env's key), built with its config args."""
+        """The env a request names (an id, or a train env's key), built with its config args
+        and turn settings (a harness's ``solve`` may read whose turn it is)."""
         if env_id not in self.envs:
-            from roles.lib.envs.registry import make_env
+            from roles.lib.envs.registry import make_env, turn_options
 
             entry = self.ctx.cfg.orchestrator.env(env_id)
             if entry is None:
                 self.envs[env_id] = make_env(env_id, {})
             else:
-                self.envs[env_id] = make_env(entry.id, dict(entry.args))
+                self.envs[env_id] = make_env(entry.id, dict(entry.args), **turn_options(entry))
         return self.envs[env_id]
 
     async def answer(self, req: GenerateRequest | ScoreRequest) -> GenerateResult | InferenceFailed:

@@ -11,7 +11,10 @@ it can check cheaply (no torch, no model load, no network), each problem naming 
   inference role): a model directory (``config.json`` and weights), ``"tiny"``, or a hub
   id that is in the local Hugging Face cache when ``model.local_files_only`` is set;
 - each ``orchestrator.train.env.<i>.id`` names an env, and the env builds with its args
-  (what the env server does first);
+  (what the env server does first), and its ``schedule`` and ``min_turns`` fit it: the
+  schedule names its members, ``min_turns`` is within its turns (``max_turns``, else the
+  env's own, and the schedule's), an env whose own code drives the conversation takes
+  neither (``roles.lib.envs.registry.turn_problems``); the same for eval-only envs;
 - each algorithm name (``orchestrator.algorithms``, ``orchestrator.warmup.algorithms``)
   names an algorithm: a built-in or an importable ``module:Class``;
 - ``inference.backend = "vllm"`` has vllm installed; with the torch backend, every model
@@ -65,6 +68,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from configs import ConfigError, RunConfig
+from configs.orchestrator import EnvConfig, EvalEnvConfig
 from roles.lib.model import REPO_ID, serving_dtype
 
 if TYPE_CHECKING:
@@ -184,7 +188,23 @@ def env_problems(cfg: RunConfig) -> list[str]:
     envs = cfg.orchestrator.train.env
     found = (_env_problem(cfg, f"orchestrator.train.env.{i}", e.id, e.args)
              for i, e in enumerate(envs))  # fmt: skip
-    return [p for p in found if p] + filter_problems(envs)
+    turns = (_turn_problems(f"orchestrator.train.env.{i}", e) for i, e in enumerate(envs))
+    return [p for p in found if p] + [p for ps in turns for p in ps] + filter_problems(envs)
+
+
+def _turn_problems(where: str, entry: EnvConfig | EvalEnvConfig) -> list[str]:
+    """The entry's ``schedule`` and ``min_turns`` against its env (built with its args;
+    one that does not build is ``_env_problem``'s to report)."""
+    from roles.lib.envs.registry import turn_options, turn_problems
+
+    options = turn_options(entry)
+    if not options:
+        return []
+    try:
+        env = _built_env(entry.id, entry.args)
+    except Exception:  # noqa: BLE001 - reported by _env_problem
+        return []
+    return [f"`{where}.{key}`: {why}" for key, why in turn_problems(env, **options)]
 
 
 def _env_problem(
@@ -549,4 +569,5 @@ def eval_env_problems(cfg: RunConfig) -> list[str]:
             continue  # built by env_problems, as its train entry
         if why := _env_problem(cfg, f"orchestrator.eval.env.{i}", entry.id, entry.args):
             problems.append(why)
+        problems += _turn_problems(f"orchestrator.eval.env.{i}", entry)
     return problems

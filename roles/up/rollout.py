@@ -182,10 +182,12 @@ def build_requests(
 
 
 def summarize(traces: list[Any]) -> dict[str, Any]:
-    """Mean reward, mean completion tokens, errors by kind (pure: easy to test)."""
+    """Mean reward, mean completion tokens, errors by kind, rollouts by stop condition
+    (pure: easy to test)."""
     from roles.lib.envs.harness import completion_tokens
 
     errors = Counter(e.kind for t in traces for e in t.errors)
+    stopped = Counter(t.stop_condition for t in traces if t.stop_condition)
     n = max(len(traces), 1)
     return {
         "rollouts": len(traces),
@@ -193,6 +195,7 @@ def summarize(traces: list[Any]) -> dict[str, Any]:
         "completion_tokens_mean": sum(completion_tokens(t) for t in traces) / n,
         "errors": dict(sorted(errors.items())),
         "truncated": sum(1 for t in traces if t.truncated),
+        "stopped": dict(stopped.most_common()),
     }
 
 

@@ -55,8 +55,8 @@ def _boom_env(where: str) -> Environment:
     ("replies", "kind", "turns"),
     [
         ([RequestTimeout("no reply on rl.x.infer.policy within 1s")], "inference_timeout", 0),
-        ([("a", "stop"), InferenceFailed(request_id="x", kind="context_too_long", message="300 > 256")],
-         "context_too_long", 1),
+        ([InferenceFailed(request_id="x", kind="context_too_long", message="300 > 256")],
+         "context_too_long", 0),  # at the first turn; at a later one: test_prompt_too_long
         ([nats.errors.ConnectionClosedError()], "inference_error", 0),
     ],
 )  # fmt: skip
@@ -64,12 +64,14 @@ async def test_retryable_failures_become_errored_traces(
     replies: list, kind: str, turns: int
 ) -> None:
     """Timeouts, InferenceFailed and transport errors give a Trace with the error kind and
-    reward 0, never an exception; the recorded tokens stay consistent."""
+    reward 0 (stop condition has_error), never an exception; the recorded tokens stay
+    consistent."""
     gen = FakeGenerate(*replies)
     trace = await run_rollout(_boom_env("none"), TaskRef(index=0, data={}), gen, R, SAMPLING, rollout_id="r")  # fmt: skip
     assert [e.kind for e in trace.errors] == [kind]
     assert not trace.ok and trace.reward == 0.0 and trace.rewards == {} and trace.metrics == {}
     assert trace.num_turns == turns and trace.state == {}
+    assert trace.stop_condition == "has_error" and not trace.truncated
     if gen.calls:  # what was recorded is a prefix of the last prompt the model was given
         ids, *_ = trace.branch_tokens(trace.branches[0])
         assert gen.calls[-1]["prompt"][: len(ids)] == ids.tolist()

@@ -157,3 +157,4 @@ def test_rollout_cli_plans_requests_from_config() -> None:
     s = summarize([ok, *bad])
     assert s["rollouts"] == 3 and s["reward_mean"] == pytest.approx(1 / 3)
     assert s["errors"] == {"inference_timeout": 2}
+    assert s["stopped"] == {"has_error": 2}  # ``ok`` has none: built before it was recorded

@@ -173,6 +173,7 @@ def judged_trace(rollout: str) -> Trace:
         is_filtered=True,
         from_policy=False,
         state={"b": [1, 2], "a": "x"},
+        stop_condition="has_error",
     )
 
 
@@ -195,7 +196,9 @@ def test_rollout_row_errors_filters_tools_and_state() -> None:
     ]
     assert row["from_policy"] is False and row["tool_calls"] == 2
     assert json.loads(row["state"]) == {"a": "x", "b": [1, 2]}
-    plain = rollout_row(trace(rollout="p"))
+    assert row["stop_condition"] == "has_error"
+    plain = rollout_row(trace(rollout="p"))  # recorded before stop conditions were: NULL
+    assert plain["stop_condition"] is None
     assert (plain["error_kinds"], plain["turn_errors"], plain["filters"]) == ([], 0, [])
     assert (plain["is_filtered"], plain["from_policy"], plain["tool_calls"]) == (False, True, 0)
     assert plain["state"] == "{}"
@@ -203,7 +206,7 @@ def test_rollout_row_errors_filters_tools_and_state() -> None:
 
 NEW_ROLLOUT_COLUMNS = (
     "error_kinds", "turn_errors", "turn_error_kinds", "is_filtered", "filters",
-    "flagged_filters", "from_policy", "tool_calls", "state",
+    "flagged_filters", "from_policy", "tool_calls", "state", "stop_condition",
 )  # fmt: skip
 
 
@@ -234,4 +237,6 @@ def test_errors_and_filters_per_kind_are_a_group_by(tmp_path: Path) -> None:
     assert rates == [("gibberish", 1, 1), ("loops", 1, 0)]
     flags = con.sql("SELECT rollout_id, is_filtered FROM rollouts ORDER BY rollout_id").fetchall()
     assert flags == [("j", True), ("o", None), ("p", False)]
+    stops = con.sql("SELECT stop_condition, count(*) FROM rollouts GROUP BY 1 ORDER BY 1")
+    assert stops.fetchall() == [("has_error", 1), (None, 2)]
     con.close()

@@ -17,7 +17,7 @@ import torch
 
 from roles.lib.envs.harness import run_rollout
 from roles.lib.envs.registry import make_env
-from roles.lib.envs.vf import episode_trace
+from roles.lib.envs.vf import episode_trace, stop_of
 from roles.lib.model.families import build_family_model
 from roles.lib.model.loading import load_model, load_tokenizer
 from roles.lib.model.render import make_renderer
@@ -65,6 +65,7 @@ async def test_a_single_turn_env_gives_its_rewards_metrics_and_exact_tokens(qwen
     assert trace.reward == pytest.approx(exact + 0.1 * (1 - 1 / 40))
     assert trace.metrics == {"reply_chars": 1.0}
     assert trace.state == {"stop_condition": "agent_completed"}
+    assert trace.stop_condition == "schedule_exhausted"  # verifiers' name, rlbus's
     assert env.state_columns == ("stop_condition",)
     ids = assert_exact(qwen3[1], trace)
     (prompt,) = gen.prompts["policy"]
@@ -94,6 +95,7 @@ async def test_a_multi_turn_env_with_a_scripted_user_is_one_exact_branch(qwen3: 
     assert [m.role for m in trace.messages] == ["user", "assistant", "user", "assistant"]
     assert trace.messages[2].content == "Say it again."
     assert trace.state == {"stop_condition": "user_closed"}
+    assert trace.stop_condition == "schedule_exhausted"
     assert trace.reward == float(trace.task.data["prompt"] == "Say apple.")
     ids = assert_exact(qwen3[1], trace)
     first, second = gen.prompts["policy"]
@@ -191,3 +193,18 @@ async def test_a_reward_function_that_raises_is_a_bug_in_env_code(qwen3: Any) ->
     with pytest.raises(EnvCodeError) as bug:
         await rollout(qwen3, "vf:tests.vf_envs.broken", ["hi"])
     assert bug.value.error_type == "TaskError" and "division by zero" in str(bug.value)
+
+
+def test_verifiers_stop_conditions_map_onto_rlbus_names() -> None:
+    """verifiers' context limits are ``prompt_too_long``, its turn, output and time
+    budgets ``max_turns_reached``, its errors ``has_error``; the env ending it (its agent
+    completing, its user closing, a task's own ``@stop``) is ``schedule_exhausted``."""
+    expected = {
+        "agent_completed": "schedule_exhausted", "user_closed": "schedule_exhausted",
+        "answer_found": "schedule_exhausted", None: "schedule_exhausted",
+        "max_turns": "max_turns_reached", "max_output_tokens": "max_turns_reached",
+        "rollout_timeout": "max_turns_reached", "max_input_tokens": "prompt_too_long",
+        "max_total_tokens": "prompt_too_long", "compaction_failed": "prompt_too_long",
+        "error": "has_error", "sandbox_error": "has_error",
+    }  # fmt: skip
+    assert {name: stop_of(name) for name in expected} == expected

@@ -4,6 +4,7 @@
 - ``builtin``: ``reverse-text``, ``alphabet-sort``, ``tool-calc``, ``relay-reverse`` and ``debate``
 - ``registry``: ``make_env(env_id, args)`` by built-in name or ``module:callable``
 - ``harness``: one rollout over token-in/token-out rendering -> ``schemas.Trace``
+- ``stop``: why a rollout ended (``Trace.stop_condition``) and the one priority rule
 - ``group``: group rubrics: a group's finished rollouts scored together (in sample
   order), their values recorded on each trace before it is published
 - ``agent``: an env whose own code drives the conversation through an OpenAI client

@@ -36,6 +36,15 @@ The sampling of policy calls is the rollout's (``SamplingParams`` of the task re
 its temperature is the one the trainer divides by); a call may ask fewer tokens. The
 number of policy calls is bounded by ``max_turns`` (a call past it is a 400 to the
 agent). The rubric scores the messages ``run`` returns; ``state`` is the harness's.
+
+How it ends (``Trace.stop_condition``, ``roles.lib.envs.stop``): ``run`` returned
+(``schedule_exhausted``, whatever limits it met and handled on the way). A policy call
+refused at a limit after the policy had spoken, the rollout's calls spent or the prompt
+too long for the model (OpenAI's ``context_length_exceeded``), that ``run`` lets
+propagate, ends the rollout as the harness's loop ends there (``max_turns_reached``,
+``prompt_too_long``: truncated): scored on the conversation so far (the last call's
+messages, its reply, what the refused call added), its calls trainable. Refused at the
+first call, or failing otherwise, it is errored (``has_error``) as before.
 """
 
 from __future__ import annotations
@@ -50,8 +59,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from roles.lib.envs.base import Harness, Messages, State
+from roles.lib.envs.stop import (
+    HAS_ERROR,
+    MAX_TURNS_REACHED,
+    PROMPT_TOO_LONG,
+    SCHEDULE_EXHAUSTED,
+    stop_condition,
+)
 from roles.lib.model.render import Reply, TemplateError
 from roles.lib.openai_api import (
+    CONTEXT_LENGTH_EXCEEDED,
     ApiError,
     ChatRequest,
     Choice,
@@ -133,6 +150,10 @@ class RolloutEndpoint:
     token_in: bool = False
     token_calls: list[TokenCall] = field(default_factory=list)
     error: TemplateError | None = None
+    # (stop condition, conversation so far) while the latest request was a policy call
+    # refused at a limit after the policy had spoken: its calls spent
+    # (``max_turns_reached``) or its prompt too long for the model (``prompt_too_long``).
+    cut: tuple[str, Messages] | None = None
 
     def client(self) -> Any:
         """The official async client, bound to this rollout."""
@@ -145,6 +166,7 @@ class RolloutEndpoint:
 
     async def answer(self, path: str, raw: bytes) -> tuple[int, dict[str, Any]]:
         """(status, body) for one request."""
+        self.cut = None
         try:
             if path.endswith("/chat/completions"):
                 return 200, await self._chat(parse_request(ChatRequest, raw))
@@ -219,7 +241,11 @@ class RolloutEndpoint:
             )
             self.others.append(OtherCall(req.model, messages, result, reply))
             return self._body(k, req.model, prompt, result, reply)
-        sampling = self._policy_budget(req.budget(self.sampling.max_completion_tokens))
+        try:
+            sampling = self._policy_budget(req.budget(self.sampling.max_completion_tokens))
+        except ApiError:
+            self._refused(MAX_TURNS_REACHED, messages)
+            raise
         close: list[int] = []
         if not self.calls:
             turn = self.renderer.first_turn(messages, tools)
@@ -239,8 +265,13 @@ class RolloutEndpoint:
                 self.error = e
                 raise ApiError(400, str(e)) from None
             close = turn.close
-        result = await self._generate(self.policy, k, turn.prompt, sampling,
-                                      self.renderer.stop_token_ids)  # fmt: skip
+        try:
+            result = await self._generate(self.policy, k, turn.prompt, sampling,
+                                          self.renderer.stop_token_ids)  # fmt: skip
+        except ApiError as e:
+            if e.code == CONTEXT_LENGTH_EXCEEDED:
+                self._refused(PROMPT_TOO_LONG, messages)
+            raise
         completion = i32(result.completion_ids).tolist()
         reply = self.renderer.parse_reply(completion, turn.prompt, bool(tools))
         body = self._body(k, req.model, turn.prompt, result, reply)
@@ -248,6 +279,16 @@ class RolloutEndpoint:
         self.calls.append(PolicyCall(messages, turn.prompt, result, reply, said, turn.pieces,
                                      close, turn.gen))  # fmt: skip
         return body
+
+    def _refused(self, stop: str, messages: Messages) -> None:
+        """Remember a policy call refused at a limit (``cut``), once the policy has spoken:
+        the conversation is the last call's and its reply, then what this call added."""
+        if not self.calls:
+            return
+        last = self.calls[-1]
+        seen = [*last.messages, last.said]
+        extends = len(messages) >= len(seen) and _same(messages[: len(seen)], seen)
+        self.cut = (stop, [*seen, *messages[len(seen) :]] if extends else seen)
 
     async def _generate(
         self, model: str, k: int, prompt: list[int], sampling: SamplingParams,
@@ -436,13 +477,22 @@ async def run_agent_rollout(
     final: Messages = []
     score = None
     state_record: dict[str, Any] = {}
+    ended: str | None = None  # why it ended (``roles.lib.envs.stop``); None: a failure
     try:
         state = harness.init_state(data)
         t = clock()
         try:
-            final = check_messages(
-                name, "run", await harness.run(endpoint.client(), model, data, state)
-            )
+            returned = await harness.run(endpoint.client(), model, data, state)
+        except EnvCodeError:
+            raise
+        except Exception:
+            if endpoint.cut is None:
+                raise
+            # The policy was refused at a limit and the agent gave up: the rollout ends
+            # there, scored on the conversation so far, as the harness's loop would.
+            ended, final = endpoint.cut
+        else:
+            final, ended = check_messages(name, "run", returned), SCHEDULE_EXHAUSTED
         finally:
             timings["env_s"] += clock() - t - timings["generate_s"]
         score = scored(await env.ascore(final, data, state))
@@ -491,6 +541,7 @@ async def run_agent_rollout(
     versions = [v for c in endpoint.calls for v in c.result.versions()]
     timings["total_s"] = clock() - t_start
     ok = not errors and score is not None
+    stop = stop_condition(HAS_ERROR if not ok else None, ended)
     return Trace(
         rollout_id=rollout_id, env=name, task=task, group_id=group_id, sample_index=sample_index,
         messages=b.messages(), branches=[Branch(messages=trained)] if trained else [],
@@ -499,7 +550,8 @@ async def run_agent_rollout(
         metrics=dict(score.metrics) if ok and score else {},
         timings=timings, errors=errors, policy_min=min(versions, default=0),
         policy_max=max(versions, default=0),
-        truncated=any(c.result.finish_reason == "length" for c in endpoint.calls),
+        truncated=stop == PROMPT_TOO_LONG
+        or any(c.result.finish_reason == "length" for c in endpoint.calls),
         num_turns=len(endpoint.calls), from_policy=bool(versions),
-        state=state_record if ok else {},
+        state=state_record if ok else {}, stop_condition=stop,
     )  # fmt: skip

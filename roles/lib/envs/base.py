@@ -13,7 +13,8 @@ without a model or a bus:
   the same stable hash of its JSON (or the splits are given).
 - ``Harness``: the conversation protocol. The opening messages (system prompt + first
   user message), the env's feedback after each assistant turn
-  (``env_response(messages, task, state) -> (new_messages, done)``), ``max_turns``, and
+  (``env_response(messages, task, state) -> (new_messages, done)``), ``max_turns`` and
+  ``min_turns`` (a done before it is overridden: ``roles.lib.envs.harness``), and
   ``reference_answer(messages, task)``: what a perfect policy would reply next (a
   scripted teacher uses it), and ``demonstration(task)``: a worked example as chat
   messages, the hint opsd-style self-distillation prepends for its teacher pass.
@@ -32,6 +33,9 @@ without a model or a bus:
 An ``Environment`` also declares its ``members`` (multi-agent envs name the agents
 whose messages carry ``Message.member``; single-agent envs leave it empty) and which of
 them are ``judges``; the other members are its ``seats``, where a learner may sit. Its
+harness's ``speaker(turn)`` names who writes each assistant turn: the ``schedule`` when
+it has one (members in turn order, a member may speak several turns in a row; the
+rollout ends after its last entry), else round robin over the members. Its
 ``state_columns`` name state keys the harness records on the trace after scoring
 (``Trace.state``: JSON-able values, queryable in the lake; a run's config may add more,
 ``make_env(..., state_columns=)``), and its harness's ``tools``
@@ -277,12 +281,21 @@ class Harness:
     """
 
     max_turns: int = 1
+    # The fewest assistant turns of a rollout: the env's ``done`` before this many is
+    # overridden (its messages are rendered as feedback and the next turn is generated);
+    # ``max_turns`` still ends a rollout. A run may set it per env (``min_turns``).
+    min_turns: int = 1
     # Multi-agent: the members taking turns (told which one they are by the
     # conversation); () = a single agent. Each member is played by the model the run
     # binds it to (the policy by default); ``judges`` are members that judge the others
     # and never train unless the env's ``drop_judge`` is off.
     members: tuple[str, ...] = ()
     judges: tuple[str, ...] = ()
+    # Multi-agent: who writes each assistant turn, in order (a member may speak several
+    # turns in a row: ``("a", "a", "b")``); the rollout ends after its last entry (or at
+    # ``max_turns``, whichever comes first). () = round robin over ``members`` until
+    # ``max_turns``. A run may set it per env (``schedule``).
+    schedule: tuple[str, ...] = ()
     # State keys recorded on the trace after scoring (``Trace.state``; JSON-able values).
     state_columns: tuple[str, ...] = ()
     # OpenAI function schemas of the tools the env answers (``{"type": "function",
@@ -291,7 +304,10 @@ class Harness:
     tools: tuple[dict[str, Any], ...] = ()
 
     def speaker(self, turn: int) -> str | None:
-        """The member who writes assistant turn ``turn`` (0-based): round robin."""
+        """The member who writes assistant turn ``turn`` (0-based): the ``schedule``'s
+        entry (None past its end: the rollout is over), else round robin."""
+        if self.schedule:
+            return self.schedule[turn] if turn < len(self.schedule) else None
         return self.members[turn % len(self.members)] if self.members else None
 
     def __init__(self, system_prompt: str | None = None) -> None:
@@ -528,6 +544,18 @@ async def _awaited(value: Awaitable[Any]) -> Any:
 # -- environment ------------------------------------------------------------------------
 
 
+def schedule_problem(env: str, members: Sequence[str], schedule: Sequence[str]) -> str | None:
+    """Why ``schedule`` cannot order the turns of env ``env`` with ``members``, or None."""
+    if not schedule:
+        return None
+    if not members:
+        return f"env {env!r} declares no members: a schedule names the member of each turn"
+    unknown = [m for m in dict.fromkeys(schedule) if m not in members]
+    if unknown:
+        return f"{unknown} in the schedule of {env!r} are not members (members: {list(members)})"
+    return None
+
+
 class Environment:
     """A taskset, a harness and a rubric under one name."""
 
@@ -556,6 +584,8 @@ class Environment:
         unknown = set(self.judges) - set(self.members)
         if unknown:
             raise ValueError(f"env {name!r}: judges {sorted(unknown)} are not members")
+        if why := schedule_problem(name, self.members, harness.schedule):
+            raise ValueError(why)
 
     @property
     def seats(self) -> tuple[str, ...]:
@@ -579,7 +609,23 @@ class Environment:
 
     @property
     def max_turns(self) -> int:
-        return self.harness.max_turns
+        """The env's own turn limit: its schedule's length when it has one (a schedule is
+        the whole turn plan), else its harness's ``max_turns``."""
+        return len(self.harness.schedule) or self.harness.max_turns
+
+    @property
+    def min_turns(self) -> int:
+        return self.harness.min_turns
+
+    @property
+    def schedule(self) -> tuple[str, ...]:
+        return tuple(self.harness.schedule)
+
+    def turn_limit(self, max_turns: int | None = None) -> int:
+        """The most assistant turns of a rollout: a run's ``max_turns`` (None: the env's
+        own), never past the end of the schedule."""
+        limit = max_turns or self.max_turns
+        return min(limit, len(self.harness.schedule)) if self.harness.schedule else limit
 
     @property
     def tools(self) -> tuple[dict[str, Any], ...]:

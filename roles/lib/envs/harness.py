@@ -28,6 +28,13 @@ So for every branch, concatenating its messages' ``token_ids`` is the full seque
 model saw last (final prompt + final completion), and ``token_ids``/``sampled``/
 ``logprobs`` have equal lengths per message.
 
+Turns. Assistant turn ``k`` is written by ``env.speaker(k)`` (a member, in a multi-agent
+env: its ``schedule``, else round robin). The rollout ends after the schedule's last turn
+or after ``max_turns`` turns (``env.turn_limit``: the request's, else the env's own),
+without asking the env, or when the env says done after a turn (``env_response``). A done
+before ``env.min_turns`` turns is overridden: the env's messages are rendered as feedback
+and the next turn is generated.
+
 Tool calls. Each completion is read back by ``renderer.parse_reply`` into (content,
 reasoning, calls); the reasoning (``Message.reasoning``) reaches the env as the chat
 dict's ``reasoning_content``; every call gets the id ``derive_id(rollout_id, "turn",
@@ -43,10 +50,22 @@ never train) and recorded in ``Trace.turn_errors`` (``parse_error``, with the me
 id); the rollout goes on (the env sees the raw reply and answers it; a ``ParseError``
 goes on with its ``feedback``, or ends the rollout without one). The trace stays ``ok``.
 
+How it ends (``Trace.stop_condition``, ``roles.lib.envs.stop``): the env said done or
+its schedule's last turn was taken (``schedule_exhausted``), or the last turn
+``max_turns`` allows was taken (``max_turns_reached``: the env is not asked after it, so
+a rollout that uses every turn is this even if the env had nothing more to say), or the
+next prompt outgrew the model's context (``prompt_too_long``), or it failed
+(``has_error``: an error outranks whatever else held). A prompt inference
+refuses as ``context_too_long`` after at least one turn ends the rollout truncated
+(``Trace.truncated``) and scored, its turns trainable: the env's messages of that prompt
+stay in the conversation the rubric scores, with no tokens (the model never read them),
+and the last reply loses the tokens that closed it there. At the first turn nothing was
+generated: it is an error, as below (also when the actor's seat never came).
+
 Failures. A retryable failure becomes a ``Trace`` with ``errors`` set and reward 0: an
 inference timeout, a transport error (``inference_error``), an ``InferenceFailed``
-reply (e.g. ``context_too_long``), a malformed reply (``bad_reply``), a rollout the
-actor never spoke in (``no_actor_turn``). A bug in env code is not retryable: an
+reply (e.g. ``context_too_long`` at the first turn), a malformed reply (``bad_reply``),
+a rollout the actor never spoke in (``no_actor_turn``). A bug in env code is not retryable: an
 exception from ``initial_messages``, ``init_state``, ``env_response`` (but
 ``ParseError``) or ``score``, messages that are not chat dicts, a partial
 ``member_rewards``, or a state column that is missing or not JSON-able raises
@@ -82,6 +101,14 @@ from roles.lib.envs.chat import (
     state_columns,
 )
 from roles.lib.envs.seats import Cast, cast
+from roles.lib.envs.stop import (
+    CONTEXT_TOO_LONG,
+    HAS_ERROR,
+    MAX_TURNS_REACHED,
+    PROMPT_TOO_LONG,
+    SCHEDULE_EXHAUSTED,
+    stop_condition,
+)
 from roles.lib.model.render import TemplateError
 from schemas import (
     Branch,
@@ -173,6 +200,17 @@ class _Builder:
         item["sampled"] += [0] * len(tokens)
         item["logprobs"] += [0.0] * len(tokens)
 
+    def unsee(self, index: int, close: int) -> None:
+        """Take back a prompt the model never read: the ``close`` tokens that closed reply
+        ``index`` in it, and the tokens of every message after that reply (they stay, as
+        closing remarks do, with no tokens)."""
+        item = self.items[index]
+        for key in ("tokens", "sampled", "logprobs"):
+            del item[key][len(item[key]) - close :]
+        for later in self.items[index + 1 :]:
+            later["tokens"], later["sampled"], later["logprobs"] = [], [], []
+            later["fields"]["content_span"] = None
+
     def messages(self) -> list[Message]:
         out = []
         for i, item in enumerate(self.items):
@@ -262,7 +300,7 @@ async def run_rollout(
             seed=seed, models=agent_models, max_turns=max_turns, clock=clock,
             on_scored=on_scored,
         )  # fmt: skip
-    turns = max_turns or env.max_turns
+    turns = env.turn_limit(max_turns)
     t_start = clock()
     timings = {"generate_s": 0.0, "env_s": 0.0, "queue_s": 0.0, "compute_s": 0.0}
     b = _Builder()
@@ -274,6 +312,9 @@ async def run_rollout(
     actor_turns = 0
     truncated = False
     num_turns = 0
+    ended: str | None = None  # why the loop ended (``roles.lib.envs.stop``); None: a failure
+    too_long: _Failure | None = None  # inference's refusal of a later turn's prompt
+    last, closed = -1, 0  # the last reply's message, and the tokens closing it in the prompt
     reward, rewards, metrics = 0.0, {}, {}
     member_rewards: dict[str, float] = {}
     state_record: dict[str, Any] = {}
@@ -327,6 +368,12 @@ async def run_rollout(
             finally:
                 timings["generate_s"] += clock() - t
             if isinstance(result, InferenceFailed):
+                if result.kind == CONTEXT_TOO_LONG and num_turns:
+                    # The conversation outgrew the context: it ends here, truncated and
+                    # scored; the prompt the model could not read keeps no tokens.
+                    too_long, ended = _Failure(result.kind, result.message), PROMPT_TOO_LONG
+                    b.unsee(last, closed)
+                    break
                 raise _Failure(result.kind, result.message)
             completion = i32(result.completion_ids).tolist()
             lps = f32(result.logprobs).tolist()
@@ -368,7 +415,12 @@ async def run_rollout(
                 said["tool_calls"] = chat_calls(turn_calls)
             chat.append(said)
             num_turns += 1
-            if num_turns >= turns:
+            scheduled = bool(env.schedule) and num_turns >= len(env.schedule)
+            if scheduled or num_turns >= turns:  # the env is not asked after this turn
+                ended = stop_condition(
+                    SCHEDULE_EXHAUSTED if scheduled else None,  # no member is left to speak
+                    MAX_TURNS_REACHED if num_turns >= turns else None,
+                )
                 break
             try:
                 response = env_call(env.env_response, chat, data, state, parse_errors=True)
@@ -377,21 +429,27 @@ async def run_rollout(
                 response = ([], True) if e.feedback is None else (e.feedback, False)
             new, done = check_response(name, response)
             new = resolve_tool_names(new, calls)
+            if done and num_turns < env.min_turns:
+                done = False  # too soon: its messages are feedback and the next turn comes
             if done:  # closing remarks: part of the conversation, never seen by the model
                 for m in new:
                     b.add_env(m, [])
                 chat.extend(new)
+                ended = SCHEDULE_EXHAUSTED
                 break
             try:
                 turn = renderer.next_turn(prompt, completion, new, env.tools)
             except TemplateError as e:
                 raise _Failure("render_error", str(e)) from e
             b.append_unsampled(last, turn.close)
+            closed = len(turn.close)
             for m, (toks, span) in zip(new, turn.pieces, strict=True):
                 b.add_env(m, toks, span)
             chat.extend(new)
             prompt, gen_prefix = turn.prompt, turn.gen
         if roles.trains and not actor_turns:
+            if too_long is not None:  # the context ran out before the actor's seat came
+                raise too_long
             raise _Failure(
                 "no_actor_turn",
                 f"{model!r} (members {list(roles.trains)}) never spoke in {num_turns} turns: "
@@ -425,6 +483,7 @@ async def run_rollout(
         errors.append(TraceError(kind="harness_exception", message=f"{type(e).__name__}: {e}"))
     timings["total_s"] = clock() - t_start
     messages = b.messages()
+    stop = stop_condition(HAS_ERROR if errors else None, ended)
     return Trace(
         rollout_id=rollout_id,
         env=name,
@@ -441,13 +500,14 @@ async def run_rollout(
         errors=errors,
         policy_min=min(versions, default=0),
         policy_max=max(versions, default=0),
-        truncated=truncated,
+        truncated=truncated or stop == PROMPT_TOO_LONG,
         num_turns=num_turns,
         seat=roles.learner,
         member_models=roles.models,
         from_policy=bool(versions),
         turn_errors=turn_errors,
         state={} if errors else state_record,
+        stop_condition=stop,
     )
 
 

@@ -7,9 +7,13 @@
 The callable is called with the env's args as keyword arguments (as in verifiers'
 ``load_environment(**kwargs)``). ``state_columns`` (a run's
 ``orchestrator.train.env[].state_columns``) are recorded beside the env's own: its own
-first, then the new ones. ``env_key`` is the env's token on the bus (subject key, durable
-name): a built-in name is its own key; an import path has its dots and colon replaced by
-``-``.
+first, then the new ones. A run's ``schedule`` and ``min_turns`` for the env replace the
+harness's own (``turn_problems`` says why they cannot: a schedule naming no member, a
+``min_turns`` above ``max_turns``, an env whose own code takes the turns). ``env_key`` is
+the env's token on the bus (subject key, durable name): a built-in name is its own key;
+an import path has its dots and colon replaced by ``-``.
+
+    make_env("my_envs.interview:make_env", {}, schedule=["asker", "asker", "answerer"])
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from bus.subjects import token_for
-from roles.lib.envs.base import Environment
+from configs.orchestrator import EnvConfig, EvalEnvConfig
+from roles.lib.envs.base import Environment, Harness, schedule_problem
 from roles.lib.envs.builtin import BUILTINS
 from roles.lib.plugins import load_named
 
@@ -45,14 +50,72 @@ def _resolve(env_id: str) -> Any:
 
 
 def make_env(
-    env_id: str, args: dict[str, Any] | None = None, state_columns: Sequence[str] = ()
+    env_id: str,
+    args: dict[str, Any] | None = None,
+    state_columns: Sequence[str] = (),
+    *,
+    schedule: Sequence[str] = (),
+    min_turns: int | None = None,
+    max_turns: int | None = None,
 ) -> Environment:
     """The Environment called ``env_id`` built with ``args``, recording ``state_columns``
-    beside its own (``merged_columns``); a clear error otherwise."""
+    beside its own (``merged_columns``), its turns ordered by ``schedule`` and never fewer
+    than ``min_turns`` (empty / None: the harness's own). ``max_turns`` is the run's turn
+    limit for the env (requests carry it; None: the env's own), only checked against
+    them. A clear error otherwise (``ValueError`` naming the key, ``turn_problems``)."""
     env = _build(env_id, args)
     if state_columns:
         env.state_columns = merged_columns(env.state_columns, state_columns)
+    problems = turn_problems(env, schedule, min_turns, max_turns)
+    if problems:
+        raise ValueError("; ".join(f"{key}: {why}" for key, why in problems))
+    if schedule:
+        env.harness.schedule = tuple(schedule)
+    if min_turns is not None:
+        env.harness.min_turns = min_turns
     return env
+
+
+def turn_options(entry: EnvConfig | EvalEnvConfig | None) -> dict[str, Any]:
+    """``make_env``'s turn keywords from an env's config entry (its ``schedule`` and
+    ``min_turns``, and the ``max_turns`` they are checked against); {} when it sets none."""
+    if entry is None or not (entry.schedule or entry.min_turns):
+        return {}
+    return {"schedule": list(entry.schedule), "min_turns": entry.min_turns,
+            "max_turns": entry.max_turns}  # fmt: skip
+
+
+def turn_problems(
+    env: Environment,
+    schedule: Sequence[str] = (),
+    min_turns: int | None = None,
+    max_turns: int | None = None,
+) -> list[tuple[str, str]]:
+    """Why a run's ``schedule`` / ``min_turns`` cannot apply to ``env`` (with the run's
+    ``max_turns``, None: the env's own): ``(key, reason)`` pairs, [] when they can."""
+    given = [(key, v) for key, v in (("schedule", schedule), ("min_turns", min_turns)) if v]
+    if not given:
+        return []
+    from roles.lib.envs.agent import AgentHarness
+
+    if isinstance(env.harness, AgentHarness):  # verifiers envs too
+        own = f"env {env.name!r} runs the conversation in its own code: rlbus takes no turns"
+        return [(key, own) for key, _ in given]
+    out = []
+    if schedule and type(env.harness).speaker is not Harness.speaker:
+        out.append(("schedule", f"env {env.name!r} orders its turns itself (its harness "
+                                "overrides `speaker`)"))  # fmt: skip
+    elif why := schedule_problem(env.name, env.members, schedule):
+        out.append(("schedule", why))
+    planned = len(schedule or env.schedule)  # a schedule is the whole turn plan
+    if min_turns is not None and max_turns and min_turns > max_turns:
+        out.append(("min_turns", f"{min_turns} exceeds `max_turns`, {max_turns}"))
+    elif min_turns is not None and planned and min_turns > planned:
+        out.append(("min_turns", f"{min_turns} exceeds the {planned} turns of the schedule"))
+    elif min_turns is not None and not max_turns and min_turns > env.max_turns:
+        out.append(("min_turns", f"{min_turns} exceeds env {env.name!r}'s own max_turns, "
+                                 f"{env.max_turns} (set `max_turns` too)"))  # fmt: skip
+    return out
 
 
 def merged_columns(own: Sequence[str], extra: Sequence[str]) -> tuple[str, ...]:

@@ -30,7 +30,12 @@ disagrees is errored (``render_error``). An episode that failed because env code
 program, a refused model call) is errored (``harness_error``). The reward, the named
 rewards and the metrics are verifiers' (its rubric runs inside the episode);
 ``stop_condition`` and the fields of the task's ``vf.State`` are the trace's state
-columns (and any field a run's config adds: ``state_columns``).
+columns (and any field a run's config adds: ``state_columns``). verifiers' stop
+condition is also the trace's, by rlbus's name (``stop_of``: ``agent_completed`` is
+``schedule_exhausted``, ``max_turns`` is ``max_turns_reached``, ...). Unlike the
+harness's loop, a model call that inference refuses as too long still errors the
+rollout at any turn (``context_too_long``): verifiers saw its model call fail, and its
+rewards are computed inside the episode, which rlbus cannot score again.
 
 Rubric replay cannot rescore a verifiers env (its reward functions read verifiers'
 trace, which is not kept): ``rlbus replay <run> rubric`` names such traces as failures.
@@ -47,6 +52,13 @@ from typing import Any, NamedTuple
 
 from roles.lib.envs.agent import AgentHarness, Loopback, RolloutEndpoint, TimedGenerate, TokenCall
 from roles.lib.envs.base import Environment, ListTaskset, Messages, Rubric, State
+from roles.lib.envs.stop import (
+    HAS_ERROR,
+    MAX_TURNS_REACHED,
+    PROMPT_TOO_LONG,
+    SCHEDULE_EXHAUSTED,
+    stop_condition,
+)
 from schemas import SamplingParams
 
 PREFIX = "vf:"
@@ -56,6 +68,10 @@ INSTALL = "pip install 'rlbus[verifiers]'"
 # toolset): a bug, which stops the run as any env bug does (``EnvCodeError``). The others
 # (its program exited, a model call failed, a timeout) fail only the rollout.
 ENV_CODE_ERRORS = ("TaskError", "EnvError", "ToolsetError")
+# verifiers' limits (its ``Trace.stop_condition``), by the rlbus stop condition they are:
+# the context outgrown, or the episode's own length or time budget spent.
+CONTEXT_LIMITS = ("max_input_tokens", "max_total_tokens", "compaction_failed")
+LENGTH_LIMITS = ("max_turns", "max_output_tokens")
 
 
 def _vf() -> Any:
@@ -244,13 +260,15 @@ async def run_verifiers_rollout(
     versions = built.versions
     timings["total_s"] = clock() - t_start
     ok = not errors
+    stop = stop_condition(HAS_ERROR if not ok else None, _stop_of(episode) if ok else None)
     return Trace(
         rollout_id=rollout_id, env=name, task=task, group_id=group_id, sample_index=sample_index,
         messages=built.messages, branches=built.branches if ok else [],
         reward=built.reward if ok else 0.0, rewards=built.rewards if ok else {},
         metrics=built.metrics if ok else {}, timings=timings, errors=errors,
         policy_min=min(versions, default=0), policy_max=max(versions, default=0),
-        truncated=built.truncated, num_turns=len(versions), from_policy=bool(versions),
+        truncated=built.truncated or stop == PROMPT_TOO_LONG, num_turns=len(versions),
+        from_policy=bool(versions), stop_condition=stop,
         state=_state_record(episode, env.state_columns) if ok else {},
     )  # fmt: skip
 
@@ -363,6 +381,26 @@ def _claim(calls: list[TokenCall], prompt: list[int], completion: list[int]) -> 
     return None
 
 
+def stop_of(condition: str | None) -> str:
+    """The rlbus stop condition (``roles.lib.envs.stop``) of a verifiers stop condition:
+    its context limits are ``prompt_too_long``, its turn, output and time budgets
+    ``max_turns_reached``, its errors ``has_error``; anything else (``agent_completed``,
+    ``user_closed``, a task's own ``@stop``) is the env ending it: ``schedule_exhausted``."""
+    name = condition or ""
+    if name in CONTEXT_LIMITS:
+        return PROMPT_TOO_LONG
+    if name in LENGTH_LIMITS or name.endswith("_timeout"):
+        return MAX_TURNS_REACHED
+    if name == "error" or name.endswith("_error"):
+        return HAS_ERROR
+    return SCHEDULE_EXHAUSTED
+
+
+def _stop_of(episode: Any) -> str:
+    """The rlbus stop condition of a finished episode: its trainable agent's."""
+    return stop_of(next(t for t in episode.traces if t.agent.trainable).stop_condition)
+
+
 def _state_record(episode: Any, columns: Sequence[str]) -> dict[str, Any]:
     """The env's state columns from the trainable agent's trace: ``stop_condition``, and
     its ``vf.State`` fields (JSON values; None for a field the state does not have)."""
@@ -378,5 +416,6 @@ __all__ = [
     "from_object",
     "load",
     "run_verifiers_rollout",
+    "stop_of",
     "wrap",
 ]

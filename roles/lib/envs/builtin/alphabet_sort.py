@@ -10,6 +10,10 @@ commas or newlines, surrounding spaces ignored)::
     assistant: Ada,Bo,Kai,Sue,Zoe
     ...                                 (``max_turns`` turns in all, default 3)
 
+``min_turns`` (default: ``max_turns``) is verifiers' taskset key of the same name: each
+task draws its number of turns in ``[min_turns, max_turns]``, and the env says done after
+the task's last turn (prime-rl's two-turn config ``min_turns = max_turns = 2`` is ``args
+= {min_turns = 2, max_turns = 2}`` here; ``rlbus up -c alphabet-sort`` trains it).
 Every name of a task is distinct, drawn from a fixed pool of short capitalised names.
 Reward ``correct``: the mean over the turns asked of 1 if that turn's answer is exactly
 the sorted list of every name given so far, else 0 (a turn asked but never answered
@@ -68,23 +72,26 @@ class AlphabetSortTasks(GeneratedTaskset):
         max_names: int = 4,
         min_add: int = 1,
         max_add: int = 2,
+        min_turns: int | None = None,
         **kw: Any,
     ) -> None:
-        if turns < 1 or not 1 <= min_names <= max_names or not 1 <= min_add <= max_add:
+        low = turns if min_turns is None else min_turns
+        if not 1 <= low <= turns or not 1 <= min_names <= max_names or not 1 <= min_add <= max_add:
             raise ValueError(
-                "need turns >= 1, 1 <= min_names <= max_names, 1 <= min_add <= max_add"
+                "need 1 <= min_turns <= max_turns, 1 <= min_names <= max_names, "
+                "1 <= min_add <= max_add"
             )
         if max_names + (turns - 1) * max_add > len(NAMES):
             raise ValueError(f"at most {len(NAMES)} distinct names are available")
         super().__init__(**kw)
-        self.turns = turns
+        self.turns = (low, turns)
         self.names = (min_names, max_names)
         self.add = (min_add, max_add)
 
     def generate(self, rng: random.Random) -> dict[str, Any]:
-        counts = [rng.randint(*self.names)] + [
-            rng.randint(*self.add) for _ in range(self.turns - 1)
-        ]
+        low, high = self.turns  # a fixed count draws nothing: the same tasks as before
+        turns = rng.randint(low, high) if low < high else high
+        counts = [rng.randint(*self.names)] + [rng.randint(*self.add) for _ in range(turns - 1)]
         drawn = rng.sample(NAMES, sum(counts))
         groups, start = [], 0
         for n in counts:
@@ -148,6 +155,7 @@ def per_turn(messages: Messages, task: dict[str, Any], state: State) -> dict[str
 
 def make_env(
     max_turns: int = 3,
+    min_turns: int | None = None,
     min_names: int = 3,
     max_names: int = 4,
     min_add: int = 1,
@@ -158,6 +166,7 @@ def make_env(
 ) -> Environment:
     args = dict(
         max_turns=max_turns,
+        min_turns=min_turns,
         min_names=min_names,
         max_names=max_names,
         min_add=min_add,
@@ -172,6 +181,7 @@ def make_env(
         max_names,
         min_add,
         max_add,
+        min_turns,
         seed=seed,
         train_size=train_size,
         eval_size=eval_size,
