@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,21 +48,25 @@ def make_engine(tiny_dir: Path, seed: int = 1, **kw: Any) -> TorchEngine:
     )
 
 
-def count_steps(engine: TorchEngine, monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
-    """Count the engine's decode steps; returns the counter's reader."""
+def count_steps(
+    engine: TorchEngine, monkeypatch: pytest.MonkeyPatch, pace_s: float = 0.0
+) -> Callable[[], int]:
+    """Count the engine's decode steps (each at least ``pace_s`` long: a row that must
+    still decode when something lands); returns the counter's reader."""
     steps = [0]
     step = engine.step
 
     def counting() -> Any:
         steps[0] += 1
+        time.sleep(pace_s)
         return step()
 
     monkeypatch.setattr(engine, "step", counting)
     return lambda: steps[0]
 
 
-# Tokens of the row a swap lands in: long enough that it still decodes when the swap
-# lands on 2 busy cores (40 was not, under a loaded machine).
+# Tokens of the row a swap lands in: with each step paced (``count_steps``), it still
+# decodes when the swap lands (a 40-token row at full speed had finished, in a full run).
 LONG = 160
 
 
@@ -190,17 +195,19 @@ async def test_an_in_flight_swap_lands_while_a_row_decodes_and_records_where(
     new = scramble(load_model(tiny_dir), seed=5)
     long_req = gen("long", prompts[1], max_completion_tokens=LONG)
     (old_long,) = engine.generate([long_req])
-    steps = count_steps(engine, monkeypatch)
+    # The new version made ready first: what lands mid-decode is the swap alone. Each
+    # step paced at 5 ms, so the row (LONG steps) outlasts the swap on a busy machine.
+    ring = WeightsRing.create(
+        Layout.of(new.state_dict()), torch.float32, torch.device("cpu"), tmp_path
+    )
+    shared, data = ring.write(3, new.state_dict()), state_dict_to_bytes(new)
+    steps = count_steps(engine, monkeypatch, pace_s=0.005)
     backend = TorchBackend(engine, batch_window_ms=0)
     long = asyncio.create_task(backend.generate([long_req]))
     await until(lambda: steps() >= 5)
     if via == "ipc":
-        ring = WeightsRing.create(
-            Layout.of(new.state_dict()), torch.float32, torch.device("cpu"), tmp_path
-        )
-        paused = await backend.load_shared(ring.write(3, new.state_dict()), version=3)
+        paused = await backend.load_shared(shared, version=3)
     else:
-        data = state_dict_to_bytes(new)
         paused = await backend.load_weights(data, digest(data), version=3)
     assert not long.done() and engine.policy_version == 3 and paused > 0
     (lg,) = await long
