@@ -50,7 +50,7 @@ KINDS: dict[str, Kind] = {
         Kind(
             "orchestrator", "the orchestrator",
             (_T.RUN_STARTED, _T.RUN_STOPPED, _T.TASK_REQUESTED, _T.BATCH_ASSEMBLED,
-             _T.SAMPLES_SCORED, _T.METRICS_REPORTED, _T.DEAD_LETTERED),
+             _T.SAMPLES_SCORED, _T.ALGORITHM_DETACHED, _T.METRICS_REPORTED, _T.DEAD_LETTERED),
             objects=True, heartbeats=("orchestrator",),
         ),
         Kind(

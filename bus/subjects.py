@@ -145,7 +145,7 @@ TOPICS: dict[Topic, TopicSpec] = {
             Topic.ALGORITHM_DETACHED,
             AlgorithmDetached,
             "algorithm",
-            "rlbus algorithm detach",
+            "rlbus algorithm detach; orchestrator (an attach with no worker)",
             "orchestrator, the worker, status",
         ),
     )

@@ -345,6 +345,10 @@ class OrchestratorConfig(_Section):
     # A train group not fully scored this long after the orchestrator saw it dispatched is
     # released ("deadline"): its slot frees, nothing of it trains.
     group_timeout_s: float = Field(default=600.0, gt=0)
+    # An attached training algorithm (`rlbus algorithm attach`) whose worker shows no
+    # heartbeat this long after the orchestrator saw its attach is detached (reason "no
+    # worker ..."): groups never wait on a worker that is not there.
+    attach_timeout_s: float = Field(default=30.0, gt=0)
     # A stall: no batch for `stall_factor` x the median recent step time, and at least
     # `stall_min_s`. It is reported (log line, `rlbus status`, the live view) with what
     # the run waits for; a stall longer than `stall_stop_s` stops the run (reason "stalled").

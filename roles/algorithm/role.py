@@ -145,7 +145,9 @@ class AlgorithmWorker(Role):
 
     async def setup(self) -> None:
         self.detach_floor = await last_seq(self.bus, Topic.ALGORITHM_DETACHED, self.name)
-        await self.catch_up()
+        # Beating meanwhile: a long catch-up is a live worker (the orchestrator detaches an
+        # attached algorithm whose worker shows no heartbeat, orchestrator.attach_timeout_s).
+        await self.beating(self.catch_up(), consumer=durable_name("algorithm", self.name))
 
     def background(self) -> list[Awaitable[Any]]:
         return [self.report_every(self.metrics_interval_s, self.metrics), self._drain_then_stop()]

@@ -22,8 +22,11 @@ and, past ``stall_stop_s``, stopped with reason "stalled". Rollouts that only er
 (none could train, no trainer step) for ``error_stop_s`` stop the run sooner, with
 reason "rollout_errors" and the most frequent error (``policy.error_stop``): every
 errored rollout is replaced by a new one, so such a run would otherwise loop silently
-until the stall stop. What the watch publishes is on the log, so a restart and a replay
-fold the same releases and the same stop.
+until the stall stop. An attached training algorithm whose worker shows no heartbeat
+within ``attach_timeout_s`` of the watch first looking for it is detached
+(``AttachWatch``: an ``algorithm.detached`` with reason "no worker ..."), so groups never
+wait on a worker that is not there. What the watch publishes is on the log, so a
+restart and a replay fold the same releases, detaches and the same stop.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from bus.follower import Follow
 from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import read_log
 from bus.registry import is_alive
-from bus.subjects import Topic
+from bus.subjects import Topic, durable_name
 from configs import RunConfig
 from roles.orchestrator.core import (
     INPUTS,
@@ -54,6 +57,8 @@ from roles.orchestrator.state import OrchestratorState
 from roles.runtime.context import RoleContext, read_run_started
 from roles.runtime.role import Role, serve_role
 from schemas import (
+    AlgorithmAttached,
+    AlgorithmDetached,
     BatchAssembled,
     Event,
     MetricsReported,
@@ -79,6 +84,7 @@ class Orchestrator(Role):
         self.core = OrchestratorCore(ctx.cfg)
         self.stall: Stall | None = None  # the current stall, while there is one
         self.caught_up = False  # folded the whole log once (the watch waits for it)
+        self.attaches = AttachWatch()  # attached algorithms whose worker was not seen yet
 
     async def setup(self) -> None:
         await self.start_run()
@@ -174,6 +180,8 @@ class Orchestrator(Role):
         dead-lettered by the follower, then what the refusal caused is published)."""
         self.caught_up = self.caught_up or delivery.pending == 0
         t = self.core.step(event)
+        if t.rejected is None and isinstance(event, AlgorithmAttached | AlgorithmDetached):
+            self.attaches.saw(event)
         out = Effects(t.outputs, after_publish=lambda: self._log_decisions(t.outputs))
         if t.rejected is not None:
             raise Rejected(t.rejected, outputs=out)
@@ -207,6 +215,8 @@ class Orchestrator(Role):
                 if now - since > o.group_timeout_s and group.request.phase != "eval":
                     await self._release(group, now - since)
                     dispatched[gid] = now  # asked once; a later pass asks again if needed
+            if self.attaches.waiting:
+                await self._detach_absent(now)
             if detail := error_stop(s, self.cfg, erroring.seconds(s, now)):
                 await self._stop("rollout_errors", detail)
                 continue
@@ -283,6 +293,37 @@ class Orchestrator(Role):
             self.log.info("run.unstalled", stalled_s=round(self.stall.seconds()))
             self.stall = None
 
+    async def _detach_absent(self, now: float) -> None:
+        """Detach each attached algorithm whose worker showed no heartbeat within
+        ``orchestrator.attach_timeout_s`` of the watch seeing its attach (the event is
+        the orchestrator's input like a user's detach: its groups stop waiting)."""
+        try:
+            beats = await self.bus.live_roles()
+        except Exception as e:  # noqa: BLE001 - a registry hiccup: ask again next second
+            self.log.warning("attach.registry_unreadable", error=repr(e))
+            return
+        interval, wall = self.cfg.bus.heartbeat_interval_s, time.time_ns()
+        live = {
+            name
+            for hb in beats
+            if hb.consumer and is_alive(hb, interval, wall)
+            for name in hb.consumer.split(",")
+        }
+        timeout = self.cfg.orchestrator.attach_timeout_s
+        for attached in self.attaches.absent(live, now, timeout):
+            reason = (f"no worker: no heartbeat from {durable_name('algorithm', attached.algorithm)} "
+                      f"within {timeout:g} s of its attach (orchestrator.attach_timeout_s)")  # fmt: skip
+            self.log.warning("algorithm.no_worker", algorithm=attached.algorithm, reason=reason)
+            await self.bus.publish(
+                AlgorithmDetached(
+                    run=self.run,
+                    event_id=derive_id(self.run, "no-worker", attached.event_id),
+                    causation_id=attached.event_id,
+                    algorithm=attached.algorithm,
+                    reason=reason,
+                )  # fmt: skip
+            )
+
     async def _silent_roles(self) -> list[str]:
         """Role instances of this run whose heartbeat stopped (crashed, SIGSTOPped, hung)."""
         try:
@@ -332,6 +373,35 @@ class StepTimes:
 
     def median(self) -> float:
         return statistics.median(self.times) if self.times else 0.0
+
+
+class AttachWatch:
+    """Attached training algorithms whose worker the watch has not seen live yet, with
+    when it first looked for each (monotonic): ``absent`` names those past the bound."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, tuple[AlgorithmAttached, float | None]] = {}
+
+    def saw(self, event: AlgorithmAttached | AlgorithmDetached) -> None:
+        """An attach or a detach the core took."""
+        if isinstance(event, AlgorithmDetached):
+            self.waiting.pop(event.algorithm, None)
+        elif not event.shadow:  # a shadow's samples never train: nothing waits for them
+            self.waiting[event.algorithm] = (event, None)
+
+    def absent(self, live: set[str], now: float, timeout_s: float) -> list[AlgorithmAttached]:
+        """Forget those whose worker's consumer is ``live``; return (and forget) those not
+        live ``timeout_s`` after the first look."""
+        out = []
+        for algorithm, (event, since) in list(self.waiting.items()):
+            if durable_name("algorithm", algorithm) in live:
+                del self.waiting[algorithm]
+            elif since is None:
+                self.waiting[algorithm] = (event, now)
+            elif now - since >= timeout_s:
+                del self.waiting[algorithm]
+                out.append(event)
+        return out
 
 
 class ErrorClock:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import nats
 
 from bus import codec
-from bus.auth import connect_options
+from bus.auth import CREDS_ENV, connect_options
+from bus.runtime import Bus
 from bus.subjects import Topic, subject
 from schemas import (
     AlgorithmAttached,
@@ -243,3 +245,24 @@ def assert_log_intact(seq_events: list[tuple[int, Any]], steps: int, run_dir: An
         core.train_step(b)
     final = [e for e in events if isinstance(e, WeightsPublished)][-1]
     assert core.weights_digest() == final.weights.digest
+
+
+async def attach_ghost(url: str, data_dir: Path, run: str) -> AlgorithmAttached:
+    """Attach a training algorithm whose worker never starts (a typo in a launch script
+    does it), published with the attach identity's own credentials, as
+    ``rlbus algorithm attach`` publishes it."""
+    event = AlgorithmAttached(run=run, event_id=FORGED + "ghost", algorithm="ghost", name="grpo")
+    saved = os.environ.get(CREDS_ENV)
+    os.environ[CREDS_ENV] = str(data_dir / run / "auth" / "attach.creds")
+    try:
+        bus = await Bus.connect(url, run=run, producer="e2e-attach")
+        try:
+            await bus.publish(event)
+        finally:
+            await bus.close()
+    finally:
+        if saved is None:
+            os.environ.pop(CREDS_ENV, None)
+        else:
+            os.environ[CREDS_ENV] = saved
+    return event

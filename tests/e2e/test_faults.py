@@ -17,6 +17,7 @@ import pytest
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from schemas import (
+    AlgorithmDetached,
     BatchAssembled,
     DeadLettered,
     MetricsReported,
@@ -27,6 +28,7 @@ from schemas import (
 from tests.e2e.faults import (
     FORGED,
     assert_log_intact,
+    attach_ghost,
     inject,
     pause,
     read_seq_events,
@@ -61,10 +63,12 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
         tmp_path, run, f"max_steps={steps}", flaky, "bus.heartbeat_interval_s=1",
         "orchestrator.stall_min_s=3", "orchestrator.stall_factor=2",
         "orchestrator.group_timeout_s=4", "orchestrator.stall_stop_s=90",
+        "orchestrator.attach_timeout_s=3",
     )  # fmt: skip
     url = await reached_version(proc, tmp_path, run, 2, timeout_s=400)
     assert url is not None, "the run never reached version 2"
     injected = await inject(url, run, squat_step)
+    ghost = await attach_ghost(url, tmp_path, run)
     # > stall_min_s + 3 beats, once the batches the trainer's window allows are assembled
     await pause((await running_role(url, run, "trainer")).pid, 10)
     await pause((await running_role(url, run, "algorithm", "grpo")).pid, 8)  # > group_timeout_s
@@ -93,6 +97,11 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
                 if isinstance(e, MetricsReported) and e.role == "orchestrator"]  # fmt: skip
     # (a released group's late answers count once: only groups still in flight are released)
     assert 0 < released[-1] <= len(failed)
+
+    # the attached algorithm whose worker never came was detached, with the reason
+    (gone,) = [e for e in events if isinstance(e, AlgorithmDetached) and e.algorithm == "ghost"]
+    assert gone.causation_id == ghost.event_id and gone.producer.startswith("orchestrator")
+    assert gone.reason.startswith("no worker: no heartbeat from algorithm-ghost within 3 s")
 
     # the stopped trainer was reported, by name, with what the run waited for
     assert any(isinstance(e, MetricsReported) and e.role == "stall" for e in real)

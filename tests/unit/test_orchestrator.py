@@ -10,6 +10,8 @@ from roles.orchestrator.eval_stats import eval_metrics
 from roles.orchestrator.policy import decide, trains_on
 from roles.orchestrator.state import OrchestratorState
 from schemas import (
+    AlgorithmAttached,
+    AlgorithmDetached,
     BatchAssembled,
     DeadLettered,
     EvalCompleted,
@@ -530,3 +532,29 @@ def test_the_stall_threshold_scales_with_steps_not_with_startup_or_stalls() -> N
     steps.batch(30.0, stalled=False)  # a slow step that was no stall counts
     steps.batch(31.0, stalled=False)
     assert steps.median() == 1.0 and list(steps.times) == [1.0, 1.0, 12.0, 1.0]
+
+
+def test_an_attached_algorithm_whose_worker_never_shows_is_named_once_past_the_bound() -> None:
+    """The orchestrator's watch over attaches (``AttachWatch``): its clock starts at the
+    first look; a worker seen live (its consumer in a live heartbeat) is forgotten; one
+    never seen is returned once ``attach_timeout_s`` after the first look; a shadow, or
+    an algorithm detached meanwhile, is never waited for."""
+    from roles.orchestrator.role import AttachWatch
+
+    watch = AttachWatch()
+    ghost = AlgorithmAttached(run="r", event_id="a1", algorithm="ghost", name="grpo")
+    real = AlgorithmAttached(run="r", event_id="a2", algorithm="rloo", name="rloo")
+    gone = AlgorithmAttached(run="r", event_id="a3", algorithm="gone", name="grpo")
+    watch.saw(
+        AlgorithmAttached(run="r", event_id="a4", algorithm="shade", name="grpo", shadow=True)
+    )
+    for e in (ghost, real, gone):
+        watch.saw(e)
+    assert sorted(watch.waiting) == ["ghost", "gone", "rloo"]
+    assert watch.absent(set(), now=100.0, timeout_s=30) == []  # the clock starts here
+    watch.saw(AlgorithmDetached(run="r", event_id="d3", algorithm="gone"))
+    assert watch.absent({"algorithm-rloo"}, now=110.0, timeout_s=30) == []
+    assert sorted(watch.waiting) == ["ghost"]
+    assert watch.absent(set(), now=129.9, timeout_s=30) == []
+    assert watch.absent(set(), now=130.0, timeout_s=30) == [ghost]
+    assert watch.waiting == {} and watch.absent(set(), now=500.0, timeout_s=30) == []
