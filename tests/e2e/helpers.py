@@ -17,7 +17,7 @@ from bus.auth import CREDS_ENV
 from bus.reader import read_log
 from bus.registry import RoleHeartbeat, list_roles
 from bus.runtime import Bus
-from bus.server import running_server_url
+from bus.server import EmbeddedServer, running_server_url
 from bus.subjects import Topic
 from schemas import EVENT_TYPES, WeightsPublished
 
@@ -65,6 +65,17 @@ async def all_events(url: str, run: str) -> list[Any]:
         return [e async for e in read_log(bus, [(t, None) for t in Topic], EVENT_TYPES)]
     finally:
         await bus.close()
+
+
+async def finished_run(data_dir: Path, run: str, *overrides: str, steps: int) -> list[Any]:
+    """``rlbus up`` a smoke run of ``steps`` steps to its end (exit 0, every step trained),
+    then every event of its log."""
+    proc = rlbus_up(data_dir, run, f"max_steps={steps}", *overrides)
+    out, _ = await asyncio.to_thread(proc.communicate, timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    assert summary(data_dir, run)["steps"] == steps
+    with EmbeddedServer(data_dir / run / "nats") as server:
+        return await all_events(server.url, run)
 
 
 async def reached_version(

@@ -6,16 +6,14 @@ the replays a user runs on it. About 20 s here (2 cores).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from bus.server import EmbeddedServer
 from schemas import EvalCompleted, TaskRequested, TraceCompleted
-from tests.e2e.helpers import all_events, rlbus, rlbus_up, summary
+from tests.e2e.helpers import finished_run, rlbus
 
 RUN = "grp1"
 RANKED = 'orchestrator.train.env=[{id="reverse-text", group_size=4, args={rank_weight=1.0}}]'
@@ -28,12 +26,7 @@ async def test_a_group_scored_env_trains_and_replays_exactly(tmp_path: Path) -> 
     of 4 summing to 2 (each pair of rollouts shares one win); the run trains its 2 steps;
     `rlbus replay rubric` re-scores every group to the same rewards (MATCH), grpo's
     advantages replay exactly, and the lake has a `reward_rank` for every finished rollout."""
-    proc = rlbus_up(tmp_path, RUN, "max_steps=2", RANKED)
-    out, _ = await asyncio.to_thread(proc.communicate, timeout=400)
-    assert proc.returncode == 0, out[-4000:]
-    assert summary(tmp_path, RUN)["steps"] == 2
-    with EmbeddedServer(tmp_path / RUN / "nats") as server:
-        events = await all_events(server.url, RUN)
+    events = await finished_run(tmp_path, RUN, RANKED, steps=2)
 
     phases = {e.event_id: e.phase for e in events if isinstance(e, TaskRequested)}
     traces = [e for e in events if isinstance(e, TraceCompleted)]

@@ -6,18 +6,16 @@ merged model, and load that. About 20 s here (2 cores).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from bus.server import EmbeddedServer
 from roles.lib.model.loading import load_model
 from roles.lib.model.weights import adapter_scale
 from schemas import WeightsPublished
-from tests.e2e.helpers import all_events, rlbus, rlbus_up, summary
+from tests.e2e.helpers import finished_run, rlbus
 
 RUN = "lora1"
 LORA = 'trainer.lora={rank=4, alpha=8, modules_to_save=["embed_tokens"]}'
@@ -29,12 +27,7 @@ async def test_a_lora_run_serves_adapters_and_replays_bit_for_bit(tmp_path: Path
     inference swaps each in (its log says so); `rlbus replay trainer` reproduces every
     step's digest; `rlbus model export` writes the merged policy, whose weights differ
     from the base's exactly in the adapted layers and the embeddings."""
-    proc = rlbus_up(tmp_path, RUN, "max_steps=3", LORA)
-    out, _ = await asyncio.to_thread(proc.communicate, timeout=400)
-    assert proc.returncode == 0, out[-4000:]
-    assert summary(tmp_path, RUN)["steps"] == 3
-    with EmbeddedServer(tmp_path / RUN / "nats") as server:
-        events = await all_events(server.url, RUN)
+    events = await finished_run(tmp_path, RUN, LORA, steps=3)
     published = [e for e in events if isinstance(e, WeightsPublished) and e.version > 0]
     assert [e.version for e in published] == [1, 2, 3]
     blobs = [Path(e.weights.location) for e in published if e.weights.kind == "path"]

@@ -9,13 +9,12 @@ rewards cannot leave the run without a batch. About 25 s here (2 cores).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import rlbus, rlbus_up, summary
+from tests.e2e.helpers import finished_run, rlbus
 
 RUN = "stop1"
 
@@ -24,14 +23,11 @@ RUN = "stop1"
 async def test_rollouts_whose_prompt_outgrows_the_context_are_truncated_and_train(
     tmp_path: Path,
 ) -> None:
-    proc = rlbus_up(
-        tmp_path, RUN, "max_steps=2", "inference.max_model_len=56",
+    await finished_run(
+        tmp_path, RUN, "inference.max_model_len=56",
         'orchestrator.train.env=[{id="alphabet-sort", group_size=4}]',
-        'orchestrator.algorithms=[{id="sft"}]',
+        'orchestrator.algorithms=[{id="sft"}]', steps=2,
     )  # fmt: skip
-    out, _ = await asyncio.to_thread(proc.communicate, timeout=400)
-    assert proc.returncode == 0, out[-4000:]
-    assert summary(tmp_path, RUN)["steps"] == 2
 
     query = """
         SELECT r.stop_condition, bool_and(r.truncated) AS truncated,

@@ -107,12 +107,10 @@ def turn_problems(
                                 "overrides `speaker`)"))  # fmt: skip
     elif why := schedule_problem(env.name, env.members, schedule):
         out.append(("schedule", why))
-    planned = len(schedule or env.schedule)  # a schedule is the whole turn plan
-    if min_turns is not None and max_turns and min_turns > max_turns:
-        out.append(("min_turns", f"{min_turns} exceeds `max_turns`, {max_turns}"))
-    elif min_turns is not None and planned and min_turns > planned:
-        out.append(("min_turns", f"{min_turns} exceeds the {planned} turns of the schedule"))
-    elif min_turns is not None and not max_turns and min_turns > env.max_turns:
+    # Against a run's own `max_turns` and `schedule`: configs' rule, at load
+    # (`configs.orchestrator._turn_problems`); here only what the env itself allows (its
+    # `max_turns` is its own schedule's length when it has one).
+    if min_turns is not None and not max_turns and not schedule and min_turns > env.max_turns:
         out.append(("min_turns", f"{min_turns} exceeds env {env.name!r}'s own max_turns, "
                                  f"{env.max_turns} (set `max_turns` too)"))  # fmt: skip
     return out
