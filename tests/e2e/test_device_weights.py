@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,20 @@ def log_events(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
+async def swapped_via(log: Path, via: str, timeout_s: float) -> bool:
+    """Wait (bounded) until ``log`` shows a version swapped in ``via`` the device path."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = await asyncio.to_thread(lambda: log.read_text() if log.exists() else "")
+        # (a line being written is not a match yet)
+        if any(
+            '"weights.swapped"' in line and f'"via": "{via}"' in line for line in text.splitlines()
+        ):
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
 @pytest.mark.parametrize(("via", "killed"), [("broadcast", "inference"), ("ipc", "trainer")])
 async def test_a_role_killed_while_weights_move_device_to_device(
     tmp_path: Path, via: str, killed: str
@@ -35,6 +50,12 @@ async def test_a_role_killed_while_weights_move_device_to_device(
                     "trainer.store_weights_every=4", "trainer.checkpoint_interval=4")  # fmt: skip
     url = await reached_version(proc, tmp_path, run, 3, timeout_s=300)
     assert url is not None, "the run never reached version 3"
+    # Killed only once a version came device to device: a replica killed before it joined
+    # the trainer's session is never a member to lose (a slow start does that).
+    logs = tmp_path / run / "logs"
+    assert await swapped_via(logs / "inference-policy-0.log", via, timeout_s=120), (
+        f"inference never served a version sent via {via}"
+    )
     bus = await Bus.connect(url, run=run, producer="e2e")
     try:
         pid = (await running_role(url, run, killed)).pid
@@ -46,7 +67,6 @@ async def test_a_role_killed_while_weights_move_device_to_device(
     s = summary(tmp_path, run)
     assert s["steps"] == steps and list(s["restarts"].values()) == [1], s["restarts"]
 
-    logs = tmp_path / run / "logs"
     swaps = [e for e in log_events(logs / "inference-policy-0.log") if e["event"] == "weights.swapped"]  # fmt: skip
     assert {e["via"] for e in swaps} == {via}  # every version came device to device
     assert max(int(str(e["version"])) for e in swaps) == steps
