@@ -33,7 +33,7 @@ from bus.reader import read_log
 from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, subject
-from schemas import EVENT_TYPES, DeadLettered, SamplesScored, WeightsPublished
+from schemas import EVENT_TYPES, BatchAssembled, DeadLettered, SamplesScored, WeightsPublished
 from tests.e2e.faults import FORGED, inject, invariants, pause, sigkill, time_to_next_step
 from tests.e2e.helpers import reached_version, rlbus_up, running_role
 
@@ -79,7 +79,7 @@ async def bad_input(root: Path, steps: int = 30) -> list[dict[str, Any]]:
     if url is None:
         raise RuntimeError(f"{run} never reached version 2")
     say(f"{run}: injecting bad events")
-    injected = await inject(url, run, squat_step=steps // 2)
+    injected = await inject(url, run, steps // 2, root)
     bus = await Bus.connect(url, run=run, producer="bench")
     try:
         say(f"{run}: SIGSTOP trainer for 10 s")
@@ -96,6 +96,8 @@ async def bad_input(root: Path, steps: int = 30) -> list[dict[str, Any]]:
     events = found.pop("events")
     dead = {e.stream_seq for _, e in events if isinstance(e, DeadLettered)}
     failed = [e.failed for _, e in events if isinstance(e, SamplesScored) and e.failed]
+    batch_steps = [e.step for _, e in events
+                   if isinstance(e, BatchAssembled) and not e.event_id.startswith(FORGED)]  # fmt: skip
     logs = "".join(p.read_text() for p in (root / run / "logs").glob("*.log"))
     common = {
         "steps": found["steps"],
@@ -105,8 +107,9 @@ async def bad_input(root: Path, steps: int = 30) -> list[dict[str, Any]]:
     return [
         {**common, "scenario": "garbage + impossible events, every topic a role reads",
          "injected": len(injected), "dead_lettered": len(set(injected) & dead)},
-        {**common, "scenario": "squatted batch id",
-         "injected": 1, "detected": logs.count('"publish.squatted"') > 0},
+        {**common, "scenario": "a batch's id and its 3 salts squatted by the env identity",
+         "injected": 4, "batch_stored_once": batch_steps.count(steps // 2) == 1,
+         "squat_noticed": logs.count('"publish.squatted"') > 0},
         {**common, "scenario": "algorithm raises on 1 group in 3",
          "released": sum(f.startswith("ValueError") for f in failed)},
         {**common, "scenario": "SIGSTOP trainer 10 s",
@@ -134,7 +137,7 @@ async def kills(root: Path, steps: int = 40) -> list[dict[str, Any]]:
     url = await reached_version(proc, root, run, 2, timeout_s=600)
     if url is None:
         raise RuntimeError(f"{run} never reached version 2")
-    await inject(url, run, squat_step=steps - 5)  # restarted roles meet bad events too
+    await inject(url, run, steps - 5, root)  # restarted roles meet bad events too
     bus = await Bus.connect(url, run=run, producer="bench")
     times: dict[str, float] = {}
     try:

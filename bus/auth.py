@@ -4,22 +4,35 @@ permissions, and the credentials files clients connect with.
 Every run has one identity (a user and a random password) per role kind (``bus.kinds``):
 every process of a kind presents the same one. An identity lives in one run and can
 reach nothing of another: what it may publish and subscribe to names its run's subjects
-and its run's three JetStream resources only (stream ``RL_<run>``, object store
-``RLOBJ_<run>``, registry ``RLROLES_<run>``; ``bus.subjects``).
+and its run's JetStream resources only (stream ``RL_<run>``, object stores
+``RLOBJ<KIND>_<run>``, registry ``RLROLES_<run>``; ``bus.subjects``). Within its run it
+may do what its role needs and no more (least privilege):
 
 - **publish**: the topics its kind produces (``bus.kinds.KINDS``, the one place that
-  says who produces what), inference requests (kinds that ask), objects (kinds
-  that store bodies or weights), its roles' heartbeat keys, and the JetStream API
-  subjects its reads, consumers and acks need, each naming one of its run's streams.
+  says who produces what), dead letters under its own role names only
+  (``dead.lettered.<role>``), inference requests (kinds that ask), objects in its own
+  object store only (weights are written by the trainer alone; a kind purges nothing but
+  its own store's chunks), its roles' heartbeat keys, and the JetStream API subjects its
+  reads need, each naming one of its run's streams.
+- **durable consumers**: the names its role owns, from the run's config (``declare``:
+  the trainer's, the env servers', the algorithm workers'), created, fetched, acked and
+  deleted by it alone; every other kind is denied them, reads included. ``attach``
+  names its workers at run time: any name but the other kinds'. A run that declared none
+  (a test's server) lets every durable kind use any name.
 - **subscribe**: its own inbox prefix (``_INBOX_<run>_<kind>``, given to nats-py as
   ``inbox_prefix``: replies, consumer deliveries and acks all arrive there), so it
   cannot read other clients' replies; inference servers (kinds that answer) also
   ``rl.<run>.infer.*``, and may answer what they receive (``allow_responses``).
 - ``reader`` (the read commands: status, events, lake, trace, replay) publishes nothing
   but read requests; ``launcher`` (``rlbus up``, rollout, import) is the admin of its run
-  only: it creates, updates and deletes the run's streams, before any role starts.
+  only: it creates, updates and deletes the run's streams, before any role starts. Its
+  credentials live apart (``admin_directory``): a role process is only ever handed the
+  path of its own file. (Every process of one OS user can read every file of that user:
+  a boundary between roles on one machine needs separate users; across hosts, each
+  host is given only its roles' files.)
 
     auth = RunAuth.ensure(paths.auth, run)      # made once, the same passwords afterwards
+    auth = auth.declare({"trainer": ["trainer"], "env": ["env-reverse-text"]})
     auth.users()                                 # nats-server's authorization users
     auth.creds_file("env")                       # what an env process connects with
 
@@ -29,6 +42,7 @@ and its run's three JetStream resources only (stream ``RL_<run>``, object store
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -38,10 +52,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus.kinds import KINDS, check_kind, kind_of_role, producers
+from bus.kinds import KINDS, check_kind, kind_of_role, object_kinds, producers
 from bus.subjects import (
     INFER,
     TOPICS,
+    Topic,
     check_token,
     filter_subject,
     infer_patterns,
@@ -51,6 +66,7 @@ from bus.subjects import (
     roles_bucket_name,
     run_pattern,
     stream_name,
+    subject,
 )
 
 CREDS_ENV = "RLBUS_NATS_CREDS"  # a credentials file to connect with (``--creds``)
@@ -66,14 +82,20 @@ def inbox_prefix(run: str, kind: str) -> str:
     return f"_INBOX_{check_token(run, 'run id')}_{check_kind(kind)}"
 
 
-def _names(run: str) -> tuple[str, str, str, str, str]:
-    """(stream, object bucket, its stream, registry bucket, its stream): the JetStream
-    streams behind an object store and a KV bucket are ``OBJ_<bucket>``, ``KV_<bucket>``."""
-    obj, roles = objects_bucket(run), roles_bucket_name(run)
-    return stream_name(run), obj, f"OBJ_{obj}", roles, f"KV_{roles}"
+def _names(run: str) -> tuple[str, list[str], str, str]:
+    """(stream, the object stores' streams, registry bucket, its stream): the streams
+    behind an object store and a KV bucket are ``OBJ_<bucket>``, ``KV_<bucket>``."""
+    roles = roles_bucket_name(run)
+    return stream_name(run), [f"OBJ_{b}" for b in run_buckets(run)], roles, f"KV_{roles}"
 
 
-def _read_api(streams: tuple[str, ...], consumers: tuple[str, ...]) -> list[str]:
+def run_buckets(run: str) -> list[str]:
+    """Every object store of ``run``: the shared one (an anonymous bus's) and one per
+    kind that stores objects (``bus.subjects.objects_bucket``)."""
+    return [objects_bucket(run)] + [objects_bucket(run, k) for k in object_kinds()]
+
+
+def _read_api(streams: list[str], consumers: list[str]) -> list[str]:
     """Reads of ``streams`` (info, message gets, direct gets) and ordered consumers on
     ``consumers`` (created unnamed, flow controlled; their info)."""
     out = []
@@ -88,7 +110,7 @@ def _read_api(streams: tuple[str, ...], consumers: tuple[str, ...]) -> list[str]
     return [*out, "$JS.API.STREAM.NAMES"]
 
 
-def _admin_api(streams: tuple[str, ...]) -> list[str]:
+def _admin_api(streams: list[str]) -> list[str]:
     """Everything on ``streams``: create, update, delete, purge, messages, consumers."""
     out = []
     for s in streams:
@@ -100,46 +122,87 @@ def _admin_api(streams: tuple[str, ...]) -> list[str]:
     return [*out, "$JS.API.STREAM.NAMES"]
 
 
+def _durable_api(stream: str, durable: str) -> list[str]:
+    """Owning durable consumer ``durable`` (or ``*``, any): create it (either API),
+    fetch from it, ack its messages, delete it."""
+    return [
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>",
+        f"$JS.API.CONSUMER.DELETE.{stream}.{durable}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
+    ]
+
+
 def _topics(run: str, kind: str) -> list[str]:
-    return [filter_subject(run, t) for t in TOPICS if kind in producers(t)]
+    """The subjects of the topics ``kind`` produces; dead letters only under its own
+    role names (``dead.lettered.<role>``: no kind speaks for another's consumers)."""
+    out = []
+    for t in TOPICS:
+        if kind not in producers(t):
+            continue
+        if t == Topic.DEAD_LETTERED:
+            out += [subject(run, t, role) for role in KINDS[kind].heartbeats]
+        else:
+            out.append(filter_subject(run, t))
+    return out
 
 
-def _permissions(run: str, kind: str) -> dict[str, Any]:
-    stream, obj, obj_stream, roles, kv_stream = _names(run)
+Durables = dict[str, list[str]]  # kind -> the durable consumer names it owns
+
+
+def owned_durables(kind: str, durables: Durables | None) -> list[str]:
+    """The durable names ``kind`` may use: its own of ``durables`` (the run's, from its
+    config: ``RunAuth.durables``); any name (``*``) for ``attach`` (workers attached at
+    run time name theirs) and for every kind when the run declared none."""
+    if not KINDS[kind].durables:
+        return []
+    if durables is None or kind == "attach":
+        return ["*"]
+    return list(durables.get(kind, []))
+
+
+def _permissions(run: str, kind: str, durables: Durables | None) -> dict[str, Any]:
+    stream, obj_streams, roles, kv_stream = _names(run)
     inbox = f"{inbox_prefix(run, kind)}.>"
     if kind == "launcher":
-        pub = [run_pattern(run), f"$O.{obj}.>", f"$KV.{roles}.>"]
-        pub += _admin_api((stream, obj_stream, kv_stream))
+        pub = [run_pattern(run), f"$KV.{roles}.>"] + [f"$O.{b}.>" for b in run_buckets(run)]
+        pub += _admin_api([stream, *obj_streams, kv_stream])
         return {"publish": {"allow": pub}, "subscribe": {"allow": [inbox, run_pattern(run)]}}
     spec = KINDS[kind]
     pub = _topics(run, kind)
     if spec.infer == "asks":
         pub += infer_patterns(run)  # a model, or one replica
-    if spec.objects:  # chunks and meta; replacing or deleting one purges its old chunks
-        pub += [f"$O.{obj}.>", f"$JS.API.STREAM.PURGE.{obj_stream}"]
+    if spec.objects:  # its own store: chunks and meta; a replaced or deleted object's
+        own = objects_bucket(run, kind)  # chunks are purged
+        pub += [f"$O.{own}.>", f"$JS.API.STREAM.PURGE.OBJ_{own}"]
     pub += [f"$KV.{roles}.{role_keys_pattern(run, role)}" for role in spec.heartbeats]
-    pub += _read_api((stream, obj_stream, kv_stream), (stream, obj_stream))
-    if spec.durables:
-        pub += [
-            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.*",
-            f"$JS.API.CONSUMER.DELETE.{stream}.*",
-            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
-            f"$JS.ACK.{stream}.>",
-        ]
+    pub += _read_api([stream, *obj_streams, kv_stream], [stream, *obj_streams])
+    mine = owned_durables(kind, durables)
+    for durable in mine:
+        pub += _durable_api(stream, durable)
+    publish: dict[str, list[str]] = {"allow": pub}
+    if durables is not None:  # the others' durables: not even through the read API
+        others = {d for k, names in durables.items() if k != kind for d in names} - set(mine)
+        if kind == "attach":  # both run algorithm workers: the same names
+            others -= set(durables.get("algorithm", []))
+        publish["deny"] = [p for d in sorted(others) for p in _durable_api(stream, d)]
     sub = [inbox]
-    perms: dict[str, Any] = {"publish": {"allow": pub}, "subscribe": {"allow": sub}}
+    perms: dict[str, Any] = {"publish": publish, "subscribe": {"allow": sub}}
     if spec.infer == "answers":
         sub += infer_patterns(run)
         perms["allow_responses"] = True
     return perms
 
 
-def permissions(run: str, kind: str) -> dict[str, Any]:
-    """The nats-server ``permissions`` object of ``kind``'s identity in ``run``."""
-    return _permissions(check_token(run, "run id"), check_kind(kind))
+def permissions(run: str, kind: str, durables: Durables | None = None) -> dict[str, Any]:
+    """The nats-server ``permissions`` object of ``kind``'s identity in ``run``, its
+    durable consumers confined to ``durables`` when the run declared them."""
+    return _permissions(check_token(run, "run id"), check_kind(kind), durables)
 
 
-def permission_rows() -> list[tuple[str, str, str]]:
+def permission_rows(durables: Durables | None = None) -> list[tuple[str, str, str]]:
     """(kind, may publish, may consume) of every kind, in words, for a table (topics
     relative to the run: ``trace.completed.*``)."""
     run = "r"  # any run: the rows name its subjects relative to it
@@ -152,10 +215,16 @@ def permission_rows() -> list[tuple[str, str, str]]:
         pub = [relative_subject(run, t) for t in _topics(run, kind)]
         if spec.infer == "asks":
             pub.append(f"{INFER}.* (requests)")
-        pub += ["objects"] if spec.objects else []
+        own = objects_bucket(run, kind).removesuffix(run) + "<run>"
+        pub += [f"its own objects ({own})"] if spec.objects else []
         pub += [f"heartbeats ({', '.join(spec.heartbeats)})"] if spec.heartbeats else []
         consume = ["reads the log, objects, registry"]
-        consume += ["durable consumers"] if spec.durables else []
+        if kind == "attach":
+            consume.append("durable consumers of any name but the other kinds'")
+        elif spec.durables and durables is None:
+            consume.append("its own durable consumers (the run's config names them)")
+        elif spec.durables:
+            consume.append(f"durable consumers {', '.join(owned_durables(kind, durables))}")
         consume += [f"answers {INFER}.*"] if spec.infer == "answers" else []
         rows.append((kind, ", ".join(pub) or "nothing", "; ".join(consume)))
     return rows
@@ -172,6 +241,11 @@ class ClientCreds:
     user: str
     password: str = field(repr=False)
     inbox_prefix: str
+
+    @property
+    def kind(self) -> str:
+        """The role kind of this identity (its user is ``<run>.<kind>``)."""
+        return self.user.rsplit(".", 1)[-1]
 
 
 def load_creds(path: str | Path) -> ClientCreds:
@@ -214,14 +288,36 @@ def env_set(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+DURABLES_FILE = "durables.json"  # in a run's auth directory: kind -> its durable names
+
+
+def admin_directory(directory: str | Path) -> Path:
+    """Where the launcher's credentials live, beside the roles' directory
+    (``<run>/auth-admin``): a role process is handed its own file in ``<run>/auth`` and
+    never a path into this one."""
+    d = Path(directory)
+    return d.with_name(f"{d.name}-admin")
+
+
+def creds_path(directory: str | Path, kind: str) -> Path:
+    """The credentials file of ``kind`` (a role name is taken as its kind) of the run
+    whose auth directory is ``directory``."""
+    kind = kind_of_role(kind)
+    base = admin_directory(directory) if kind == "launcher" else Path(directory)
+    return base / f"{kind}.creds"
+
+
 @dataclass(frozen=True)
 class RunAuth:
     """The identities of one run, kept in ``directory`` (``runs/<run>/auth``, mode 0700):
-    one credentials file per kind (``<kind>.creds``, JSON, mode 0600)."""
+    one credentials file per kind (``<kind>.creds``, JSON, mode 0600), the launcher's in
+    ``admin_directory`` (mode 0700), and the durable consumers each kind owns
+    (``durables.json``, written by the launcher from the run's config: ``declare``)."""
 
     directory: Path
     run: str
     _passwords: dict[str, str] = field(repr=False)
+    durables: Durables | None = None
 
     @classmethod
     def ensure(cls, directory: str | Path, run: str) -> RunAuth:
@@ -229,22 +325,45 @@ class RunAuth:
         restarted server and the roles still running must agree on them)."""
         check_token(run, "run id")
         d = Path(directory)
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        d.chmod(0o700)
+        for sub in (d, admin_directory(d)):
+            sub.mkdir(mode=0o700, parents=True, exist_ok=True)
+            sub.chmod(0o700)
+        old = d / "launcher.creds"  # a run made before the admin directory: moved there
+        if old.exists() and not creds_path(d, "launcher").exists():
+            old.rename(creds_path(d, "launcher"))
         passwords = {}
         for kind in KINDS:
-            path = d / f"{kind}.creds"
+            path = creds_path(d, kind)
             if not path.exists():
                 _create(path, _creds_doc(run, kind, secrets.token_urlsafe(32)))
             data = json.loads(path.read_text())
             if (data.get("run"), data.get("kind")) != (run, kind):
                 raise ValueError(f"{path} holds credentials of another run or kind")
             passwords[kind] = str(data["password"])
-        return cls(d, run, passwords)
+        durables = None
+        if (file := d / DURABLES_FILE).exists():
+            durables = {
+                str(k): [str(n) for n in v] for k, v in json.loads(file.read_text()).items()
+            }
+        return cls(d, run, passwords, durables)
+
+    def declare(self, durables: Durables) -> RunAuth:
+        """Confine each kind's durable consumers to ``durables`` (kind -> names) from now
+        on (the server's users made afterwards; ``attach`` keeps any name but these)."""
+        for kind, names in durables.items():
+            check_kind(kind)
+            for name in names:
+                check_token(name, "durable name")
+        path = self.directory / DURABLES_FILE
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        tmp.write_text(json.dumps(durables, sort_keys=True))
+        tmp.chmod(0o600)
+        tmp.replace(path)
+        return dataclasses.replace(self, durables={k: list(v) for k, v in durables.items()})
 
     def creds_file(self, kind: str) -> Path:
         """The credentials file of ``kind`` (a role name is taken as its kind)."""
-        return self.directory / f"{kind_of_role(kind)}.creds"
+        return creds_path(self.directory, kind)
 
     def creds(self, kind: str) -> ClientCreds:
         return load_creds(self.creds_file(kind))
@@ -255,7 +374,7 @@ class RunAuth:
             {
                 "user": user_name(self.run, kind),
                 "password": self._passwords[kind],
-                "permissions": permissions(self.run, kind),
+                "permissions": permissions(self.run, kind, self.durables),
             }
             for kind in KINDS
         ]

@@ -1,7 +1,8 @@
 """Encoding events to bytes + headers, and decoding them back to declared types.
 
 Headers carry only what a reader needs before decoding (see docs/architecture.md):
-``Nats-Msg-Id`` (event id, for server-side dedup), ``Rl-Schema`` (tag ``name/version``),
+``Nats-Msg-Id`` (the event id, keyed by the publisher's identity: ``Bus.msg_id``; for
+server-side dedup), ``Rl-Schema`` (tag ``name/version``),
 ``Rl-Policy-Version`` when the event has one, ``Rl-Step`` on a batch (a weights follower
 checks an announced version against the newest batch step without reading the batch,
 which may be an offloaded body of megabytes: ``roles/inference``), and ``Rl-Body: ref``

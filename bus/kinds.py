@@ -35,10 +35,13 @@ class Kind:
     what: str  # who connects as it, in words
     publishes: tuple[Topic, ...] = ()  # the topics it may publish (the launcher: every one)
     durables: bool = False  # owns durable pull consumers: creates, fetches, acks, deletes
-    # stores objects: offloaded bodies, weights; and any kind that dead-letters (a dead
-    # letter of a message near the size limit is offloaded like any large event)
+    # stores objects, in an object store of its own (``bus.subjects.objects_bucket``):
+    # offloaded bodies, weights; and any kind that dead-letters (a dead letter of a
+    # message near the size limit is offloaded like any large event)
     objects: bool = False
-    heartbeats: tuple[str, ...] = ()  # registry role names whose heartbeats it writes
+    # the registry role names of its processes: the heartbeats it writes and the dead
+    # letters it may publish (``dead.lettered.<role>``)
+    heartbeats: tuple[str, ...] = ()
     infer: Literal["asks", "answers"] | None = None  # inference requests, core NATS
 
 
@@ -46,7 +49,7 @@ _T = Topic
 KINDS: dict[str, Kind] = {
     k.name: k
     for k in (
-        Kind("launcher", "rlbus up, rollout, import: the admin of its run"),
+        Kind("launcher", "rlbus up, rollout, import: the admin of its run", objects=True),
         Kind(
             "orchestrator", "the orchestrator",
             (_T.RUN_STARTED, _T.RUN_STOPPED, _T.TASK_REQUESTED, _T.BATCH_ASSEMBLED,
@@ -120,6 +123,11 @@ ROLES: dict[str, Role] = {
 def producers(topic: Topic) -> tuple[str, ...]:
     """The kinds that may publish ``topic`` (the launcher, admin of its run, not listed)."""
     return tuple(k.name for k in KINDS.values() if topic in k.publishes)
+
+
+def object_kinds() -> tuple[str, ...]:
+    """The kinds with an object store of their own (``Kind.objects``)."""
+    return tuple(k.name for k in KINDS.values() if k.objects)
 
 
 def kinds_that(infer: Literal["asks", "answers"]) -> tuple[str, ...]:

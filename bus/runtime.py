@@ -7,9 +7,16 @@ redelivered input republishing derived ids) is stored once. ``publish_many`` pip
 (``publish_async`` with a bounded window, each wait bounded: nats-py's future can hang
 when the server rejects a message, NATS_NOTES #1).
 
-Ids are predictable, so a message of another kind may already hold an event's id (a
-buggy or hostile client "squatting" it): a duplicate ack is checked against what is
-stored, and a squatted event is stored under a salted header id instead of vanishing.
+Event ids are predictable (derived from their causes, so a restart republishes the same
+ones), so the header id is not the event id itself but ``derive_id(key, event id)``, the
+key derived from the publishing identity's password (``msg_id``): a client of another
+identity cannot predict it, so cannot preempt an event by storing something else under
+its id first; the same identity (a restarted role, another instance of its kind) makes
+the same header id, so exactly-once holds across restarts. An anonymous bus (no
+identity: tests, a server without authentication) uses the event id as it is. A message
+of the same identity may still hold an id (a buggy instance "squatting" it): a duplicate
+ack is checked against what is stored, and a squatted event is stored under a salted
+header id instead of vanishing.
 
     bus = await Bus.connect("nats://127.0.0.1:4222", run="demo", producer="trainer-0")
     await bus.ensure_stream()
@@ -35,7 +42,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy, PubAck, RawStreamMsg, StorageType, StreamConfig
 
 from bus import codec, rpc
-from bus.auth import connect_options
+from bus.auth import ClientCreds, connect_options, creds_from_env, run_buckets
 from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore, sha256_digest
@@ -132,14 +139,23 @@ class _Link:
 
 
 class Bus:
-    def __init__(self, nc: Client, run: str, producer: str, settings: BusSettings):
+    def __init__(
+        self, nc: Client, run: str, producer: str, settings: BusSettings,
+        identity: ClientCreds | None = None,
+    ) -> None:  # fmt: skip
+        """``identity``: the credentials ``nc`` connected with (None: anonymous); its
+        key makes the header ids (``msg_id``)."""
         self.nc = nc
+        self.identity = identity
+        self._id_key = None if identity is None else derive_id("msg-id", identity.password)
         self.js = nc.jetstream(publish_async_max_pending=settings.publish_window)
         self.run = run
         self.producer = producer
         self.settings = settings
         self.stream = stream_name(run)
-        self.objects = BodyStore(self.js, objects_bucket(run), replicas=settings.replicas)
+        # its own object store (an anonymous bus: the run's shared one); it reads any
+        bucket = objects_bucket(run, None if identity is None else identity.kind)
+        self.objects = BodyStore(self.js, bucket, replicas=settings.replicas)
         self.log = get_logger(run=run, role=producer)
         self.url = ""
         self.lost: ServerLost | None = None  # set by watch_server when it gives up
@@ -200,7 +216,10 @@ class Bus:
                 f"(last error: {link.last_error!r})"
             ) from None
         link.lost_since = None
-        bus = cls(nc, run, producer, settings or BusSettings())
+        identity = creds_from_env()
+        if "user" in kw:  # credentials given here win over the environment's
+            identity = ClientCreds(kw["user"], kw["password"], kw.get("inbox_prefix", ""))
+        bus = cls(nc, run, producer, settings or BusSettings(), identity)
         bus._link = link
         bus.url = url
         return bus
@@ -314,13 +333,16 @@ class Bus:
         and weights."""
         return self.objects if bucket in (None, self.objects.bucket) else BodyStore(self.js, bucket)
 
-    async def has_objects(self) -> bool:
-        """Whether the run's object store exists (asking never creates it)."""
-        try:
-            await self.js.object_store(self.objects.bucket)
-        except nats.js.errors.BucketNotFoundError:
-            return False
-        return True
+    async def object_stores(self) -> list[BodyStore]:
+        """The run's object stores that exist (asking never creates one)."""
+        out = []
+        for bucket in run_buckets(self.run):
+            try:
+                await self.js.object_store(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                continue
+            out.append(self.bodies(bucket))
+        return out
 
     async def live_roles(self) -> list[RoleHeartbeat]:
         """Every role instance of the run in the registry (alive, stale or stopped)."""
@@ -336,13 +358,13 @@ class Bus:
 
     async def delete_run(self) -> None:
         """Delete what the server holds of the run: its stream, objects and registry."""
-        for delete in (
-            lambda: self.js.delete_stream(self.stream),
-            lambda: self.js.delete_object_store(self.objects.bucket),
-            lambda: self.js.delete_key_value(roles_bucket_name(self.run)),
-        ):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_stream(self.stream)
+        for bucket in run_buckets(self.run):
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                await delete()
+                await self.js.delete_object_store(bucket)
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.js.delete_key_value(roles_bucket_name(self.run))
 
     async def serve(self, declared: rpc.Serve) -> Served:
         """Answer the requests ``declared`` names (``bus.rpc.serve``) until the returned
@@ -383,12 +405,16 @@ class Bus:
 
     async def ensure_run(self) -> None:
         """Create what a run keeps on the server, each with ``settings.replicas`` copies:
-        its stream, its object store and its role registry. The launcher does this before
+        its stream, its object stores (one per kind that stores objects; an anonymous
+        bus: the one shared store) and its role registry. The launcher does this before
         any role starts (roles' identities may only look them up: ``bus.auth``)."""
         from bus.registry import roles_bucket
 
         await self.ensure_stream()
-        await self.api(self.objects.store, "object store")
+        buckets = [self.objects.bucket] if self.identity is None else run_buckets(self.run)[1:]
+        for bucket in buckets:
+            store = BodyStore(self.js, bucket, replicas=self.settings.replicas)
+            await self.api(store.store, f"object store {bucket}")
         await self.api(
             lambda: roles_bucket(self.js, self.run, replicas=self.settings.replicas),
             "role registry",
@@ -402,6 +428,7 @@ class Bus:
             event = _with_producer(event, self.producer)
         payload = codec.encode(event)
         headers = codec.headers_for(event)
+        headers[codec.H_MSG_ID] = self.msg_id(event.event_id)
         if len(payload) > self.settings.offload_threshold_bytes:
             # Named by the event and its content: a republished event whose body differs (a
             # rerun rollout) or a squatter's body under the same id never overwrites the
@@ -419,6 +446,11 @@ class Bus:
             payload = codec.encode_any(ref)
             headers[codec.H_BODY] = "ref"
         return subject_for(event), payload, headers
+
+    def msg_id(self, event_id: str) -> str:
+        """The header id ``event_id`` is published under: keyed by this bus's identity,
+        so no other identity can take it first (module docstring)."""
+        return event_id if self._id_key is None else derive_id(self._id_key, event_id)
 
     async def publish(self, event: Event) -> PubAck:
         return (await self.publish_many([event]))[0]

@@ -188,9 +188,25 @@ def run_of_stream(name: str) -> str | None:
     return name.removeprefix(STREAM_PREFIX) if name.startswith(STREAM_PREFIX) else None
 
 
-def objects_bucket(run: str) -> str:
-    """The run's object store: offloaded bodies and weights."""
-    return f"RLOBJ_{check_token(run, 'run id')}"
+def objects_bucket(run: str, kind: str | None = None) -> str:
+    """The object store ``kind``'s identity writes in ``run`` (offloaded bodies; the
+    trainer's: weights): one per kind, so no identity can overwrite or purge another's
+    objects (``bus.auth``). ``kind`` None: the one shared store of an anonymous bus (a
+    server without identities). The kind leads (``RLOBJENV_<run>``): kinds hold no ``_``,
+    so no run id, whatever it holds, makes one kind's name another's."""
+    run = check_token(run, "run id")
+    return f"RLOBJ_{run}" if kind is None else f"RLOBJ{check_token(kind, 'kind').upper()}_{run}"
+
+
+def kind_of_bucket(run: str, bucket: str) -> str | None:
+    """The kind whose object store of ``run`` is ``bucket`` (None: the shared one);
+    ``ValueError`` for a bucket of no kind of ``run``."""
+    if bucket == objects_bucket(run):
+        return None
+    head, _, rest = bucket.partition("_")
+    if rest != run or not head.startswith("RLOBJ") or not head[5:].isalpha():
+        raise ValueError(f"{bucket!r} is no object store of run {run!r}")
+    return head[5:].lower()
 
 
 def roles_bucket_name(run: str) -> str:

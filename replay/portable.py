@@ -44,12 +44,13 @@ import msgspec
 
 from bus import codec
 from bus.errors import STORE_ERRORS, BusError, DecodeError
-from bus.offload import sha256_digest
+from bus.offload import BodyStore, sha256_digest
 from bus.reader import LogReader, Progress, StoredMsg, read_log
 from bus.runtime import Bus
 from bus.subjects import (
     Topic,
     declared_schema,
+    kind_of_bucket,
     moved_subject,
     objects_bucket,
     stream_subjects,
@@ -95,20 +96,24 @@ def log_record(msg: StoredMsg) -> LogRecord:
                      bytes(msg.data), int(stamp * 1e9))  # fmt: skip
 
 
-async def object_names(bus: Bus, leave_out: frozenset[str] = frozenset()) -> list[str]:
-    """The (not deleted) objects of the run's object store but ``leave_out``, sorted."""
-    if not await bus.has_objects():  # never create it by exporting
-        return []
-    return [name for name in await bus.objects.names() if name not in leave_out]
+async def object_names(
+    bus: Bus, leave_out: frozenset[str] = frozenset()
+) -> list[tuple[BodyStore, str]]:
+    """(store, name) of the (not deleted) objects of the run's object stores but
+    ``leave_out``, sorted by store, then name."""
+    out = []
+    for store in await bus.object_stores():  # only those that exist: never creates one
+        out += [(store, name) for name in await store.names() if name not in leave_out]
+    return out
 
 
-async def read_object(bus: Bus, name: str) -> bytes | None:
+async def read_object(store: BodyStore, name: str) -> bytes | None:
     """An object's bytes; None if it was deleted since listed (a live run's trainer
     collects old weights)."""
     try:
-        return await bus.objects.read(name)
+        return await store.read(name)
     except BusError:
-        if await bus.objects.exists(name):
+        if await store.exists(name):
             raise
         return None
 
@@ -173,9 +178,9 @@ async def export_run(
             await asyncio.to_thread(archive.add_log, chunk)
             done += len(chunk)
             report()
-        for name in names:
-            if (data := await read_object(bus, name)) is not None:
-                await asyncio.to_thread(archive.add_object, name, data)
+        for store, name in names:
+            if (data := await read_object(store, name)) is not None:
+                await asyncio.to_thread(archive.add_object, store.bucket, name, data)
             done += 1
             report()
         return await asyncio.to_thread(archive.close, run_dir, model_dir, sorted(left_out))
@@ -221,10 +226,12 @@ class ArchiveWriter:
             topic = topic_of_subject(self.run, r.subject).value
             m["counts"][topic] = m["counts"].get(topic, 0) + 1
 
-    def add_object(self, name: str, data: bytes) -> None:
+    def add_object(self, bucket: str, name: str, data: bytes) -> None:
         member = f"objects/{len(self.manifest['objects']):06d}"  # object names are not paths
         self._add(member, data)
-        self.manifest["objects"][name] = {"member": member, "digest": sha256_digest(data)}
+        self.manifest["objects"][name] = {
+            "member": member, "digest": sha256_digest(data), "bucket": bucket,
+        }  # fmt: skip
 
     def close(self, run_dir: Path, model_dir: Path | None, left_out: list[str]) -> dict[str, Any]:
         """Config, model and manifest, then the rename; returns the manifest."""
@@ -294,17 +301,30 @@ def read_archive(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
     return manifest, members
 
 
+def moved_bucket(bucket: str, old_run: str, new_run: str) -> str:
+    """The object store of run ``new_run`` that holds what ``bucket`` of ``old_run``
+    held: the same kind's (``bus.subjects.objects_bucket``)."""
+    try:
+        return objects_bucket(new_run, kind_of_bucket(old_run, bucket))
+    except ValueError as e:
+        raise PortableError(str(e)) from e
+
+
 def renamed(event: Event, new_run: str) -> Event:
-    """``event`` as if recorded in run ``new_run`` (object references follow the run)."""
+    """``event`` as if recorded in run ``new_run`` (object references follow the run, each
+    to the same kind's object store)."""
     changes: dict[str, Any] = {"run": new_run}
-    bucket = objects_bucket(new_run)
+
+    def bucket(ref: ObjectRef) -> str:
+        return moved_bucket(ref.bucket or objects_bucket(event.run), event.run, new_run)
+
     if isinstance(event, RunStarted):
         changes["config"] = {**event.config, "run": new_run}
         ref = event.initial_weights
         if ref is not None and ref.kind == "object":
-            changes["initial_weights"] = msgspec.structs.replace(ref, bucket=bucket)
+            changes["initial_weights"] = msgspec.structs.replace(ref, bucket=bucket(ref))
     elif isinstance(event, WeightsPublished) and event.weights.kind == "object":
-        changes["weights"] = msgspec.structs.replace(event.weights, bucket=bucket)
+        changes["weights"] = msgspec.structs.replace(event.weights, bucket=bucket(event.weights))
     return msgspec.structs.replace(event, **changes)
 
 
@@ -325,7 +345,9 @@ async def import_run(
     bodies: dict[str, bytes] = {}
     for name, obj in manifest["objects"].items():
         data = members[obj["member"]]
-        digest = await bus.objects.put(name, data)
+        # (an archive written before the stores per kind names none: the shared one)
+        target = moved_bucket(obj.get("bucket", objects_bucket(old)), old, bus.run)
+        digest = await bus.bodies(target).put(name, data)
         if digest != obj["digest"]:
             raise PortableError(f"object {name}: stored {digest}, expected {obj['digest']}")
         bodies[name] = data

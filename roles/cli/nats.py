@@ -100,9 +100,11 @@ def config(
     tls_cert: str | None = typer.Option(None, "--tls-cert", help="Server certificate (path on the hosts)."),
     tls_key: str | None = typer.Option(None, "--tls-key", help="Its key (path on the hosts)."),
     tls_ca: str | None = typer.Option(None, "--tls-ca", help="CA of the servers' and peers' certificates."),
+    run_config: str | None = typer.Option(None, "--config", "-c", help="The runs' config (preset or TOML): each kind's durable consumers are the ones it names (default: any name)."),
 ) -> None:  # fmt: skip
     """Write one nats-server config per host (start each with ``nats-server -c``) and the
-    runs' credentials files (``<out>/<run>/<kind>.creds``) for the hosts that run roles."""
+    runs' credentials files (``<out>/<run>/<kind>.creds``, the launcher's in
+    ``<out>/<run>-admin``) for the hosts that run roles."""
     from bus.auth import RunAuth
     from bus.cluster import host_confs
     from bus.natsconf import Tls, write_conf
@@ -111,7 +113,17 @@ def config(
     if (tls_cert or tls_key or tls_ca) and not (tls_cert and tls_key and tls_ca):
         fail("--tls-cert, --tls-key and --tls-ca go together")
     tls = Tls(tls_cert, tls_key, tls_ca) if tls_cert and tls_key else None
-    users = [u for r in runs for u in RunAuth.ensure(out / r, r).users()]
+    auths = [RunAuth.ensure(out / r, r) for r in runs]
+    if run_config is not None:
+        from configs import ConfigError, load_config
+        from roles.up.launcher import run_durables
+
+        try:
+            durables = run_durables(load_config(run_config))
+        except ConfigError as e:
+            fail(str(e))
+        auths = [a.declare(durables) for a in auths]
+    users = [u for a in auths for u in a.users()]
     try:
         confs = host_confs(
             hosts, store_dir=store_dir, client_port=client_port, route_port=route_port,
@@ -125,4 +137,7 @@ def config(
     scheme = "tls" if tls else "nats"
     urls = ",".join(f"{scheme}://{h}:{client_port}" for h in hosts)
     typer.echo(f"clients: --nats-url {urls}")
-    typer.echo(f"credentials: {', '.join(str(out / r) for r in runs)} (one file per role kind)")
+    typer.echo(
+        f"credentials: {', '.join(str(out / r) for r in runs)} (one file per role kind; "
+        f"the launcher's apart, in {', '.join(str(out / f'{r}-admin') for r in runs)})"
+    )

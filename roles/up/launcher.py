@@ -71,10 +71,7 @@ def role_commands(cfg: RunConfig) -> list[tuple[str, list[str]]]:
     for env in served_envs(cfg):
         for i in range(env.servers):  # a pool: `env-<id>`, `env-<id>-1`, ...
             specs.append((env_replica(env.id, i), ["env", "--env", env.id]))
-    algorithms = [a.id for a in o.algorithms]
-    if o.warmup.steps > 0:
-        algorithms += [a for a in o.warmup.algorithms if a not in algorithms]
-    for a in algorithms:
+    for a in started_algorithms(cfg):
         specs.append((f"algorithm-{a}", ["algorithm", "--name", a]))
     if cfg.monitor.sinks:
         specs.append(("monitor", ["monitor"]))
@@ -85,6 +82,29 @@ def role_commands(cfg: RunConfig) -> list[tuple[str, list[str]]]:
     if lake_missing() is None:
         specs.append(("lake", ["lake"]))
     return specs
+
+
+def started_algorithms(cfg: RunConfig) -> list[str]:
+    """The ids of the algorithm workers ``rlbus up`` starts: the run's, then the warm
+    start's others."""
+    o = cfg.orchestrator
+    algorithms = [a.id for a in o.algorithms]
+    if o.warmup.steps > 0:
+        algorithms += [a for a in o.warmup.algorithms if a not in algorithms]
+    return algorithms
+
+
+def run_durables(cfg: RunConfig) -> dict[str, list[str]]:
+    """The durable consumers each role kind of the run owns (``bus.auth``: no other kind
+    may create, fetch, ack or delete them): the trainer's, each served env's, each
+    started algorithm worker's (attached workers name theirs at run time)."""
+    from bus.subjects import durable_name
+
+    return {
+        "trainer": [durable_name("trainer")],
+        "env": [durable_name("env", e.key) for e in served_envs(cfg)],
+        "algorithm": [durable_name("algorithm", a) for a in started_algorithms(cfg)],
+    }
 
 
 def lake_missing() -> str | None:
@@ -257,7 +277,7 @@ def embedded_servers(cfg: RunConfig, paths: RunPaths) -> EmbeddedServer | Embedd
     its store has), with the run's identities as its only users (``bus.auth``)."""
     from bus.auth import RunAuth
 
-    users = RunAuth.ensure(paths.auth, paths.run).users()
+    users = RunAuth.ensure(paths.auth, paths.run).declare(run_durables(cfg)).users()
     b = cfg.bus
     tls = Tls(b.tls_cert, b.tls_key, b.tls_ca) if b.tls_cert and b.tls_key else None
     if b.cluster > 1 or is_cluster_store(paths.nats):

@@ -130,10 +130,9 @@ def role_process(
 def role_env(paths: RunPaths, kind: str) -> dict[str, str]:
     """The environment that gives a process of role ``kind`` its identity on the run's
     server: ``$RLBUS_NATS_CREDS`` (empty when the run has no credentials)."""
-    from bus.auth import CREDS_ENV
-    from bus.kinds import kind_of_role
+    from bus.auth import CREDS_ENV, creds_path
 
-    creds = paths.auth / f"{kind_of_role(kind)}.creds"
+    creds = creds_path(paths.auth, kind)
     return {CREDS_ENV: str(creds.absolute())} if creds.exists() else {}
 
 

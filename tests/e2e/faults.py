@@ -14,7 +14,7 @@ import msgspec
 import nats
 
 from bus import codec
-from bus.auth import CREDS_ENV, connect_options
+from bus.auth import CREDS_ENV, RunAuth, connect_options
 from bus.runtime import Bus
 from bus.subjects import Topic, subject
 from schemas import (
@@ -110,10 +110,14 @@ def injections(run: str) -> list[tuple[str, bytes]]:
     ]
 
 
-async def inject(url: str, run: str, squat_step: int) -> list[int]:
+async def inject(url: str, run: str, squat_step: int, data_dir: Path) -> list[int]:
     """Publish every injection raw (nats-py, as any client with the run's credentials
     could); their sequences.
-    Also squats the id of a batch not assembled yet with a harmless metrics event."""
+
+    Also squats the id of a batch not assembled yet, as a buggy env server would: four
+    harmless metrics events, published with the env identity's own credentials, under
+    the batch's event id and the three salted ids a squatted publish falls back to. The
+    orchestrator's header ids are keyed by its identity, so none of them collides."""
     nc = await nats.connect(url, **connect_options())  # the run's identity (helpers.as_launcher)
     try:
         js = nc.jetstream()
@@ -121,13 +125,23 @@ async def inject(url: str, run: str, squat_step: int) -> list[int]:
         for i, (subj, payload) in enumerate(injections(run)):
             ack = await js.publish(subj, payload, headers={"Nats-Msg-Id": f"{FORGED}{i}"})
             seqs.append(ack.seq)
-        squatter = MetricsReported(
-            run=run, event_id=FORGED + "squat", role="probe", step=0, values={}
-        )
-        await js.publish(
-            subject(run, Topic.METRICS_REPORTED, "probe"), codec.encode(squatter),
-            headers={"Nats-Msg-Id": derive_id(run, "batch", squat_step)},
-        )  # fmt: skip
+    finally:
+        await nc.close()
+    env = RunAuth.ensure(data_dir / run / "auth", run).creds("env")
+    nc = await nats.connect(
+        url, user=env.user, password=env.password, inbox_prefix=env.inbox_prefix
+    )
+    try:
+        js = nc.jetstream()
+        plain = derive_id(run, "batch", squat_step)
+        for k, msg_id in enumerate([plain] + [derive_id(plain, "squatted", k) for k in (1, 2, 3)]):
+            squatter = MetricsReported(
+                run=run, event_id=f"{FORGED}squat{k}", role="env", step=0, values={}
+            )
+            await js.publish(
+                subject(run, Topic.METRICS_REPORTED, "env"), codec.encode(squatter),
+                headers={"Nats-Msg-Id": msg_id},
+            )  # fmt: skip
         return seqs
     finally:
         await nc.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 import nats.js.errors
 
-from bus.auth import CREDS_ENV
+from bus.auth import CREDS_ENV, creds_path
 from bus.reader import read_log
 from bus.registry import RoleHeartbeat, list_roles
 from bus.runtime import Bus
@@ -110,7 +110,7 @@ def as_launcher(data_dir: Path, run: str) -> None:
     """This test process connects as the run's ``launcher`` identity from now on (the
     servers ``rlbus up`` starts take no anonymous client); the e2e conftest forgets it
     after each test."""
-    creds = data_dir / run / "auth" / "launcher.creds"
+    creds = creds_path(data_dir / run / "auth", "launcher")
     if creds.exists():
         os.environ[CREDS_ENV] = str(creds)
 

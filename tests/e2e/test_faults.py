@@ -67,7 +67,7 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     )  # fmt: skip
     url = await reached_version(proc, tmp_path, run, 2, timeout_s=400)
     assert url is not None, "the run never reached version 2"
-    injected = await inject(url, run, squat_step)
+    injected = await inject(url, run, squat_step, tmp_path)
     ghost = await attach_ghost(url, tmp_path, run)
     # > stall_min_s + 3 beats, once the batches the trainer's window allows are assembled
     await pause((await running_role(url, run, "trainer")).pid, 10)
@@ -108,6 +108,9 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     log = (tmp_path / run / "logs" / "orchestrator.log").read_text()
     stalls = [line for line in log.splitlines() if '"run.stalled"' in line]
     assert any("trainer" in line and "no heartbeat" in line for line in stalls), stalls[:3]
+    # the env identity's squat of the batch's event id and its salts touched nothing: the
+    # orchestrator's header ids are keyed by its own identity
+    assert '"publish.squatted"' not in log
 
     # a replay of the orchestrator makes the same decisions and refuses the same events
     r = rlbus(tmp_path, "replay", run, "orchestrator")
@@ -124,7 +127,7 @@ async def test_every_role_type_and_the_server_killed_in_turn(tmp_path: Path) -> 
     proc = rlbus_up(tmp_path, run, f"max_steps={steps}", "trainer.checkpoint_interval=4")
     url = await reached_version(proc, tmp_path, run, 2, timeout_s=400)
     assert url is not None, "the run never reached version 2"
-    await inject(url, run, squat_step=steps - 5)
+    await inject(url, run, steps - 5, tmp_path)
     store = tmp_path / run / "nats"
     bus = await Bus.connect(url, run=run, producer="e2e")
     try:

@@ -26,7 +26,7 @@ import nats.errors
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from bus import rpc
+from bus import codec, rpc
 from bus.auth import RunAuth
 from bus.children import die_with_parent
 from bus.consumer import Consumer, Delivery, Subscription
@@ -34,7 +34,7 @@ from bus.errors import PublishError
 from bus.kinds import KINDS, producers
 from bus.offload import BodyStore
 from bus.reader import LogReader
-from bus.registry import Heartbeat, list_roles, roles_bucket
+from bus.registry import Heartbeat, list_roles
 from bus.runtime import Bus, BusSettings
 from bus.server import find_binary
 from bus.subjects import (
@@ -47,9 +47,11 @@ from bus.subjects import (
 )
 from schemas import (
     BatchAssembled,
+    DeadLettered,
     Event,
     GenerateRequest,
     GenerateResult,
+    MetricsReported,
     TaskRequested,
     TraceCompleted,
     WeightsPublished,
@@ -66,6 +68,7 @@ FAST = BusSettings(
     publish_timeout_s=1.0, publish_attempts=1, publish_patience_s=0.0, ack_wait_s=2.0,
     nak_delay_s=0.1,
 )  # fmt: skip
+DECLARED = {"trainer": ["trainer"], "env": ["env-auth"], "algorithm": ["algorithm-grpo"]}
 REFUSED_S = 1.0  # how long a refused request waits for the answer it never gets
 ROLES = {"orchestrator": "orchestrator", "trainer": "trainer", "inference": "inference",
          "teacher": "teacher", "env": "env", "algorithm": "algorithm", "attach": "algorithm",
@@ -110,7 +113,7 @@ def _free_port() -> int:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("auth")
     tag = uuid.uuid4().hex[:8]
-    a = RunAuth.ensure(root / "a" / "auth", f"ta{tag}")
+    a = RunAuth.ensure(root / "a" / "auth", f"ta{tag}").declare(DECLARED)
     b = RunAuth.ensure(root / "b" / "auth", f"tb{tag}")
     port = _free_port()
     conf = {
@@ -156,7 +159,7 @@ async def connect(server: Server, auth: RunAuth, kind: str) -> Client:
         server.url, error_cb=on_error, allow_reconnect=False, connect_timeout=5,
         **_creds(auth, kind),
     )  # fmt: skip
-    return Client(Bus(nc, auth.run, kind, FAST), errors)
+    return Client(Bus(nc, auth.run, kind, FAST, auth.creds(kind)), errors)
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +172,7 @@ async def launchers(server: Server) -> AsyncIterator[dict[str, Bus]]:
             server.url, run=auth.run, producer="launcher", settings=FAST,
             connect_timeout_s=10, **_creds(auth, "launcher"),
         )  # fmt: skip
-        await bus.ensure_stream()
-        await bus.objects.store()
-        await roles_bucket(bus.js, auth.run)
+        await bus.ensure_run()  # stream, an object store per kind, registry
         out[auth.run] = bus
     b = out[server.b.run]
     await b.publish(unique(events(server.b.run)[TaskRequested]))
@@ -180,6 +181,13 @@ async def launchers(server: Server) -> AsyncIterator[dict[str, Bus]]:
     yield out
     for bus in out.values():
         await bus.close()
+
+
+def _as_own(event: Event, kind: str) -> Event:
+    """A dead letter as ``kind``'s own role records one; any other event as it is."""
+    if isinstance(event, DeadLettered):
+        return msgspec.structs.replace(event, role=ROLES[kind])
+    return event
 
 
 def events(run: str) -> dict[type, Event]:
@@ -247,8 +255,9 @@ async def test_env_publishes_traces_but_not_batches_or_weights(
 async def test_each_kind_publishes_exactly_its_topics(
     server: Server, launchers: dict[str, Bus]
 ) -> None:
-    """Every event a kind produces is stored; a core publish on any other topic (or on
-    inference, for a kind that sends no requests) is refused."""
+    """Every event a kind produces is stored (a dead letter: under its own role name);
+    a core publish on any other topic (or on inference, for a kind that sends no
+    requests), or a dead letter in another role's name, is refused."""
     run = server.a.run
     launcher = launchers[run]
     before = await stored(launcher)
@@ -257,12 +266,12 @@ async def test_each_kind_publishes_exactly_its_topics(
     try:
         for kind, c in clients.items():
             mine = [e for e in every_event(run) if kind in producers(TOPIC_OF[type(e)])]
-            mine = [unique(e) for e in mine]
+            mine = [unique(_as_own(e, kind)) for e in mine]
             acks = await c.bus.publish_many(mine)
             assert all(not a.duplicate for a in acks), kind
             expected += len(mine)
             denied = [filter_subject(run, t).replace("*", "k") for t in TOPICS
-                      if kind not in producers(t)]  # fmt: skip
+                      if kind not in producers(t) or t == Topic.DEAD_LETTERED]  # fmt: skip
             if kind not in ("env", "algorithm", "attach"):
                 denied.append(f"rl.{run}.infer.policy")
             for subj in denied:
@@ -272,7 +281,9 @@ async def test_each_kind_publishes_exactly_its_topics(
         for kind, c in clients.items():
             for t in TOPICS:
                 subj = filter_subject(run, t).replace("*", "k")
-                assert c.refused("publish", subj) == (kind not in producers(t)), (kind, t)
+                # (``dead.lettered.k``: no role is named k, so no kind's own)
+                mine = kind in producers(t) and t != Topic.DEAD_LETTERED
+                assert c.refused("publish", subj) == (not mine), (kind, t)
         assert await stored(launcher) == before + expected
     finally:
         for c in clients.values():
@@ -372,6 +383,85 @@ async def test_a_runs_identities_cannot_reach_another_run(
             await c.bus.close()
 
 
+async def test_another_identity_cannot_take_an_events_id(
+    server: Server, launchers: dict[str, Bus]
+) -> None:
+    """A batch's header id is keyed by the orchestrator's identity: an env client that
+    stores harmless metrics under the batch's event id and the three salted ids a
+    squatted publish falls back to takes nothing; the orchestrator's batch is stored
+    once, however often it is published, and a second orchestrator client (a restart)
+    makes the same header id."""
+    run = server.a.run
+    orch, again, env = [await connect(server, server.a, k) for k in ("orchestrator", "orchestrator", "env")]  # fmt: skip
+    try:
+        batch = unique(events(run)[BatchAssembled])
+        ids = [batch.event_id] + [derive_id(batch.event_id, "squatted", k) for k in (1, 2, 3)]
+        for i in ids:
+            squat = msgspec.structs.replace(unique(events(run)[MetricsReported]), role="env")
+            ack = await env.bus.js.publish(subject_for(squat), codec.encode(squat),
+                                           headers={codec.H_MSG_ID: i})  # fmt: skip
+            assert not ack.duplicate
+        assert orch.bus.msg_id(batch.event_id) == again.bus.msg_id(batch.event_id)
+        assert orch.bus.msg_id(batch.event_id) not in ids
+        assert env.bus.msg_id(batch.event_id) != orch.bus.msg_id(batch.event_id)
+        first = await orch.bus.publish(batch)
+        second = await again.bus.publish(batch)
+        assert not first.duplicate and second.duplicate and second.seq == first.seq
+        stored_batch = await orch.bus.decode_msg(
+            await orch.bus.js.get_msg(orch.bus.stream, first.seq), (BatchAssembled,)
+        )
+        assert stored_batch.event_id == batch.event_id
+    finally:
+        for c in (orch, again, env):
+            await c.bus.close()
+
+
+async def test_no_kind_touches_another_kinds_objects_durables_or_dead_letters(
+    server: Server, launchers: dict[str, Bus]
+) -> None:
+    """Least privilege between the run's own identities: inference cannot overwrite or
+    purge the trainer's weights (it reads them); env cannot pull, ack or delete the
+    trainer's durable nor make one under its name; an algorithm worker cannot dead-letter
+    in the env server's name; an attached worker makes a durable of a new name."""
+    run = server.a.run
+    c = {k: await connect(server, server.a, k) for k in ("trainer", "inference", "env", "algorithm", "attach")}  # fmt: skip
+    try:
+        trainer = c["trainer"].bus
+        digest = await trainer.objects.put("weights.v0", b"the real weights")
+        await Consumer(trainer, Subscription("trainer", [(Topic.BATCH_ASSEMBLED, None)], _nothing), "trainer").ensure()  # fmt: skip
+        attach = c["attach"].bus
+        await Consumer(attach, Subscription("algorithm-new", [(Topic.TRACE_COMPLETED, None)], _nothing), "algorithm").ensure()  # fmt: skip
+        theirs = BodyStore(c["inference"].bus.js, trainer.objects.bucket)
+        env_js = c["env"].js
+        forged_dead = msgspec.structs.replace(unique(events(run)[DeadLettered]), role="env")
+        results = await refused(
+            theirs.put("weights.v0", b"forged weights", patience_s=1.0),
+            c["inference"].js.purge_stream(trainer.objects.stream),
+            env_js.add_consumer(trainer.stream, ConsumerConfig(durable_name="trainer")),
+            env_js.delete_consumer(trainer.stream, "trainer"),
+            c["env"].bus.nc.request(
+                f"$JS.API.CONSUMER.MSG.NEXT.{trainer.stream}.trainer",
+                b'{"batch": 1, "no_wait": true}',
+                timeout=REFUSED_S,
+            ),
+            c["algorithm"].bus.publish(forged_dead),
+        )
+        assert all(isinstance(r, nats.errors.TimeoutError | PublishError) for r in results), results
+        assert await theirs.get("weights.v0", digest) == b"the real weights"
+        assert await trainer.js.consumer_info(trainer.stream, "trainer")
+        assert c["algorithm"].refused("publish", f"rl.{run}.dead.lettered.env")
+        assert c["env"].refused("publish", f"$JS.API.CONSUMER.DELETE.{trainer.stream}.trainer")
+        assert c["env"].refused("publish", f"$JS.API.CONSUMER.MSG.NEXT.{trainer.stream}.trainer")
+        assert c["inference"].refused("publish", f"$JS.API.STREAM.PURGE.{trainer.objects.stream}")
+    finally:
+        for client in c.values():
+            await client.bus.close()
+
+
+async def _nothing(event: Event, d: Delivery) -> list[Event]:
+    return []
+
+
 def _collect(into: list[Any]) -> Any:
     async def cb(msg: Any) -> None:
         into.append(msg.subject)
@@ -419,7 +509,8 @@ async def test_the_role_kinds_do_their_jobs(server: Server, launchers: dict[str,
         trainer = c["trainer"].bus
         weights = bytes(range(256)) * 4096  # 1 MB: 8 chunks through an ordered consumer
         digest = await trainer.objects.put("weights.v1", weights)
-        assert await c["inference"].bus.objects.get("weights.v1", digest) == weights
+        inference = c["inference"].bus.bodies(trainer.objects.bucket)
+        assert await inference.get("weights.v1", digest) == weights
         await trainer.objects.put("weights.v1", b"v" * 10)  # replaced: old chunks purged
         assert await trainer.objects.delete("weights.v1")
         assert "weights.v1" not in await trainer.objects.names()

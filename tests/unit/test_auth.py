@@ -14,7 +14,7 @@ import pytest
 from bus import auth
 from bus.auth import RunAuth, load_creds, permission_rows, permissions
 from bus.kinds import KINDS, ROLES, kind_of_role, kinds_that, producers
-from bus.subjects import TOPICS, Topic, filter_subject
+from bus.subjects import TOPICS, Topic, filter_subject, kind_of_bucket, objects_bucket
 
 INFER_REQUESTERS, INFER_SERVERS = kinds_that("asks"), kinds_that("answers")
 
@@ -30,8 +30,11 @@ def matches(pattern: str, subject: str) -> bool:
     return len(p) == len(s)
 
 
-def may_publish(run: str, kind: str, subject: str) -> bool:
-    return any(matches(p, subject) for p in permissions(run, kind)["publish"]["allow"])
+def may_publish(run: str, kind: str, subject: str, durables: auth.Durables | None = None) -> bool:
+    """What nats-server decides: allowed by a pattern and denied by none."""
+    publish = permissions(run, kind, durables)["publish"]
+    allowed = any(matches(p, subject) for p in publish["allow"])
+    return allowed and not any(matches(p, subject) for p in publish.get("deny", []))
 
 
 def may_subscribe(run: str, kind: str, subject: str) -> bool:
@@ -46,8 +49,10 @@ def run_resources(run: str) -> list[str]:
     """Subjects that read or write ``run``'s data: its topics, inference, objects,
     registry, the JetStream API on its three streams, acks and inboxes."""
     out = [topic_subject(run, t) for t in Topic] + [f"rl.{run}.infer.policy"]
-    out += [f"$O.RLOBJ_{run}.C.abc", f"$O.RLOBJ_{run}.M.abc", f"$KV.RLROLES_{run}.{run}.env.e0"]
-    for s in (f"RL_{run}", f"OBJ_RLOBJ_{run}", f"KV_RLROLES_{run}"):
+    out += [f"$KV.RLROLES_{run}.{run}.env.e0"]
+    for b in auth.run_buckets(run):
+        out += [f"$O.{b}.C.abc", f"$O.{b}.M.abc"]
+    for s in (f"RL_{run}", *(f"OBJ_{b}" for b in auth.run_buckets(run)), f"KV_RLROLES_{run}"):
         for op in ("STREAM.INFO", "STREAM.CREATE", "STREAM.PURGE", "STREAM.DELETE",
                    "STREAM.MSG.GET", "DIRECT.GET", "CONSUMER.CREATE"):  # fmt: skip
             out.append(f"$JS.API.{op}.{s}")
@@ -68,6 +73,8 @@ def test_every_topic_has_a_producer_and_every_role_an_identity() -> None:
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "launcher"])
 def test_a_kind_publishes_exactly_the_topics_it_produces(kind: str) -> None:
     for t in TOPICS:
+        if t == Topic.DEAD_LETTERED:  # under its own role names only (the matrix below)
+            continue
         assert may_publish("r1", kind, topic_subject("r1", t)) == (kind in producers(t)), t
     assert may_publish("r1", kind, "rl.r1.infer.policy") == (kind in INFER_REQUESTERS)
 
@@ -99,10 +106,111 @@ def test_only_the_launcher_changes_streams() -> None:
         for s in ("RL_r1", "OBJ_RLOBJ_r1", "KV_RLROLES_r1"):
             for op in ("CREATE", "UPDATE", "DELETE"):
                 assert may_publish("r1", kind, f"$JS.API.STREAM.{op}.{s}") == (kind == "launcher")
-    # purging the object stream comes with storing objects (a replaced object's chunks)
-    assert may_publish("r1", "trainer", "$JS.API.STREAM.PURGE.OBJ_RLOBJ_r1")
+    # purging its own object store comes with storing objects (a replaced object's chunks)
+    assert may_publish("r1", "trainer", "$JS.API.STREAM.PURGE.OBJ_RLOBJTRAINER_r1")
+    assert not may_publish("r1", "trainer", "$JS.API.STREAM.PURGE.OBJ_RLOBJ_r1")
     assert not may_publish("r1", "trainer", "$JS.API.STREAM.PURGE.RL_r1")
-    assert not may_publish("r1", "reader", "$JS.API.STREAM.PURGE.OBJ_RLOBJ_r1")
+    assert not may_publish("r1", "reader", "$JS.API.STREAM.PURGE.OBJ_RLOBJTRAINER_r1")
+
+
+# The permission matrix of a run whose config declares its durables: for each action a
+# faulty role could take against another, the kinds that may (the launcher: every one).
+DECLARED = {"trainer": ["trainer"], "env": ["env-rt"], "algorithm": ["algorithm-grpo"]}
+ACTIONS = {
+    "dead-letter as the env server": "rl.r1.dead.lettered.env",
+    "dead-letter as the trainer": "rl.r1.dead.lettered.trainer",
+    "dead-letter as the lake": "rl.r1.dead.lettered.lake",
+    "dead-letter as an algorithm worker": "rl.r1.dead.lettered.algorithm",
+    "write weights (the trainer's objects)": "$O.RLOBJTRAINER_r1.M.d2VpZ2h0cy52MA",
+    "purge the trainer's objects": "$JS.API.STREAM.PURGE.OBJ_RLOBJTRAINER_r1",
+    "write the env's objects (bodies)": "$O.RLOBJENV_r1.C.abc",
+    "purge the env's objects": "$JS.API.STREAM.PURGE.OBJ_RLOBJENV_r1",
+    "write the shared objects (anonymous runs)": "$O.RLOBJ_r1.M.abc",
+    "create the trainer's durable": "$JS.API.CONSUMER.DURABLE.CREATE.RL_r1.trainer",
+    "create it by name (new API)": "$JS.API.CONSUMER.CREATE.RL_r1.trainer.rl.r1.batch.assembled",
+    "pull the trainer's batches": "$JS.API.CONSUMER.MSG.NEXT.RL_r1.trainer",
+    "ack the trainer's batches": "$JS.ACK.RL_r1.trainer.1.7.7.1.0",
+    "delete the trainer's durable": "$JS.API.CONSUMER.DELETE.RL_r1.trainer",
+    "pull the env's tasks": "$JS.API.CONSUMER.MSG.NEXT.RL_r1.env-rt",
+    "delete the env's durable": "$JS.API.CONSUMER.DELETE.RL_r1.env-rt",
+    "pull a config algorithm's traces": "$JS.API.CONSUMER.MSG.NEXT.RL_r1.algorithm-grpo",
+    "make a durable of a new name": "$JS.API.CONSUMER.DURABLE.CREATE.RL_r1.algorithm-new",
+}
+MAY = {
+    "dead-letter as the env server": {"env"},
+    "dead-letter as the trainer": {"trainer"},
+    "dead-letter as the lake": {"monitor"},
+    "dead-letter as an algorithm worker": {"algorithm", "attach"},
+    "write weights (the trainer's objects)": {"trainer"},
+    "purge the trainer's objects": {"trainer"},
+    "write the env's objects (bodies)": {"env"},
+    "purge the env's objects": {"env"},
+    "write the shared objects (anonymous runs)": set(),
+    "create the trainer's durable": {"trainer"},
+    "create it by name (new API)": {"trainer"},
+    "pull the trainer's batches": {"trainer"},
+    "ack the trainer's batches": {"trainer"},
+    "delete the trainer's durable": {"trainer"},
+    "pull the env's tasks": {"env"},
+    "delete the env's durable": {"env"},
+    "pull a config algorithm's traces": {"algorithm", "attach"},
+    "make a durable of a new name": {"attach"},
+}
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_the_permission_matrix(action: str) -> None:
+    """Every cell: each identity may take the action exactly when its role needs it."""
+    subject = ACTIONS[action]
+    allowed = {k for k in KINDS if may_publish("r1", k, subject, DECLARED)}
+    assert allowed == MAY[action] | {"launcher"}, action
+
+
+def test_without_declared_durables_durable_kinds_use_any_name() -> None:
+    """A server made without a run's config (a test's, ``rlbus nats serve``): any name."""
+    for kind in KINDS:
+        may = may_publish("r1", kind, "$JS.API.CONSUMER.MSG.NEXT.RL_r1.trainer")
+        assert may == (KINDS[kind].durables or kind == "launcher"), kind
+
+
+def test_declared_durables_are_kept_with_the_credentials(tmp_path: Path) -> None:
+    first = RunAuth.ensure(tmp_path / "auth", "r1")
+    assert first.durables is None
+    declared = first.declare(DECLARED)
+    again = RunAuth.ensure(tmp_path / "auth", "r1")  # a restarted server reads them back
+    assert again.durables == declared.durables == DECLARED
+    assert again.users() == declared.users() != first.users()
+    with pytest.raises(ValueError, match="durable name"):
+        first.declare({"env": ["env.x"]})
+
+
+def test_the_launchers_credentials_live_apart(tmp_path: Path) -> None:
+    a = RunAuth.ensure(tmp_path / "auth", "r1")
+    launcher = a.creds_file("launcher")
+    assert launcher.parent == tmp_path / "auth-admin" and launcher.exists()
+    assert stat.S_IMODE(launcher.parent.stat().st_mode) == 0o700
+    assert not (tmp_path / "auth" / "launcher.creds").exists()
+    assert {p.name for p in (tmp_path / "auth").iterdir()} == {
+        f"{k}.creds" for k in KINDS if k != "launcher"
+    }
+    # a run made before: its launcher file is moved, the same password kept
+    old = tmp_path / "old"
+    b = RunAuth.ensure(old / "auth", "r2")
+    password = b.creds("launcher").password
+    b.creds_file("launcher").rename(old / "auth" / "launcher.creds")
+    assert RunAuth.ensure(old / "auth", "r2").creds("launcher").password == password
+    assert not (old / "auth" / "launcher.creds").exists()
+
+
+def test_each_kind_has_its_own_object_store_named_apart() -> None:
+    """No run id makes one kind's store another's (kinds hold no ``_``)."""
+    names = {objects_bucket(run, k) for run in ("a", "a_env", "env_a", "ENV_a") for k in KINDS}
+    names |= {objects_bucket(run) for run in ("a", "a_env", "env_a", "ENV_a")}
+    assert len(names) == 4 * (len(KINDS) + 1)
+    assert kind_of_bucket("a_env", objects_bucket("a_env", "trainer")) == "trainer"
+    assert kind_of_bucket("a", objects_bucket("a")) is None
+    with pytest.raises(ValueError):
+        kind_of_bucket("a", objects_bucket("a_env", "trainer"))
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -26,6 +26,8 @@ def test_cluster_config_files(tmp_path: Path) -> None:
         "R",
         "--out",
         str(tmp_path),
+        "--config",
+        "smoke",
     ]
     hosts_args = [x for h in hosts for x in ("--host", h)]
     result = subprocess.run([*args, *hosts_args], capture_output=True, text=True)  # the real CLI
@@ -38,13 +40,19 @@ def test_cluster_config_files(tmp_path: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it holds passwords
         conf = json.loads(path.read_text())
         assert conf["server_name"] == host and conf["cluster"]["routes"] == routes
-        users = {u["user"] for u in conf["authorization"]["users"]}
+        users = {u["user"]: u for u in conf["authorization"]["users"]}
         assert "R.env" in users and "R.reader" in users
+        # --config: the env servers own their durable, and are denied the trainer's
+        env = users["R.env"]["permissions"]["publish"]
+        assert "$JS.API.CONSUMER.MSG.NEXT.RL_R.env-reverse-text" in env["allow"]
+        assert "$JS.API.CONSUMER.MSG.NEXT.RL_R.trainer" in env["deny"]
         assert "http" not in conf  # no monitoring endpoint
         check = subprocess.run(
             [find_binary(), "-t", "-c", str(path)], capture_output=True, text=True
         )
         assert check.returncode == 0, check.stderr + check.stdout
+    assert (tmp_path / "R-admin" / "launcher.creds").exists()
+    assert not (tmp_path / "R" / "launcher.creds").exists()
     creds = json.loads((tmp_path / "R" / "env.creds").read_text())
     assert creds["user"] == "R.env" and creds["password"] not in output
 
