@@ -14,7 +14,6 @@ ids and the server's ``Nats-Msg-Id`` dedup stores them once.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 import uuid
 from typing import Annotated
@@ -23,8 +22,14 @@ import msgspec
 
 # Declared constraints, checked by msgspec as a message decodes: a value outside them is a
 # decode error, so every reader dead-letters it the same way (bus.consumer, bus.follower).
-# A finite float (NaN and the infinities fail both bounds).
-Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+# What training takes as a signal (a reward, an advantage): finite and within
+# +-VALUE_BOUND (NaN and the infinities fail both bounds). A finite value beyond it (an
+# advantage of 1e38) is a bug upstream, never a signal, and is refused by the same rule
+# as a non-finite one (``Sample.problem`` for a sample's arrays).
+VALUE_BOUND = 1e6
+Bounded = Annotated[float, msgspec.Meta(ge=-VALUE_BOUND, le=VALUE_BOUND)]
+# A log-probability is at most 0 (float32 rounding may leave a hair above it).
+LOGPROB_MAX = 1e-3
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 # Rollouts in one group: a bound well above any real group, below anything absurd.

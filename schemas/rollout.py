@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from schemas import arrays
-from schemas.base import Event, Finite, GroupSize, NonNegative, Record
+from schemas.base import Bounded, Event, GroupSize, NonNegative, Record
 
 # Whose request a task is: the orchestrator's warm start ("sft"), its train groups ("rl"),
 # its eval rounds ("eval"), or a one-off from `rlbus rollout`/`rlbus eval` ("adhoc").
@@ -128,7 +128,7 @@ class Branch(Record, frozen=True):
 
     messages: list[int]
     member: str | None = None
-    reward: float | None = None  # per-branch reward when it differs from the trace's
+    reward: Bounded | None = None  # per-branch reward when it differs from the trace's
 
 
 class TraceError(Record, frozen=True):
@@ -158,9 +158,9 @@ class Trace(Record, frozen=True):
     sample_index: int
     messages: list[Message]
     branches: list[Branch]
-    reward: float = 0.0
-    rewards: dict[str, float] = msgspec.field(default_factory=dict)  # each named reward fn
-    member_rewards: dict[str, float] = msgspec.field(default_factory=dict)
+    reward: Bounded = 0.0
+    rewards: dict[str, Bounded] = msgspec.field(default_factory=dict)  # each named reward fn
+    member_rewards: dict[str, Bounded] = msgspec.field(default_factory=dict)
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
     timings: dict[str, float] = msgspec.field(default_factory=dict)  # seconds
     errors: list[TraceError] = msgspec.field(default_factory=list)
@@ -230,6 +230,6 @@ class EvalCompleted(Event, frozen=True, tag="eval_completed/1"):
     env: str
     step: NonNegative
     task_index: int
-    rewards: list[Finite]
+    rewards: list[Bounded]
     traces: list[Trace] = msgspec.field(default_factory=list)
     errors: NonNegative = 0

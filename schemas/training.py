@@ -21,8 +21,22 @@ import msgspec
 import numpy as np
 
 from schemas import arrays
-from schemas.base import Event, Finite, NonNegative, Positive, Record, derive_id
+from schemas.base import (
+    LOGPROB_MAX,
+    VALUE_BOUND,
+    Bounded,
+    Event,
+    NonNegative,
+    Positive,
+    Record,
+    derive_id,
+)
 from schemas.run import ObjectRef
+
+# A sample's arrays held to +-VALUE_BOUND (the loss weights ce_weights and ref_weights
+# only to finite values: a weight that overflows the loss makes a non-finite step, which
+# the trainer drops whole).
+BOUNDED = ("advantages", "logprobs", "ref_logprobs", "temperatures")
 
 
 class Sample(Record, frozen=True):
@@ -37,7 +51,7 @@ class Sample(Record, frozen=True):
     temperatures: bytes  # float32
     advantages: bytes  # float32
     sft_mask: bytes | None = None  # uint8: the ce channel's positions
-    reward: Finite = 0.0
+    reward: Bounded = 0.0
     policy_min: NonNegative = 0
     policy_max: NonNegative = 0
     ce_weights: bytes | None = None  # float32: ce weight per token (None = 1 on sft_mask)
@@ -52,8 +66,10 @@ class Sample(Record, frozen=True):
         return len(self.token_ids) // 4
 
     def problem(self) -> str | None:
-        """Why this sample cannot be trained (misaligned arrays, a non-finite value,
-        a token id below 0), or None: what every reader of samples checks first."""
+        """Why this sample cannot be trained (misaligned arrays, a non-finite value, an
+        advantage, log-probability or temperature beyond ``VALUE_BOUND``, a
+        log-probability above 0, a token id below 0), or None: what every reader of
+        samples checks first."""
         n = len(self.token_ids) // 4
         if len(self.token_ids) % 4:
             return "token_ids is not a whole number of int32"
@@ -64,12 +80,18 @@ class Sample(Record, frozen=True):
         for name, values in arrays_.items():
             if len(values) != n:
                 return f"{name} has {len(values)} values for {n} tokens"
-            if values.dtype.kind == "f" and not np.isfinite(values).all():
+            if values.dtype.kind != "f" or not len(values):
+                continue
+            if not np.isfinite(values).all():
                 return f"{name} holds a non-finite value"
+            if name in BOUNDED and float(np.abs(values).max()) > VALUE_BOUND:
+                return f"{name} holds a value beyond +-{VALUE_BOUND:g}"
+            if name in ("logprobs", "ref_logprobs") and float(values.max()) > LOGPROB_MAX:
+                return f"{name} holds a log-probability above 0 ({float(values.max()):g})"
         if n and int(arrays_["token_ids"].min()) < 0:
             return "a negative token id"
-        if not math.isfinite(self.reward):
-            return "reward is not finite"
+        if not math.isfinite(self.reward) or abs(self.reward) > VALUE_BOUND:
+            return f"reward is not finite or beyond +-{VALUE_BOUND:g}"
         return None
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -99,7 +121,7 @@ class SamplesScored(Event, frozen=True, tag="samples_scored/1"):
     task_index: int
     step: NonNegative  # orchestrator step at dispatch
     samples: list[Sample]
-    rewards: list[Finite] = msgspec.field(default_factory=list)  # of the non-errored rollouts
+    rewards: list[Bounded] = msgspec.field(default_factory=list)  # of the non-errored rollouts
     excluded: NonNegative = 0  # errored rollouts left out of the baseline and of training
     # The members whose branches those errored rollouts would have trained, in group
     # order (what ``rae`` updates its baselines with at reward 0).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from schemas import (
     stable_seed,
 )
 from schemas.arrays import f32, i32, mask, pack_f32, pack_i32, pack_mask
+from schemas.base import VALUE_BOUND
 from tests.golden.make_golden import golden_path
 from tests.samples import every_event, sample, trace
 
@@ -115,11 +118,12 @@ def test_float_and_mask_arrays_round_trip(values: list[float], flags: list[bool]
 
 _text = st.text(max_size=40)
 _floats = st.floats(allow_nan=False, allow_infinity=False)
+_rewards = st.floats(min_value=-VALUE_BOUND, max_value=VALUE_BOUND)
 
 
 @given(
-    reward=_floats,
-    rewards=st.dictionaries(_text, _floats, max_size=4),
+    reward=_rewards,
+    rewards=st.dictionaries(_text, _rewards, max_size=4),
     n=st.integers(2, 64),
     rollout=st.text(min_size=1, max_size=20),
     step=st.integers(0, 2**40),
@@ -135,7 +139,43 @@ def test_trace_completed_round_trips(
     assert codec.decode(codec.encode(ev), [TraceCompleted]) == ev
 
 
-@given(n=st.integers(1, 200), adv=_floats.filter(lambda x: abs(x) < 1e30), rollout=_text)
+@pytest.mark.parametrize("reward", [1e7, -1e38, math.nan, math.inf])
+def test_a_reward_beyond_the_bound_is_a_decode_error(reward: float) -> None:
+    """Finite but absurd is refused by the same rule as non-finite: a decode error,
+    which every reader dead-letters."""
+    t = msgspec.structs.replace(trace(), reward=reward)
+    ev = TraceCompleted(run="r", env="reverse-text", request_id="q", group_size=4, step=0, trace=t)
+    with pytest.raises(DecodeError, match="reward"):
+        codec.decode(codec.encode(ev), [TraceCompleted])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("advantages", 1e38, "advantages holds a value beyond"),
+        ("advantages", -2e6, "advantages holds a value beyond"),
+        ("logprobs", 0.5, "log-probability above 0"),
+        ("temperatures", 1e30, "temperatures holds a value beyond"),
+        ("advantages", math.nan, "non-finite"),
+    ],
+)
+def test_a_sample_with_an_absurd_value_cannot_be_trained(
+    field: str, value: float, problem: str
+) -> None:
+    s = sample(n=4)
+    assert s.problem() is None
+    bad = msgspec.structs.replace(
+        s,
+        **{
+            field: pack_f32(
+                [value, 0.0, 0.0, 0.0] if field != "logprobs" else [value, -1.0, -1.0, -1.0]
+            )
+        },
+    )
+    assert problem in (bad.problem() or "")
+
+
+@given(n=st.integers(1, 200), adv=_rewards, rollout=_text)
 def test_sample_round_trips(n: int, adv: float, rollout: str) -> None:
     s = msgspec.structs.replace(sample(rollout=rollout, n=n), advantages=pack_f32([adv] * n))
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=Sample) == s
