@@ -22,7 +22,8 @@ may do what its role needs and no more (least privilege):
 - **subscribe**: its own inbox prefix (``_INBOX_<run>_<kind>``, given to nats-py as
   ``inbox_prefix``: replies, consumer deliveries and acks all arrive there), so it
   cannot read other clients' replies; inference servers (kinds that answer) also
-  ``rl.<run>.infer.*``, and may answer what they receive (``allow_responses``).
+  ``rl.<run>.infer.*``, and may answer what they receive (``allow_responses``), signs
+  of life included: they publish into the asking kinds' inboxes (``bus.rpc``).
 - ``reader`` (the read commands: status, events, lake, trace, replay) publishes nothing
   but read requests; ``launcher`` (``rlbus up``, rollout, import) is the admin of its run
   only: it creates, updates and deletes the run's streams, before any role starts. Its
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus.kinds import KINDS, check_kind, kind_of_role, object_kinds, producers
+from bus.kinds import KINDS, check_kind, kind_of_role, kinds_that, object_kinds, producers
 from bus.subjects import (
     INFER,
     TOPICS,
@@ -179,6 +180,9 @@ def _permissions(run: str, kind: str, durables: Durables | None) -> dict[str, An
         pub += [f"$O.{own}.>", f"$JS.API.STREAM.PURGE.OBJ_{own}"]
     pub += [f"$KV.{roles}.{role_keys_pattern(run, role)}" for role in spec.heartbeats]
     pub += _read_api([stream, *obj_streams, kv_stream], [stream, *obj_streams])
+    if spec.infer == "answers":  # signs of life and the reply (``bus.rpc``) go to an
+        # asker's inbox: a random token, known only to whoever received the request
+        pub += [f"{inbox_prefix(run, k)}.>" for k in kinds_that("asks")]
     mine = owned_durables(kind, durables)
     for durable in mine:
         pub += _durable_api(stream, durable)

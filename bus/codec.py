@@ -82,6 +82,32 @@ def decode(payload: bytes | memoryview, types: Iterable[type], schema: str | Non
         raise DecodeError(f"{e}") from e
 
 
+BODY_PREFIX = "body."  # an offloaded body's object name: body.<event id>.<digest prefix>
+
+
+class _Ids(msgspec.Struct):
+    """The two keys ``stored_event_id`` reads of a payload; every other key is skipped."""
+
+    event_id: str | None = None  # an event
+    name: str | None = None  # a BodyRef: ``body.<event id>.<digest prefix>``
+
+
+_ids_decoder = msgspec.msgpack.Decoder(_Ids)
+
+
+def stored_event_id(payload: bytes | memoryview, headers: dict[str, str]) -> str | None:
+    """The event id of a stored message: its payload's, or an offloaded body's (from the
+    body's name); None when the payload is unreadable. Not the header id, which is keyed
+    by the publisher's identity (``bus.runtime.Bus.msg_id``)."""
+    try:
+        ids = _ids_decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if headers.get(H_BODY) == "ref" and ids.name and ids.name.startswith(BODY_PREFIX):
+        return ids.name.removeprefix(BODY_PREFIX).rsplit(".", 1)[0]
+    return ids.event_id
+
+
 def decode_ref(payload: bytes | memoryview) -> BodyRef:
     try:
         return _ref_decoder.decode(payload)

@@ -117,11 +117,13 @@ def dead_lettered(
 ) -> DeadLettered:
     """The record of a message ``consumer`` could not take: its id derives from the
     consumer and the stream sequence, so the same message is recorded once, however
-    often it is met (a redelivery, a restarted follower)."""
+    often it is met (a redelivery, a restarted follower). Its cause is the message's
+    event id when the payload tells it, else the header id."""
     return DeadLettered(
         run=run,
         event_id=derive_id("dead", consumer, d.stream_seq),
-        causation_id=(msg.headers or {}).get(codec.H_MSG_ID),
+        causation_id=codec.stored_event_id(msg.data or b"", msg.headers or {})
+        or (msg.headers or {}).get(codec.H_MSG_ID),
         role=role,
         consumer=consumer,
         subject=d.subject,

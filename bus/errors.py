@@ -80,6 +80,10 @@ class RequestTimeout(BusError):
     """Nobody answered a request in time."""
 
 
+class ReplicaSilent(RequestTimeout):
+    """The server that took a request stopped sending signs of life (``bus.rpc``)."""
+
+
 class NoResponders(RequestTimeout):
     """Nobody is subscribed to answer (e.g. the inference role is still starting)."""
 

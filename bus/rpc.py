@@ -6,11 +6,23 @@ role declares what it answers as a ``Serve`` beside its other inputs; the runtim
 (``roles.runtime.role``) serves it while the role runs.
 ``request`` sends one and decodes the reply, raising ``RequestTimeout`` when nobody
 answers in time.
+
+**Signs of life.** A replica that dies holding a request never answers, and nothing in
+core NATS says so: a plain request waits its whole timeout. So a requester may ask for
+signs of life (``silence_s``): the request carries ``Rl-Keepalive: <seconds>``, and the
+server that takes it sends an empty ``Rl-Working`` message to the reply subject at once
+and then every that many seconds while the handler works (``silence_s / 3``). The
+requester waits on its own inbox: a working message renews its patience, the reply
+ends the wait, and ``silence_s`` without either raises ``ReplicaSilent`` (the replica
+died, or the server lost the request), so the caller sends it again at once instead of
+after its attempt timeout. A handler that fails stops its signs of life too. A request
+that asks for none is answered exactly as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +34,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from bus import codec
-from bus.errors import DecodeError, NoResponders, RequestTimeout
+from bus.errors import DecodeError, NoResponders, ReplicaSilent, RequestTimeout
 from bus.log import get_logger
 
 log = get_logger()
+
+H_KEEPALIVE = "Rl-Keepalive"  # on a request: send signs of life every <value> seconds
+H_WORKING = "Rl-Working"  # a sign of life: the request is being worked on
+_STATUS, _NO_RESPONDERS = "Status", "503"  # nats-py's header of a server status message
 
 Handler = Callable[[Any], Awaitable[msgspec.Struct]]
 
@@ -62,7 +78,13 @@ async def serve(
             if on_bad_request is not None and msg.reply:
                 await msg.respond(codec.encode_any(on_bad_request(msg.data, e)))
             return
-        reply = await handler(request)
+        every = _keepalive_of(msg)
+        alive = asyncio.create_task(_signs_of_life(nc, msg.reply, every)) if every else None
+        try:
+            reply = await handler(request)
+        finally:
+            if alive is not None:
+                alive.cancel()
         if msg.reply:
             await msg.respond(codec.encode_any(reply))
 
@@ -74,9 +96,42 @@ async def serve(
     return await nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=100_000)
 
 
+def _keepalive_of(msg: Msg) -> float | None:
+    """The interval of signs of life a request asks for (None: none, or no reply)."""
+    value = (msg.headers or {}).get(H_KEEPALIVE)
+    if not value or not msg.reply:
+        return None
+    try:
+        every = float(value)
+    except ValueError:
+        return None
+    return every if every > 0 else None
+
+
+async def _signs_of_life(nc: Client, reply: str, every: float) -> None:
+    """Tell ``reply`` the request is being worked on, now and every ``every`` seconds."""
+    while True:
+        try:
+            await nc.publish(reply, b"", headers={H_WORKING: "1"})
+        except Exception as e:  # noqa: BLE001 - a lost connection: the requester sees silence
+            log.debug("rpc.keepalive_failed", error=repr(e))
+            return
+        await asyncio.sleep(every)
+
+
 async def request(
-    nc: Client, subject: str, message: msgspec.Struct, reply_types: Iterable[type], timeout_s: float
+    nc: Client,
+    subject: str,
+    message: msgspec.Struct,
+    reply_types: Iterable[type],
+    timeout_s: float,
+    silence_s: float | None = None,
 ) -> Any:
+    """The decoded reply to ``message`` on ``subject`` within ``timeout_s``; with
+    ``silence_s``, ``ReplicaSilent`` as soon as the server holding it says nothing for
+    that long (module docstring)."""
+    if silence_s is not None:
+        return await _watched_request(nc, subject, message, tuple(reply_types), timeout_s, silence_s)  # fmt: skip
     try:
         msg = await nc.request(subject, codec.encode_any(message), timeout=timeout_s)
     except (TimeoutError, nats.errors.TimeoutError) as e:
@@ -84,3 +139,42 @@ async def request(
     except nats.errors.NoRespondersError as e:
         raise NoResponders(f"no responders on {subject}") from e
     return codec.decode(msg.data, tuple(reply_types))
+
+
+async def _watched_request(
+    nc: Client,
+    subject: str,
+    message: msgspec.Struct,
+    reply_types: tuple[type, ...],
+    timeout_s: float,
+    silence_s: float,
+) -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    inbox = nc.new_inbox()  # under this identity's inbox prefix
+    sub = await nc.subscribe(inbox)
+    try:
+        headers = {H_KEEPALIVE: f"{silence_s / 3:.3g}"}
+        await nc.publish(subject, codec.encode_any(message), reply=inbox, headers=headers)
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise RequestTimeout(f"no reply on {subject} within {timeout_s}s")
+            try:
+                msg = await sub.next_msg(timeout=min(left, silence_s))
+            except (TimeoutError, nats.errors.TimeoutError):
+                if loop.time() >= deadline:
+                    raise RequestTimeout(f"no reply on {subject} within {timeout_s}s") from None
+                raise ReplicaSilent(
+                    f"no sign of life on {subject} for {silence_s:g} s (the replica holding "
+                    "the request is gone, or the request was lost)"
+                ) from None
+            h = msg.headers or {}
+            if h.get(_STATUS) == _NO_RESPONDERS and not msg.data:
+                raise NoResponders(f"no responders on {subject}")
+            if H_WORKING in h:
+                continue
+            return codec.decode(msg.data, reply_types)
+    finally:
+        with contextlib.suppress(Exception):  # a closed connection has nothing to undo
+            await sub.unsubscribe()

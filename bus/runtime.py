@@ -375,10 +375,12 @@ class Bus:
         return Served(sub)
 
     async def request(
-        self, subject: str, req: msgspec.Struct, reply_types: Iterable[type], timeout_s: float
-    ) -> Any:
-        """One request's decoded reply (``bus.rpc.request``)."""
-        return await rpc.request(self.nc, subject, req, reply_types, timeout_s)
+        self, subject: str, req: msgspec.Struct, reply_types: Iterable[type], timeout_s: float,
+        silence_s: float | None = None,
+    ) -> Any:  # fmt: skip
+        """One request's decoded reply (``bus.rpc.request``; ``silence_s``: with signs of
+        life, ``ReplicaSilent`` when they stop)."""
+        return await rpc.request(self.nc, subject, req, reply_types, timeout_s, silence_s)
 
     async def flush(self, timeout_s: float = 2.0) -> None:
         """Wait until the server has everything sent so far (a subscription, replies)."""
@@ -434,7 +436,7 @@ class Bus:
             # rerun rollout) or a squatter's body under the same id never overwrites the
             # body a stored copy points at.
             digest = sha256_digest(payload)
-            name = f"{_BODY_PREFIX}{event.event_id}.{digest.removeprefix('sha256:')[:16]}"
+            name = f"{codec.BODY_PREFIX}{event.event_id}.{digest.removeprefix('sha256:')[:16]}"
             await self.objects.put(name, payload)
             ref = BodyRef(
                 bucket=self.objects.bucket,
@@ -623,33 +625,15 @@ def _state(run: str, info: Any) -> StreamState:
                        int(state.last_seq))  # fmt: skip
 
 
-_BODY_PREFIX = "body."  # offloaded bodies: body.<event id>.<content digest prefix>
 _CHECKS_AT_ONCE = 64  # duplicate acks checked concurrently
 
 _Identity = tuple[str, str | None, str | None]  # (subject, Rl-Schema, payload event_id)
 
 
-class _Ids(msgspec.Struct):
-    """The two keys the identity check reads of a payload; every other key is skipped."""
-
-    event_id: str | None = None  # an event
-    name: str | None = None  # a BodyRef: ``body.<event id>.<digest prefix>``
-
-
-_ids_decoder = msgspec.msgpack.Decoder(_Ids)
-
-
 def _identity(subject: str, payload: bytes, headers: dict[str, str]) -> _Identity:
-    """What makes a stored message "the same event" for the duplicate check. The event id
-    is the payload's (readers dedup on it), or an offloaded body's, from its name."""
-    try:
-        ids = _ids_decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return (subject, headers.get(codec.H_SCHEMA), None)
-    event_id = ids.event_id
-    if headers.get(codec.H_BODY) == "ref" and ids.name and ids.name.startswith(_BODY_PREFIX):
-        event_id = ids.name.removeprefix(_BODY_PREFIX).rsplit(".", 1)[0]
-    return (subject, headers.get(codec.H_SCHEMA), event_id)
+    """What makes a stored message "the same event" for the duplicate check: subject,
+    schema and event id (the payload's, which readers dedup on: ``codec.stored_event_id``)."""
+    return (subject, headers.get(codec.H_SCHEMA), codec.stored_event_id(payload, headers))
 
 
 def _with_producer(event: Event, producer: str) -> Event:

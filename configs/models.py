@@ -162,6 +162,10 @@ class InferenceConfig(_Section):
     # Seconds one attempt of a request waits before it is sent again (the queue group hands
     # it to a live replica: one that died holding it costs this, not request_timeout_s).
     attempt_timeout_s: float = Field(default=20.0, gt=0)
+    # A replica that takes a request sends a sign of life every silence_s / 3 while it
+    # works on it; one silent this long is taken as gone and the request is sent again
+    # at once (a replica killed, a server restarted: seconds, not attempt_timeout_s).
+    silence_s: float = Field(default=3.0, gt=0)
     # Share of the GPU's memory inference may take (CUDA only), so the trainer fits beside
     # it on one GPU: the torch backend caps its allocator, vLLM gets it as
     # `gpu_memory_utilization`.
@@ -187,6 +191,11 @@ class InferenceConfig(_Section):
             raise ValueError(
                 f"`inference.attempt_timeout_s` ({self.attempt_timeout_s:g}) must not exceed "
                 f"`inference.request_timeout_s` ({self.request_timeout_s:g})"
+            )
+        if self.silence_s >= self.attempt_timeout_s:
+            raise ValueError(
+                f"`inference.silence_s` ({self.silence_s:g}) must be below "
+                f"`inference.attempt_timeout_s` ({self.attempt_timeout_s:g})"
             )
         if self.eval_pin_max_s >= self.attempt_timeout_s:
             raise ValueError(

@@ -314,8 +314,7 @@ def make_scorer(ctx: RoleContext, bus: Bus) -> RefScorer:
             envs[key] = make_env(spec.id if spec else key, dict(spec.args) if spec else {})
         return envs[key]
 
-    i = ctx.cfg.inference
-    client = InferenceClient(bus, i.request_timeout_s, i.attempt_timeout_s)
+    client = InferenceClient.from_config(bus, ctx.cfg.inference)
     return RefScorer(client, ctx.load_renderer(), env_for)
 
 

@@ -468,8 +468,7 @@ async def main(ctx: RoleContext, env: str) -> None:
     from roles.lib.clients import InferenceClient
 
     bus = await ctx.connect()
-    inference = ctx.cfg.inference
-    client = InferenceClient(bus, inference.request_timeout_s, inference.attempt_timeout_s)
+    client = InferenceClient.from_config(bus, ctx.cfg.inference)
     server = EnvServer(
         bus,
         ctx.instance,

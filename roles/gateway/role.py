@@ -121,7 +121,7 @@ class Gateway(Role):
             load_tokenizer, self.ctx.model_dir(), local_files_only=cfg.model.local_files_only
         )
         self.renderer = make_renderer(self.tokenizer, cfg.model.renderer)
-        self.client = InferenceClient(self.bus, timeout_s=cfg.inference.request_timeout_s)
+        self.client = InferenceClient.from_config(self.bus, cfg.inference)
         app = web.Application(middlewares=[self._middleware()],
                               client_max_size=self.cfg.max_body_bytes)  # fmt: skip
         app.router.add_get("/v1/models", self.list_models)

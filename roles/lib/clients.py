@@ -6,9 +6,12 @@ not a role, so roles do not import each other.
 A request is retried, not just waited on: each attempt waits at most
 ``attempt_timeout_s``, and a timeout or "no responders" sends it again (same
 ``request_id``) until ``timeout_s`` is spent in all. The queue group hands each attempt
-to a live replica, so a replica that died holding a request costs one attempt, not the
-whole wait (and the rollout). Inference dedups nothing: a slow replica may still answer
-an earlier attempt, which is harmless, the reply goes to that attempt's own inbox.
+to a live replica. With ``silence_s`` (``inference.silence_s``), the replica that takes
+an attempt sends signs of life while it works on it (``bus.rpc``), and an attempt whose
+replica falls silent that long is sent again at once: a replica that died holding a
+request (or a server restart that lost it) costs ``silence_s``, not the attempt's
+timeout. Inference dedups nothing: a slow replica may still answer an earlier attempt,
+which is harmless, the reply goes to that attempt's own inbox.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import msgspec
 from bus.errors import NoResponders, RequestTimeout
 from bus.runtime import Bus
 from bus.subjects import infer_replica_subject, infer_subject
+from configs import InferenceConfig
 from schemas import (
     GenerateRequest,
     GenerateResult,
@@ -37,10 +41,20 @@ _BACKOFF_S = (0.1, 0.2, 0.5, 1.0)  # before retrying "no responders" (replicas s
 
 
 class InferenceClient:
-    def __init__(self, bus: Bus, timeout_s: float = 60.0, attempt_timeout_s: float = 20.0):
+    def __init__(
+        self, bus: Bus, timeout_s: float = 60.0, attempt_timeout_s: float = 20.0,
+        silence_s: float | None = None,
+    ) -> None:  # fmt: skip
         self.bus = bus
         self.timeout_s = timeout_s
         self.attempt_timeout_s = attempt_timeout_s
+        self.silence_s = silence_s
+
+    @classmethod
+    def from_config(cls, bus: Bus, inference: InferenceConfig) -> InferenceClient:
+        """The client every role asks inference with: the run's ``[inference]`` limits."""
+        return cls(bus, inference.request_timeout_s, inference.attempt_timeout_s,
+                   inference.silence_s)  # fmt: skip
 
     async def generate(
         self,
@@ -114,7 +128,7 @@ class InferenceClient:
             attempt += 1
             wait_s = min(self.attempt_timeout_s, deadline - time.monotonic())
             try:
-                return await self.bus.request(subject, req, reply_types, wait_s)
+                return await self.bus.request(subject, req, reply_types, wait_s, self.silence_s)
             except RequestTimeout as e:  # NoResponders included
                 if subject != group:  # the replica is gone (or slow): any replica will do
                     subject = group

@@ -526,8 +526,10 @@ async def test_the_role_kinds_do_their_jobs(server: Server, launchers: dict[str,
         assert {f"{k}-0" for k in c} <= listed
 
         # inference requests: env, algorithm and the gateway ask, inference and teacher
-        # answer (inference on its own replica subject too: the gateway's sessions)
+        # answer (inference on its own replica subject too: the gateway's sessions), with
+        # signs of life meanwhile (each answer takes longer than the asker's silence_s)
         async def answer(req: GenerateRequest) -> GenerateResult:
+            await asyncio.sleep(0.5)
             return GenerateResult(request_id=req.request_id, completion_ids=pack_i32([7]),
                                   logprobs=b"", finish_reason="stop", policy_version=0)  # fmt: skip
 
@@ -545,7 +547,7 @@ async def test_the_role_kinds_do_their_jobs(server: Server, launchers: dict[str,
                              ("gateway", "policy"), ("gateway", "policy.inference-0")):  # fmt: skip
             req = GenerateRequest(request_id=f"{asker}-{model}", prompt_ids=pack_i32([1]))
             reply = await rpc.request(c[asker].bus.nc, f"rl.{run}.infer.{model}", req,
-                                      [GenerateResult], 5)  # fmt: skip
+                                      [GenerateResult], 5, silence_s=0.3)  # fmt: skip
             assert reply.request_id == req.request_id
         for s in subs:
             await s.unsubscribe()

@@ -232,6 +232,12 @@ def test_subscriptions_are_the_own_inbox_and_served_requests(kind: str) -> None:
     )
     assert not may_subscribe("r1", kind, "_INBOX.abc")
     assert perms.get("allow_responses", False) == (kind in INFER_SERVERS)
+    # signs of life and replies go into the askers' inboxes, and nobody else's
+    for asker in KINDS:
+        into = f"{auth.inbox_prefix('r1', asker)}.abc"
+        assert may_publish("r1", kind, into) == (
+            kind in INFER_SERVERS and asker in INFER_REQUESTERS
+        )
 
 
 def test_heartbeats_only_under_the_kinds_own_role_names() -> None:

@@ -74,6 +74,58 @@ async def test_a_request_a_replica_dropped_is_answered_by_another(bus: Bus) -> N
     assert "RequestTimeout" in retries[0]["error"]
 
 
+async def test_a_replica_that_falls_silent_is_left_at_once(bus: Bus, nats_server: Any) -> None:
+    """Signs of life (``inference.silence_s``): the replica that takes the request sends
+    them, then dies holding it (its connection gone, as at a kill -9): the request goes
+    to a live replica after silence_s, not after attempt_timeout_s (20 s)."""
+    import nats as nats_client
+
+    got = asyncio.Event()
+
+    async def hold_forever(req: GenerateRequest) -> GenerateResult:
+        got.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    doomed = await nats_client.connect(nats_server.url)
+    subj = infer_subject(bus.run, MODEL)
+    await rpc.serve(doomed, subj, infer_queue(MODEL), [GenerateRequest], hold_forever)
+    await doomed.flush()
+    client = InferenceClient(bus, timeout_s=30.0, attempt_timeout_s=20.0, silence_s=0.6)
+    t0 = time.monotonic()
+    with capture_logs() as logs:
+        call = asyncio.create_task(generate(client, "req-s"))
+        await asyncio.wait_for(got.wait(), 5)
+        await asyncio.sleep(0.7)  # signs of life meanwhile: not retried yet
+        assert not call.done()
+        seen = await live_replica(bus)
+        await doomed.close()  # the replica dies holding the request
+        res = await asyncio.wait_for(call, 10)
+    assert res.request_id == "req-s" and seen == ["req-s"]
+    assert time.monotonic() - t0 < 5.0  # silence_s after the death, not attempt_timeout_s
+    retries = [e for e in logs if e["event"] == "inference.retry"]
+    assert len(retries) == 1 and "ReplicaSilent" in retries[0]["error"]
+
+
+async def test_signs_of_life_keep_a_long_request_on_its_replica(bus: Bus) -> None:
+    """A request that takes several silence_s is answered once, by its replica: its
+    signs of life keep the requester waiting (no second attempt)."""
+    seen: list[str] = []
+
+    async def slow(req: GenerateRequest) -> GenerateResult:
+        seen.append(req.request_id)
+        await asyncio.sleep(1.5)
+        return GenerateResult(request_id=req.request_id, completion_ids=pack_i32([7]),
+                              logprobs=pack_f32([-0.5]), finish_reason="stop", policy_version=3)  # fmt: skip
+
+    await rpc.serve(bus.nc, infer_subject(bus.run, MODEL), infer_queue(MODEL), [GenerateRequest], slow)  # fmt: skip
+    client = InferenceClient(bus, timeout_s=30.0, attempt_timeout_s=20.0, silence_s=0.5)
+    with capture_logs() as logs:
+        res = await generate(client, "req-l")
+    assert res.request_id == "req-l" and seen == ["req-l"]
+    assert not [e for e in logs if e["event"] == "inference.retry"]
+
+
 async def test_no_responders_is_retried_until_a_replica_subscribes(bus: Bus) -> None:
     """Nobody subscribed yet (inference starting): short backoffs, then the answer."""
     client = InferenceClient(bus, timeout_s=30.0, attempt_timeout_s=5.0)
@@ -111,6 +163,10 @@ def test_attempt_timeout_must_fit_in_the_request_timeout() -> None:
     assert (cfg.inference.attempt_timeout_s, cfg.inference.request_timeout_s) == (20.0, 60.0)
     with pytest.raises(ConfigError, match="inference.attempt_timeout_s"):
         load_config("default", ["inference.attempt_timeout_s=61"])
+    with pytest.raises(ConfigError, match="inference.silence_s"):
+        load_config("default", ["inference.silence_s=20"])
+    client = InferenceClient.from_config(None, cfg.inference)  # type: ignore[arg-type]
+    assert (client.timeout_s, client.attempt_timeout_s, client.silence_s) == (60.0, 20.0, 3.0)
 
 
 async def own_replica(bus: Bus, instance: str) -> tuple[list[str], list[Any]]:
