@@ -40,6 +40,7 @@ from tests.e2e.faults import FORGED, inject, invariants, pause, sigkill, time_to
 from tests.e2e.helpers import reached_version, rlbus_up, running_role
 
 FLAKY = 'orchestrator.algorithms=[{id="grpo",name="tests.e2e.flaky_algorithm:FailsEveryThird"}]'
+SETTLE_S = 3.0  # between two kills
 KILLED = ["env", "inference", "algorithm", "orchestrator", "trainer", "nats-server"]
 
 
@@ -132,7 +133,7 @@ async def first_stall(bus: Bus) -> float:
             await asyncio.sleep(0.1)
 
 
-async def kills(root: Path, steps: int = 40) -> list[dict[str, Any]]:
+async def kills(root: Path, steps: int = 150) -> list[dict[str, Any]]:
     run = "kills"
     say(f"{run}: starting a smoke run of {steps} steps")
     proc = rlbus_up(root, run, f"max_steps={steps}", "trainer.checkpoint_interval=4")
@@ -153,6 +154,7 @@ async def kills(root: Path, steps: int = 40) -> list[dict[str, Any]]:
             killed_ns[role] = time.time_ns()
             times[role] = await time_to_next_step(bus, sigkill(pid), steps=3)
             say(f"{run}: kill -9 {role}: 3 more steps after {times[role]:.1f} s")
+            await asyncio.sleep(SETTLE_S)  # each fault alone: the last one's restart is over
     finally:
         await bus.close()
     found = await finish(proc, root, run, steps)

@@ -74,7 +74,8 @@ class StreamState:
 @dataclass(frozen=True)
 class BusSettings:
     offload_threshold_bytes: int = 512 * 1024
-    publish_timeout_s: float = 5.0  # per attempt: a stream leader lost mid-publish costs this
+    # per attempt: a stream leader lost mid-publish, or a server restart, costs this
+    publish_timeout_s: float = 2.0
     publish_attempts: int = 5
     # ...and keep retrying this long: a cluster elects a new stream leader in seconds.
     publish_patience_s: float = 30.0
@@ -84,7 +85,7 @@ class BusSettings:
     )  # cap in-flight bytes (stream ingest queue, NATS_NOTES #3)
     duplicate_window_s: float = 3600.0
     max_deliver: int = 5
-    ack_wait_s: float = 5.0
+    ack_wait_s: float = 3.0
     nak_delay_s: float = 1.0
     server_lost_s: float = 60.0  # unreachable this long: ``watch_server`` gives up
     replicas: int = 1  # copies of the run's stream and object store (3 on a cluster)

@@ -37,7 +37,7 @@ class BusConfig(_Section):
     # Seconds a consumer may hold a message unanswered before the server redelivers it:
     # how soon work held by a dead consumer comes back. Live consumers keep every message
     # they hold alive (`in_progress` every ack_wait/3), so a slow handler is not affected.
-    ack_wait_s: float = Field(default=5.0, gt=0)
+    ack_wait_s: float = Field(default=3.0, gt=0)
     nak_delay_s: float = Field(default=1.0, ge=0)
     # How long the stream remembers Nats-Msg-Id values to drop duplicate publishes.
     duplicate_window_s: float = Field(default=3600.0, gt=0)

@@ -212,6 +212,7 @@ class InferenceRole(Role):
         # version; a frozen model or a snapshot serves what it serves.
         honours = self.served.follows_weights and self.served.pin is None
         self.pins = EvalPinning(cfg, self.served.key, honours, self.log)
+        self._starting = False  # loading the newest weights at start (_hold)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -222,7 +223,11 @@ class InferenceRole(Role):
         weights_dir = self.run_dir / "inference" / self.instance
         self.backend = await make_backend(self.cfg, path, weights_dir)
         if self.served.follows_weights:
-            await self._load_newest_good()
+            self._starting = True  # nothing served yet: no pinned request, no eval, to hold for
+            try:
+                await self._load_newest_good()
+            finally:
+                self._starting = False
         engine: dict[str, Any] = getattr(self.backend, "describe", dict)()
         self.log.info(
             "inference.loaded",
@@ -399,7 +404,7 @@ class InferenceRole(Role):
         stored = event.stored()
         if event.device is not None:
             try:
-                held_s = await self.pins.hold_swap(previous, event.version)
+                held_s = await self._hold(previous, event.version)
                 paused_s = await self.backend.load_shared(event.device, event.version)
                 return event.device.kind, event.device.size, paused_s, held_s
             except (WeightsNotFinite, VersionAhead, Superseded):
@@ -414,9 +419,16 @@ class InferenceRole(Role):
         if stored is None:
             raise ValueError("weights announced only on the trainer's device, and none given")
         data = await self._fetch(event, stored)
-        held_s = await self.pins.hold_swap(previous, event.version)
+        held_s = await self._hold(previous, event.version)
         paused_s = await self.backend.load_weights(data, stored.digest, event.version)
         return stored.kind, len(data), paused_s, held_s
+
+    async def _hold(self, serving: int, version: int) -> float:
+        """Hold the swap from ``serving`` for its pinned requests (``Pins.hold_swap``);
+        not at start, before any request was served (a restarted replica catches up at
+        once: holding the weights it loaded for an eval that no longer comes only delayed
+        the run's recovery)."""
+        return 0.0 if self._starting else await self.pins.hold_swap(serving, version)
 
     async def _check_version(self, event: WeightsPublished) -> None:
         """Refuse a version no batch made: the trainer announces version v after training

@@ -37,7 +37,7 @@ from schemas import (
 )
 from schemas.arrays import pack_i32
 
-_BACKOFF_S = (0.1, 0.2, 0.5, 1.0)  # before retrying "no responders" (replicas starting)
+_BACKOFF_S = (0.1, 0.2, 0.3, 0.5)  # before retrying "no responders" (a replica starting)
 
 
 class InferenceClient:
