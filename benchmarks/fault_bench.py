@@ -3,7 +3,8 @@
 Two `rlbus up` runs (the scenarios of tests/e2e/test_faults.py, with timings):
 
 - **bad input**: garbage and schema-valid but impossible events into every topic a role
-  reads, a squatted batch id, a user algorithm that raises on one group in three, then a
+  reads, a batch id squatted by another identity, roles reaching for another's work with
+  their own credentials, a user algorithm that raises on one group in three, then a
   SIGSTOPped trainer (how long until the stall report) and a SIGSTOPped algorithm worker
   (its groups released at their deadline);
 - **kills**: kill -9 of the env server, inference, the algorithm worker, the
@@ -36,7 +37,15 @@ from bus.runtime import Bus
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, subject
 from schemas import EVENT_TYPES, BatchAssembled, DeadLettered, SamplesScored, WeightsPublished
-from tests.e2e.faults import FORGED, inject, invariants, pause, sigkill, time_to_next_step
+from tests.e2e.faults import (
+    FORGED,
+    inject,
+    invariants,
+    overreach,
+    pause,
+    sigkill,
+    time_to_next_step,
+)
 from tests.e2e.helpers import reached_version, rlbus_up, running_role
 
 FLAKY = 'orchestrator.algorithms=[{id="grpo",name="tests.e2e.flaky_algorithm:FailsEveryThird"}]'
@@ -83,6 +92,7 @@ async def bad_input(root: Path, steps: int = 30) -> list[dict[str, Any]]:
         raise RuntimeError(f"{run} never reached version 2")
     say(f"{run}: injecting bad events")
     injected = await inject(url, run, steps // 2, root)
+    refused = await overreach(url, root, run)
     bus = await Bus.connect(url, run=run, producer="bench")
     try:
         say(f"{run}: SIGSTOP trainer for 10 s")
@@ -113,6 +123,8 @@ async def bad_input(root: Path, steps: int = 30) -> list[dict[str, Any]]:
         {**common, "scenario": "a batch's id and its 3 salts squatted by the env identity",
          "injected": 4, "batch_stored_once": batch_steps.count(steps // 2) == 1,
          "squat_noticed": logs.count('"publish.squatted"') > 0},
+        {**common, "scenario": "roles reaching for another's work, with their own credentials",
+         "injected": 7, "refused_by_the_server": len(refused)},
         {**common, "scenario": "algorithm raises on 1 group in 3",
          "released": sum(f.startswith("ValueError") for f in failed)},
         {**common, "scenario": "SIGSTOP trainer 10 s",

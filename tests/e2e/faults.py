@@ -5,8 +5,10 @@ or killed, and the log's invariants afterwards."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,11 @@ import nats
 from bus import codec
 from bus.auth import CREDS_ENV, RunAuth, connect_options
 from bus.runtime import Bus
-from bus.subjects import Topic, subject
+from bus.subjects import Topic, objects_bucket, subject
 from schemas import (
     AlgorithmAttached,
     BatchAssembled,
+    DeadLettered,
     EvalCompleted,
     MetricsReported,
     RunStarted,
@@ -147,12 +150,26 @@ async def inject(url: str, run: str, squat_step: int, data_dir: Path) -> list[in
         await nc.close()
 
 
-async def pause(pid: int, seconds: float) -> None:
+async def pause(
+    pid: int, seconds: float, until: Path | None = None, says: tuple[str, ...] = ()
+) -> float:
+    """SIGSTOP ``pid`` for ``seconds``, or, with ``until``, until a line of that log holds
+    every one of ``says`` (at most ``seconds``): how long it stood still."""
     os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
     try:
-        await asyncio.sleep(seconds)
+        while (held := time.monotonic() - start) < seconds:
+            if until is not None and await asyncio.to_thread(_logged, until, says):
+                return held
+            await asyncio.sleep(0.2)
+        return held
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def _logged(log: Path, says: tuple[str, ...]) -> bool:
+    text = log.read_text() if log.exists() else ""
+    return any(all(s in line for s in says) for line in text.splitlines())
 
 
 async def newest_version(bus: Any) -> int:
@@ -280,3 +297,48 @@ async def attach_ghost(url: str, data_dir: Path, run: str) -> AlgorithmAttached:
         else:
             os.environ[CREDS_ENV] = saved
     return event
+
+
+async def overreach(url: str, data_dir: Path, run: str) -> list[str]:
+    """What a buggy role could do to another's work, each with its own identity's
+    credentials: the algorithm worker dead-letters three tasks in the env server's name
+    (once enough to stop a run "because of the env server"); the env server overwrites
+    the trainer's initial weights object and purges the trainer's object store, and pulls
+    from and deletes the trainer's durable consumer. The server's answer to each: the
+    permission violations it reported (one per attempt expected)."""
+    auth = RunAuth.ensure(data_dir / run / "auth", run)
+    said: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        said.append(str(e).lower())
+
+    async def connect(kind: str) -> Any:
+        c = auth.creds(kind)
+        return await nats.connect(url, user=c.user, password=c.password,
+                                  inbox_prefix=c.inbox_prefix, error_cb=on_error)  # fmt: skip
+
+    algorithm, env = await connect("algorithm"), await connect("env")
+    try:
+        for k in range(3):
+            dead = DeadLettered(
+                run=run, event_id=f"{FORGED}dead{k}", role="env", consumer="env-reverse-text",
+                subject=subject(run, Topic.TASK_REQUESTED, ENV), stream_seq=1, deliveries=1,
+                error_type="ZeroDivisionError", error="forged", payload=b"",
+            )  # fmt: skip
+            await algorithm.publish(subject(run, Topic.DEAD_LETTERED, "env"), codec.encode(dead),
+                                    headers={"Nats-Msg-Id": dead.event_id})  # fmt: skip
+        trainer_objects = objects_bucket(run, "trainer")
+        weights_meta = base64.urlsafe_b64encode(b"weights.v0").decode().rstrip("=")
+        stream = f"RL_{run}"
+        for subj in (f"$O.{trainer_objects}.M.{weights_meta}",
+                     f"$JS.API.STREAM.PURGE.OBJ_{trainer_objects}",
+                     f"$JS.API.CONSUMER.MSG.NEXT.{stream}.trainer",
+                     f"$JS.API.CONSUMER.DELETE.{stream}.trainer"):  # fmt: skip
+            await env.publish(subj, b"{}")
+        await algorithm.flush()
+        await env.flush()
+        await asyncio.sleep(0.3)  # the server's -ERRs arrive after the flush's PONG
+    finally:
+        await algorithm.close()
+        await env.close()
+    return [s for s in said if "permissions violation" in s]

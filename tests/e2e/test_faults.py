@@ -1,5 +1,6 @@
 """Faults against a real run (`rlbus up`, real processes, a real server): bad and
-impossible events into every topic the roles read, a squatted id, a user algorithm that
+impossible events into every topic the roles read, a squatted id, a role reaching for
+another's work with its own credentials (refused by the server), a user algorithm that
 fails on some groups, SIGSTOPped roles, and kill -9 of every role type and the server.
 The run must reach max_steps, dead-letter every injected event, keep its summary and
 its log's invariants untouched by them, release the groups that cannot finish with a
@@ -30,6 +31,7 @@ from tests.e2e.faults import (
     assert_log_intact,
     attach_ghost,
     inject,
+    overreach,
     pause,
     read_seq_events,
     sigkill,
@@ -69,8 +71,12 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     assert url is not None, "the run never reached version 2"
     injected = await inject(url, run, squat_step, tmp_path)
     ghost = await attach_ghost(url, tmp_path, run)
-    # > stall_min_s + 3 beats, once the batches the trainer's window allows are assembled
-    await pause((await running_role(url, run, "trainer")).pid, 10)
+    refused = await overreach(url, tmp_path, run)
+    # Stopped until the orchestrator reports the stall naming it (the threshold follows the
+    # run's own step times, so a fixed pause may end before it), at most 60 s.
+    trainer = (await running_role(url, run, "trainer")).pid
+    log = tmp_path / run / "logs" / "orchestrator.log"
+    await pause(trainer, 60, until=log, says=('"run.stalled"', "trainer", "no heartbeat"))
     await pause((await running_role(url, run, "algorithm", "grpo")).pid, 8)  # > group_timeout_s
     out, _ = await asyncio.to_thread(proc.communicate, timeout=600)
     assert proc.returncode == 0, out[-4000:]
@@ -80,6 +86,10 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     # every injected event dead-lettered, by sequence, counted from the log
     dead = {e.stream_seq for e in events if isinstance(e, DeadLettered)}
     assert set(injected) <= dead, f"not dead-lettered: {sorted(set(injected) - dead)}"
+    # what a role tried against another's work was refused by the server, every attempt
+    # (dead letters in the env server's name, the trainer's weights and durable)
+    assert len(refused) == 7, refused
+    assert not [e for e in events if isinstance(e, DeadLettered) and e.event_id.startswith(FORGED)]
     (stop,) = [e for e in events if isinstance(e, RunStopped)]
     assert stop.reason == "max_steps"
     real = [e for e in events if not e.event_id.startswith(FORGED)]
