@@ -165,7 +165,7 @@ class InferenceConfig(_Section):
     # A replica that takes a request sends a sign of life every silence_s / 3 while it
     # works on it; one silent this long is taken as gone and the request is sent again
     # at once (a replica killed, a server restarted: seconds, not attempt_timeout_s).
-    silence_s: float = Field(default=3.0, gt=0)
+    silence_s: float = Field(default=2.0, gt=0)
     # Share of the GPU's memory inference may take (CUDA only), so the trainer fits beside
     # it on one GPU: the torch backend caps its allocator, vLLM gets it as
     # `gpu_memory_utilization`.

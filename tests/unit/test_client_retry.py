@@ -166,7 +166,7 @@ def test_attempt_timeout_must_fit_in_the_request_timeout() -> None:
     with pytest.raises(ConfigError, match="inference.silence_s"):
         load_config("default", ["inference.silence_s=20"])
     client = InferenceClient.from_config(None, cfg.inference)  # type: ignore[arg-type]
-    assert (client.timeout_s, client.attempt_timeout_s, client.silence_s) == (60.0, 20.0, 3.0)
+    assert (client.timeout_s, client.attempt_timeout_s, client.silence_s) == (60.0, 20.0, 2.0)
 
 
 async def own_replica(bus: Bus, instance: str) -> tuple[list[str], list[Any]]:
