@@ -152,10 +152,14 @@ async def test_the_request_timeout_bounds_every_attempt_in_all(bus: Bus) -> None
     assert 1.15 <= time.monotonic() - t0 < 2.5
 
 
-async def test_no_responders_at_all_raises_no_responders(bus: Bus) -> None:
-    client = InferenceClient(bus, timeout_s=0.5, attempt_timeout_s=0.5)
-    with pytest.raises(NoResponders):
+@pytest.mark.parametrize("silence_s", [None, 0.3])
+async def test_no_responders_at_all_raises_no_responders(bus: Bus, silence_s: float | None) -> None:
+    """With signs of life asked for too: the server's "no responders" ends each attempt
+    at once (not after silence_s), and the request fails once timeout_s is spent."""
+    client = InferenceClient(bus, timeout_s=0.5, attempt_timeout_s=0.5, silence_s=silence_s)
+    with capture_logs() as logs, pytest.raises(NoResponders):
         await generate(client, "req-4")
+    assert not [e for e in logs if "ReplicaSilent" in str(e.get("error", ""))]
 
 
 def test_attempt_timeout_must_fit_in_the_request_timeout() -> None:
