@@ -229,7 +229,10 @@ def permission_rows(durables: Durables | None = None) -> list[tuple[str, str, st
             consume.append("its own durable consumers (the run's config names them)")
         elif spec.durables:
             consume.append(f"durable consumers {', '.join(owned_durables(kind, durables))}")
-        consume += [f"answers {INFER}.*"] if spec.infer == "answers" else []
+        if spec.infer == "answers":
+            consume.append(
+                f"answers {INFER}.* (replies and signs of life into the askers' inboxes)"
+            )
         rows.append((kind, ", ".join(pub) or "nothing", "; ".join(consume)))
     return rows
 
