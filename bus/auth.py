@@ -90,10 +90,16 @@ def _names(run: str) -> tuple[str, list[str], str, str]:
     return stream_name(run), [f"OBJ_{b}" for b in run_buckets(run)], roles, f"KV_{roles}"
 
 
+def kind_buckets(run: str) -> list[str]:
+    """The object store of each kind of ``run`` that stores objects
+    (``bus.subjects.objects_bucket``): what the launcher creates before roles start."""
+    return [objects_bucket(run, k) for k in object_kinds()]
+
+
 def run_buckets(run: str) -> list[str]:
-    """Every object store of ``run``: the shared one (an anonymous bus's) and one per
-    kind that stores objects (``bus.subjects.objects_bucket``)."""
-    return [objects_bucket(run)] + [objects_bucket(run, k) for k in object_kinds()]
+    """Every object store of ``run``: the shared one (an anonymous bus's), then each
+    kind's."""
+    return [objects_bucket(run), *kind_buckets(run)]
 
 
 def _read_api(streams: list[str], consumers: list[str]) -> list[str]:

@@ -47,8 +47,10 @@ def encode_any(value: Any) -> bytes:
     return _encoder.encode(value)
 
 
-def headers_for(event: Event) -> dict[str, str]:
-    h = {H_MSG_ID: event.event_id, H_SCHEMA: tag_of(type(event))}
+def headers_for(event: Event, msg_id: str | None = None) -> dict[str, str]:
+    """The headers ``event`` is published with; ``msg_id``: its header id (default: the
+    event id; a bus with an identity keys it, ``bus.runtime.Bus.msg_id``)."""
+    h = {H_MSG_ID: msg_id or event.event_id, H_SCHEMA: tag_of(type(event))}
     version = getattr(event, "policy_version", None)
     if isinstance(version, int):
         h[H_POLICY] = str(version)

@@ -42,7 +42,7 @@ from nats.aio.msg import Msg
 from nats.js.api import DiscardPolicy, PubAck, RawStreamMsg, StorageType, StreamConfig
 
 from bus import codec, rpc
-from bus.auth import ClientCreds, connect_options, creds_from_env, run_buckets
+from bus.auth import ClientCreds, connect_options, kind_buckets, run_buckets
 from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore, sha256_digest
@@ -197,6 +197,7 @@ class Bus:
         link.lost_since = time.monotonic()  # until connected: nats-py retries a refused URL
         servers = [u.strip() for u in url.split(",") if u.strip()]
         nc = Client()
+        options = connect_options() | kw  # the environment's identity, unless given here
         connecting = nc.connect(
             servers,
             name=f"rlbus-{run}-{producer}",
@@ -206,7 +207,7 @@ class Bus:
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
-            **(connect_options() | kw),
+            **options,
         )
         try:
             await asyncio.wait_for(connecting, connect_timeout_s)
@@ -217,10 +218,7 @@ class Bus:
                 f"(last error: {link.last_error!r})"
             ) from None
         link.lost_since = None
-        identity = creds_from_env()
-        if "user" in kw:  # credentials given here win over the environment's
-            identity = ClientCreds(kw["user"], kw["password"], kw.get("inbox_prefix", ""))
-        bus = cls(nc, run, producer, settings or BusSettings(), identity)
+        bus = cls(nc, run, producer, settings or BusSettings(), _identity_of(options))
         bus._link = link
         bus.url = url
         return bus
@@ -414,7 +412,7 @@ class Bus:
         from bus.registry import roles_bucket
 
         await self.ensure_stream()
-        buckets = [self.objects.bucket] if self.identity is None else run_buckets(self.run)[1:]
+        buckets = [self.objects.bucket] if self.identity is None else kind_buckets(self.run)
         for bucket in buckets:
             store = BodyStore(self.js, bucket, replicas=self.settings.replicas)
             await self.api(store.store, f"object store {bucket}")
@@ -430,8 +428,7 @@ class Bus:
         if event.producer == "" and self.producer:
             event = _with_producer(event, self.producer)
         payload = codec.encode(event)
-        headers = codec.headers_for(event)
-        headers[codec.H_MSG_ID] = self.msg_id(event.event_id)
+        headers = codec.headers_for(event, self.msg_id(event.event_id))
         if len(payload) > self.settings.offload_threshold_bytes:
             # Named by the event and its content: a republished event whose body differs (a
             # rerun rollout) or a squatter's body under the same id never overwrites the
@@ -635,6 +632,13 @@ def _identity(subject: str, payload: bytes, headers: dict[str, str]) -> _Identit
     """What makes a stored message "the same event" for the duplicate check: subject,
     schema and event id (the payload's, which readers dedup on: ``codec.stored_event_id``)."""
     return (subject, headers.get(codec.H_SCHEMA), codec.stored_event_id(payload, headers))
+
+
+def _identity_of(options: dict[str, Any]) -> ClientCreds | None:
+    """The credentials a connection was made with (None: anonymous)."""
+    if "user" not in options:
+        return None
+    return ClientCreds(options["user"], options["password"], options.get("inbox_prefix", ""))
 
 
 def _with_producer(event: Event, producer: str) -> Event:
