@@ -19,7 +19,10 @@ from tests.e2e.helpers import reached_version, rlbus_up, stop_if_running, summar
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-STEPS = 12
+# Long enough that the run is still training when this test's own client reads the log
+# again after the leader's death: at 12 a run that recovered fast ended (v12, 1.3 s after
+# v7) while the client's reads still waited out the election, and the probe never saw v7.
+STEPS = 40
 
 
 async def _anonymous_answer(url: str) -> str:
