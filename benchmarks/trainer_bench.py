@@ -14,16 +14,20 @@ full weights (what publishing a step adds on 2 ranks).
 
     python -m benchmarks.trainer_bench [--steps 6] [--rounds 2] [--hidden 256]
 
-With ``--device cuda`` it measures the one-GPU trainer alone instead (bf16 autocast over
-fp32 weights; ranks need a GPU each): tokens/s and MFU = 6 x params x tokens/s over
-``--peak-tflops`` (989 = an H100 SXM's dense bf16), results in ``trainer_cuda.json``:
+With ``--device cuda`` it measures the one-GPU trainer instead, on the ``--preset``'s
+model (``gpu``: 99 M parameters) and reverse-text-shaped GRPO batches of ``--samples``
+(512, ~17k tokens): the core as the preset runs it, the core with ``trainer.compile``,
+and a plain loop (bf16 autocast, cross-entropy, fused AdamW) eager and compiled, on the
+same micro-batches: tokens/s and MFU = 6 x params x tokens/s over ``--peak-tflops``
+(989 = an H100/H200 SXM's dense bf16), results in ``trainer_cuda.json``:
 
-    python -m benchmarks.trainer_bench --device cuda --hidden 768 --layers 12 --samples 256
+    python -m benchmarks.trainer_bench --device cuda --samples 512 --steps 6 --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -31,11 +35,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import numpy as np
+
 from benchmarks.common import save
 from configs import load_config
-from roles.lib.model.loading import load_model
+from roles.lib.model import materialize_model
+from roles.lib.model.loading import compile_blocks, load_model
 from roles.lib.model.tiny import build_tiny_model, count_params
+from roles.trainer.core import TrainerCore
 from roles.trainer.group import make_trainer, start_ranks
+from schemas import BatchAssembled, Sample, batch_id
+from schemas.arrays import pack_f32, pack_i32, pack_mask
 from tests.unit.test_trainer_core import synthetic_batch
 
 SETUPS = {"1 rank x 1 thread": (1, 1), "1 rank x 2 threads": (1, 2), "2 ranks x 1 thread": (2, 1)}
@@ -84,8 +95,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--preset", default="gpu", help="with --device cuda: the model's preset")
+    ap.add_argument("--single", action="store_true", help="the --device cuda comparison, here")
+    ap.add_argument("--name", default=None, help="results file stem")
+    ap.add_argument("--set", nargs="*", default=[], help="with --device cuda: config overrides")
+    ap.add_argument("--only", nargs="*", default=[], help="with --device cuda: set-ups to run")
     args = ap.parse_args()
-    if args.device != "cpu":
+    if args.device != "cpu" or args.single:
         return cuda(args)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, params = build_model(Path(tmp), args)
@@ -114,22 +130,127 @@ def main() -> None:
     print(f"results: {path}")
 
 
+def reverse_text_batch(step: int, n: int, vocab: int) -> BatchAssembled:
+    """GRPO batch ``step`` shaped like the ``gpu`` preset's reverse-text ones: a ~26-token
+    prompt, a 4-10 token completion (~33 tokens a sample, ~17k a 512-sample batch, as
+    the issue's 137.8k tokens/s baseline trained), logprobs near a random model's."""
+    rng = np.random.default_rng(step)
+    samples = []
+    for i in range(n):
+        p, c = int(rng.integers(22, 31)), int(rng.integers(4, 11))
+        adv = float(rng.normal())
+        samples.append(Sample(
+            rollout_id=f"s{step}-{i}", branch=0, env="reverse-text", task_index=i,
+            group_id=f"g{step}-{i // 16}",
+            token_ids=pack_i32(rng.integers(4, vocab, p + c).tolist()),
+            mask=pack_mask([0] * p + [1] * c),
+            logprobs=pack_f32([0.0] * p + (-math.log(vocab) + rng.normal(0, 0.1, c)).tolist()),
+            temperatures=pack_f32([0.0] * p + [1.0] * c),
+            advantages=pack_f32([0.0] * p + [adv] * c),
+        ))  # fmt: skip
+    return BatchAssembled(
+        run="bench", event_id=batch_id("bench", step), step=step, samples=samples,
+        policy_version=step - 1, num_tokens=sum(len(s) for s in samples), phase="rl",
+    )  # fmt: skip
+
+
+class PlainLoop:
+    """The reference: the same model, micro-batches and device, trained the way a
+    hand-written loop would (bf16 autocast over fp32 weights, cross-entropy on the
+    sampled tokens, fused AdamW; no determinism, no stats, no checks)."""
+
+    def __init__(self, model_dir: Path, cfg: Any, compiled: bool = False):
+        import torch
+
+        self.core = TrainerCore(cfg, model_dir)  # packing and model loading, nothing else
+        self.model = self.core.model
+        if compiled:
+            compile_blocks(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=True)
+        self.step = 0
+
+    def train_step(self, batch: BatchAssembled) -> dict[str, float]:
+        import torch
+
+        start = time.perf_counter()
+        mbs, _ = self.core.micro_batches(batch)
+        dev = self.core.device
+        for mb in mbs:
+            ids = mb.input_ids.to(dev)
+            with torch.autocast(torch.device(dev).type, dtype=torch.bfloat16):
+                logits = self.model(input_ids=ids, use_cache=False).logits
+            targets = torch.where(mb.loss.mask.to(dev), mb.loss.targets.to(dev), -100)
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].float().flatten(0, 1), targets.flatten()
+            )
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step = batch.step
+        if dev.startswith("cuda"):
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        return {"tokens_per_s": batch.num_tokens / elapsed, "step_s": elapsed}
+
+
 def cuda(args: argparse.Namespace) -> None:
+    """The one-GPU trainer against a plain loop on the same model and batches, each set-up
+    in turn for ``--steps`` steps per round (interleaved): the core as the preset runs
+    it, the core with ``trainer.compile``, and the plain loop eager and compiled."""
     import torch
 
+    cfg = load_config(args.preset, [f'trainer.device="{args.device}"', *args.set])
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, params = build_model(Path(tmp), args)
-        result = run_setup(model_dir, 1, 1, args.steps, args.samples, args.device)
-    tps = result["tokens_per_s"]
-    mfu = 6 * params * tps / (args.peak_tflops * 1e12)
-    print(f"{params / 1e6:.1f} M params  {tps:9.0f} tokens/s  MFU {mfu:.1%}  "
-          f"gather {result['gather_s'] * 1e3:.1f} ms")  # fmt: skip
+        model_dir = materialize_model(cfg, cfg.model.path, Path(tmp))
+        params = count_params(load_model(model_dir))
+        compiled = cfg.model_copy(
+            update={"trainer": cfg.trainer.model_copy(update={"compile": True})}
+        )
+        setups: dict[str, Any] = {
+            "core": lambda: TrainerCore(cfg, model_dir),
+            "core, trainer.compile": lambda: TrainerCore(compiled, model_dir),
+            "plain loop": lambda: PlainLoop(model_dir, cfg),
+            "plain loop, compiled": lambda: PlainLoop(model_dir, cfg, compiled=True),
+        }
+        names = [n for n in setups if not args.only or any(o in n for o in args.only)]
+        vocab = int(load_model(model_dir).config.vocab_size)
+        trainers = {n: setups[n]() for n in names}
+        rates: dict[str, list[float]] = {n: [] for n in names}
+        first_s: dict[str, float] = {}
+        step = 0
+        for r in range(args.rounds):
+            for name in names:
+                for k in range(args.steps):
+                    batch = reverse_text_batch(step + k + 1, args.samples, vocab)
+                    trainer = trainers[name]
+                    m = trainer.train_step(msgspec.structs.replace(batch, step=trainer.step + 1))
+                    if r == 0 and k == 0:
+                        first_s[name] = m["step_s"]  # compiles (or warms up) here
+                    else:
+                        rates[name].append(m["tokens_per_s"])
+                print(f"round {r + 1} {name:24s} {statistics.median(rates[name] or [0]):9.0f} "
+                      f"tokens/s", flush=True)  # fmt: skip
+            step += args.steps
+    peak = args.peak_tflops * 1e12
+    summary = {}
+    base = statistics.median(rates["core"]) if "core" in rates else None
+    for name in names:
+        tps = statistics.median(rates[name])
+        summary[name] = {
+            "tokens_per_s": round(tps, 1),
+            "mfu": round(6 * params * tps / peak, 4),
+            "first_step_s": round(first_s[name], 2),
+            **({"vs_core": round(tps / base, 3)} if base else {}),
+        }
+        print(f"{name:24s} {tps:9.0f} tokens/s  MFU {summary[name]['mfu']:.1%}  "
+              f"first step {first_s[name]:.1f} s")  # fmt: skip
     path = save(
-        "trainer_cuda",
-        {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-         "model_params": params, "samples_per_batch": args.samples,
-         "tokens_per_s": round(tps, 1), "mfu": round(mfu, 4), "peak_tflops": args.peak_tflops,
-         "gather_ms": round(result["gather_s"] * 1e3, 2)},
+        args.name or ("trainer_cuda" if args.device.startswith("cuda") else "trainer_single"),
+        {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+         "torch": torch.__version__,
+         "preset": args.preset, "overrides": args.set, "model_params": params, "samples_per_batch": args.samples,
+         "steps": args.steps, "rounds": args.rounds, "peak_tflops": args.peak_tflops,
+         "setups": summary},
     )  # fmt: skip
     print(f"results: {path}")
 

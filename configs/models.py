@@ -306,6 +306,10 @@ class TrainerConfig(_Section):
     collective_timeout_s: float = Field(default=120.0, gt=0)
     # "auto": bf16 autocast over fp32 master weights on CUDA, plain fp32 on the CPU.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # torch.compile each transformer block (one compiled graph serves every block, with
+    # dynamic batch and sequence sizes): fused kernels and fewer launches. The first
+    # steps pay the compile (tens of seconds); on the CPU it needs a C++ compiler.
+    compile: bool = False
     # The trainer device's dense peak TFLOP/s, for the `mfu` metric (model FLOPs per
     # second, `flops_per_s`, over it); None: known GPUs by name (H100/H200 989, A100 312),
     # no `mfu` on the CPU.

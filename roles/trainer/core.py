@@ -58,7 +58,7 @@ from bus.errors import Rejected
 from configs import RunConfig
 from configs.paths import CHECKPOINT_PREFIX, RunPaths
 from roles.lib.model import lora
-from roles.lib.model.loading import load_model, resolve_device
+from roles.lib.model.loading import compile_blocks, load_model, resolve_device
 from roles.lib.model.weights import (
     adapter_to_bytes,
     adapters_of,
@@ -68,7 +68,7 @@ from roles.lib.model.weights import (
     verified,
 )
 from roles.lib.threads import torch_threads
-from roles.trainer.loss import PHASES, LossStats, loss_denominators, policy_loss
+from roles.trainer.loss import PHASES, LossStats, known, loss_denominators, policy_loss
 from roles.trainer.packing import MicroBatch, collate, pack
 from schemas import BatchAssembled, stable_seed
 
@@ -181,6 +181,8 @@ class TrainerCore:
         t = cfg.trainer
         if t.lora is not None:  # only the adapters train (roles.lib.model.lora)
             model = lora.wrap(model, t.lora, stable_seed(cfg.seed, "trainer", "lora"))
+        if t.compile:
+            compile_blocks(model)
         self.model = self._wrap(model)
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.optimizer = torch.optim.AdamW(
@@ -329,27 +331,35 @@ class TrainerCore:
         with self._deterministic(batch.step):
             self.optimizer.zero_grad(set_to_none=True)
             mine = self.share(len(mbs), batch.step)
+            # Every micro-batch this process trains goes to the device before the first
+            # forward: a copy from host memory waits for the device's queue to drain,
+            # which here it already has (on the CPU, ``to`` is a no-op).
+            moved = {
+                i: (mbs[i].input_ids.to(self.device), mbs[i].loss.to(self.device))
+                for i in mine
+                if i is not None
+            }
             for n, i in enumerate(mine):
                 self._sync_gradients(last=n == len(mine) - 1)
-                mb = mbs[i] if i is not None else None
-                if mb is None or mb.input_ids.shape[1] < 2:  # one-token samples predict nothing
+                if i is None or mbs[i].input_ids.shape[1] < 2:  # one-token samples predict nothing
                     self._empty_backward(None)
                     continue
+                mb = mbs[i]
+                input_ids, on_device = moved[i]
                 with self._autocast():
-                    logits = self.model(
-                        input_ids=mb.input_ids.to(self.device), use_cache=False
-                    ).logits
-                # Per-token logprobs in fp32 whatever the forward ran in (a no-op in fp32).
+                    logits = self.model(input_ids=input_ids, use_cache=False).logits
+                # Per-token logprobs in fp32 whatever the forward ran in (a no-op in fp32);
+                # what the loss must know on the host is read from the host copy.
+                facts = known(mb.loss, batch.phase)
                 loss, s = policy_loss(
-                    logits[:, :-1].float(), mb.loss.to(self.device), cfg.loss, batch.phase,
-                    denominators,
-                )  # fmt: skip
-                if s.loss_tokens:
+                    logits[:, :-1].float(), on_device, cfg.loss, batch.phase, denominators, facts
+                )
+                if facts.loss_tokens:
                     loss.backward()
                 else:
                     self._empty_backward(logits)
                 stats = stats + s
-            stats = self.reduce_stats(stats)
+            stats = self.reduce_stats(stats.on_host())  # the step's one wait for its stats
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = (
                 _norm(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) if params else 0.0

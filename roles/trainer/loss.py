@@ -177,58 +177,85 @@ def token_logprobs(
     return lp, entropy
 
 
+# A float stat: a Python float, or a 0-dim float64 tensor still on the device.
+Stat = float | torch.Tensor
+
+
 @dataclass
 class LossStats:
     """Sums over loss positions (the ``MAXED`` fields: maxima); add micro-batches with
-    ``+``, then ``finalize``."""
+    ``+``, then ``finalize``.
 
-    loss: float = 0.0
-    loss_rl: float = 0.0
-    loss_ce: float = 0.0
-    loss_ref: float = 0.0
+    ``policy_loss`` leaves the float fields and ``masked`` as 0-dim float64 tensors on
+    the logits' device, so a step's micro-batches add up there without a host sync;
+    ``on_host`` brings them all over in one copy (``finalize`` needs it done)."""
+
+    loss: Stat = 0.0
+    loss_rl: Stat = 0.0
+    loss_ce: Stat = 0.0
+    loss_ref: Stat = 0.0
     loss_tokens: int = 0
     rl_tokens: int = 0
     ce_tokens: int = 0
     ref_tokens: int = 0
-    masked: int = 0
-    entropy_sum: float = 0.0
-    mismatch_kl_sum: float = 0.0
-    ratio_sum: float = 0.0
-    ce_nll_sum: float = 0.0
-    ce_nll_max: float = 0.0  # the worst-fit ce token (NLLs are >= 0, so 0 is "none")
-    ref_kl_sum: float = 0.0
+    masked: int | torch.Tensor = 0
+    entropy_sum: Stat = 0.0
+    mismatch_kl_sum: Stat = 0.0
+    ratio_sum: Stat = 0.0
+    ce_nll_sum: Stat = 0.0
+    ce_nll_max: Stat = 0.0  # the worst-fit ce token (NLLs are >= 0, so 0 is "none")
+    ref_kl_sum: Stat = 0.0
 
     MAXED = frozenset({"ce_nll_max"})  # combined by max, not summed (micro-batches, ranks)
 
     def __add__(self, other: LossStats) -> LossStats:
-        def both(name: str) -> Any:  # an int or a float, as the field is
+        def both(name: str) -> Any:  # an int, a float or a 0-dim tensor, as the field is
             a, b = getattr(self, name), getattr(other, name)
-            return max(a, b) if name in self.MAXED else a + b
+            if name not in self.MAXED:
+                return a + b
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+            return max(a, b)
 
         return LossStats(**{f.name: both(f.name) for f in fields(self)})
 
+    def on_host(self) -> LossStats:
+        """These stats with every tensor field a Python number, copied in one transfer."""
+        names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        if not names:
+            return self
+        values = torch.stack([getattr(self, n).double() for n in names]).tolist()
+        ints = {f.name for f in fields(self) if isinstance(f.default, int)}
+        host = {n: int(v) if n in ints else v for n, v in zip(names, values, strict=True)}
+        return LossStats(**{f.name: host.get(f.name, getattr(self, f.name)) for f in fields(self)})
+
     def finalize(self) -> dict[str, float]:
-        n, rl = max(self.loss_tokens, 1), max(self.rl_tokens, 1)
+        host = self.on_host()
+
+        def num(name: str) -> float:
+            return float(getattr(host, name))
+
+        n, rl = max(host.loss_tokens, 1), max(host.rl_tokens, 1)
         out = {
-            "loss": self.loss,
-            "loss_rl": self.loss_rl,
-            "loss_ce": self.loss_ce,
-            "loss_ref": self.loss_ref,
-            "entropy": self.entropy_sum / n,
-            "mismatch_kl": self.mismatch_kl_sum / rl,
-            "ratio_mean": self.ratio_sum / rl if self.rl_tokens else 1.0,
-            "masked_fraction": self.masked / rl,
-            "loss_tokens": float(self.loss_tokens),
-            "rl_tokens": float(self.rl_tokens),
-            "ce_tokens": float(self.ce_tokens),
-            "ref_tokens": float(self.ref_tokens),
+            "loss": num("loss"),
+            "loss_rl": num("loss_rl"),
+            "loss_ce": num("loss_ce"),
+            "loss_ref": num("loss_ref"),
+            "entropy": num("entropy_sum") / n,
+            "mismatch_kl": num("mismatch_kl_sum") / rl,
+            "ratio_mean": num("ratio_sum") / rl if host.rl_tokens else 1.0,
+            "masked_fraction": num("masked") / rl,
+            "loss_tokens": float(host.loss_tokens),
+            "rl_tokens": float(host.rl_tokens),
+            "ce_tokens": float(host.ce_tokens),
+            "ref_tokens": float(host.ref_tokens),
         }
         # Only when measured: 0.0 would read as a perfect fit (see the module docstring).
-        if self.ce_tokens:
-            out["ce_nll"] = self.ce_nll_sum / self.ce_tokens
-            out["ce_nll_max"] = self.ce_nll_max
-        if self.ref_tokens:
-            out["ref_kl"] = self.ref_kl_sum / self.ref_tokens
+        if host.ce_tokens:
+            out["ce_nll"] = num("ce_nll_sum") / host.ce_tokens
+            out["ce_nll_max"] = num("ce_nll_max")
+        if host.ref_tokens:
+            out["ref_kl"] = num("ref_kl_sum") / host.ref_tokens
         return out
 
 
@@ -244,23 +271,62 @@ def _normalised_sum(
     return torch.where(where, per_token * weights, torch.zeros_like(per_token)).sum()
 
 
+class Known(NamedTuple):
+    """What a micro-batch's loss needs to know on the host: each channel's positions, and
+    whether any position needs a second log-softmax (``_logprobs``). ``known`` computes it
+    from the host copy of the batch, so the device copy is never read back for it."""
+
+    rl_tokens: int
+    ce_tokens: int
+    ref_tokens: int
+    loss_tokens: int
+    redo: bool
+
+
+def _sampled_ref(mb: LossBatch, ref: torch.Tensor) -> torch.Tensor:
+    # Sampled tokens: the rl channel's, and any token inference gave a logprob (a
+    # distillation-only sample has no rl positions; unsampled tokens record exactly 0).
+    return ref & (mb.mask | (mb.inference_logprobs != 0))
+
+
+def _redo(mb: LossBatch, at_t: torch.Tensor, at_1: torch.Tensor) -> torch.Tensor:
+    """Positions needed at temperature 1 that were sampled at another one."""
+    return at_1 & at_t & (mb.temperatures > 0) & (mb.temperatures != 1)
+
+
+def known(mb: LossBatch, phase: str) -> Known:
+    """``Known`` of ``mb`` (best called on its host copy: each count is a read)."""
+    ch = positions(mb, phase)
+    rl, ce, ref = ch["rl"].positions, ch["ce"].positions, ch["ref"].positions
+    redo = _redo(mb, rl | _sampled_ref(mb, ref), ce | ref)
+    return Known(
+        int(rl.sum()), int(ce.sum()), int(ref.sum()), int((rl | ce | ref).sum()), bool(redo.any())
+    )
+
+
 def _logprobs(
-    logits: torch.Tensor, mb: LossBatch, at_t: torch.Tensor, at_1: torch.Tensor
+    logits: torch.Tensor, mb: LossBatch, at_t: torch.Tensor, at_1: torch.Tensor, redo_any: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lpT, lp1, entropy): lpT at the sampling temperature on ``at_t``, 1 elsewhere.
 
     One full-vocab log-softmax serves both wherever the temperature is 1 (or greedy);
-    only the ``at_1`` positions that are also sampled at another temperature get a
-    second one, on their rows alone (a second ``[B, T, V]`` would double the memory).
+    only the ``at_1`` positions that are also sampled at another temperature (``_redo``,
+    ``redo_any`` says whether there are any) get a second one, on their rows alone (a
+    second ``[B, T, V]`` would double the memory).
     """
     ones = torch.ones_like(mb.temperatures)
     temps = torch.where(at_t, mb.temperatures, ones)
     lp_t, entropy = token_logprobs(logits, mb.targets, temps)
-    redo = at_1 & at_t & (temps > 0) & (temps != 1)
-    if not bool(redo.any()):
+    if not redo_any:
         return lp_t, lp_t, entropy
+    redo = _redo(mb, at_t, at_1)
     lp_redo, _ = token_logprobs(logits[redo], mb.targets[redo], ones[redo])
     return lp_t, lp_t.masked_scatter(redo, lp_redo), entropy
+
+
+def _masked_sum(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of ``values`` at ``where``, without reading ``where`` on the host."""
+    return torch.where(where, values.double(), 0.0).sum()
 
 
 def policy_loss(
@@ -269,28 +335,30 @@ def policy_loss(
     cfg: LossConfig,
     phase: str,
     denominators: Mapping[str, int],
+    facts: Known | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """This micro-batch's share of the batch loss (see the module docstring) and its stats.
 
     ``logits`` is ``[B, T, V]`` aligned with ``mb``; ``denominators`` is
-    ``loss_denominators`` over the whole batch.
+    ``loss_denominators`` over the whole batch; ``facts`` is ``known(mb, phase)``, best
+    computed on the host copy of ``mb`` (None: computed here, reading ``mb``). Nothing
+    here waits for the device: the stats stay tensors there (``LossStats.on_host``).
     """
     _check_normalize(cfg.normalize)
+    facts = facts if facts is not None else known(mb, phase)
     ch = positions(mb, phase)
     rl, ce, ref = ch["rl"].positions, ch["ce"].positions, ch["ref"].positions
-    # Sampled tokens: the rl channel's, and any token inference gave a logprob (a
-    # distillation-only sample has no rl positions; unsampled tokens record exactly 0).
-    sampled_ref = ref & (mb.mask | (mb.inference_logprobs != 0))
-    lp_t, lp1, entropy = _logprobs(logits, mb, rl | sampled_ref, ce | ref)
+    sampled_ref = _sampled_ref(mb, ref)
+    lp_t, lp1, entropy = _logprobs(logits, mb, rl | sampled_ref, ce | ref, facts.redo)
     dtype = lp_t.dtype
     loss_pos = rl | ce | ref
 
     log_ratio = lp_t - mb.inference_logprobs.to(dtype)
     parts: dict[str, torch.Tensor] = {}
-    masked = 0
+    masked: Any = 0
     # An empty channel is left out of the graph altogether: a batch without ce/ref tokens
     # computes exactly what the single-channel loss did, bit for bit.
-    if bool(rl.any()):
+    if facts.rl_tokens:
         with torch.no_grad():
             ratio_seen = torch.exp(log_ratio)
             kept = (
@@ -298,7 +366,7 @@ def policy_loss(
                 & (ratio_seen >= 1.0 - cfg.trust_region_low)
                 & (ratio_seen <= 1.0 + cfg.trust_region_high)
             )
-            masked = int((rl & ~kept).sum())
+            masked = (rl & ~kept).sum().double()
         # exp only where kept: a masked token's huge ratio must not turn into inf * 0 = nan
         # in the backward pass (torch.where's backward selects, it never multiplies).
         safe_log_ratio = torch.where(kept, log_ratio, torch.zeros_like(log_ratio))
@@ -308,10 +376,10 @@ def policy_loss(
             rl_term = rl_term + cfg.kl_coef * (ratio - 1.0 - safe_log_ratio)
         per_token = torch.where(kept, rl_term, torch.zeros_like(rl_term))
         parts["rl"] = _normalised_sum(per_token, rl, cfg.normalize, denominators["rl"])
-    if bool(ce.any()):
+    if facts.ce_tokens:
         per_token = -ch["ce"].weights.to(dtype) * lp1
         parts["ce"] = _normalised_sum(per_token, ce, cfg.normalize, denominators["ce"])
-    if bool(ref.any()):
+    if facts.ref_tokens:
         with torch.no_grad():
             # Capped in log space: exp of a stale token's huge log-ratio is inf, not a number.
             cap = math.log1p(cfg.trust_region_high)
@@ -333,22 +401,23 @@ def policy_loss(
             -_METRIC_LOG_RATIO_CLAMP, _METRIC_LOG_RATIO_CLAMP
         )
         ref_k3 = torch.exp(ref_gap) - 1.0 - ref_gap
+        nll = -lp1.detach()
         stats = LossStats(
-            loss=float(loss.detach()),
-            loss_rl=float(parts["rl"].detach()) if "rl" in parts else 0.0,
-            loss_ce=float(parts["ce"].detach()) if "ce" in parts else 0.0,
-            loss_ref=float(parts["ref"].detach()) if "ref" in parts else 0.0,
-            loss_tokens=int(loss_pos.sum()),
-            rl_tokens=int(rl.sum()),
-            ce_tokens=int(ce.sum()),
-            ref_tokens=int(ref.sum()),
+            loss=loss.detach().double(),
+            loss_rl=parts["rl"].detach().double() if "rl" in parts else 0.0,
+            loss_ce=parts["ce"].detach().double() if "ce" in parts else 0.0,
+            loss_ref=parts["ref"].detach().double() if "ref" in parts else 0.0,
+            loss_tokens=facts.loss_tokens,
+            rl_tokens=facts.rl_tokens,
+            ce_tokens=facts.ce_tokens,
+            ref_tokens=facts.ref_tokens,
             masked=masked,
-            entropy_sum=float(entropy[loss_pos].double().sum()),
-            mismatch_kl_sum=float(k3[rl].double().sum()),
-            ratio_sum=float(torch.exp(clamped)[rl].double().sum()),
-            ce_nll_sum=float(-lp1.detach()[ce].double().sum()),
-            ce_nll_max=float(-lp1.detach()[ce].min()) if bool(ce.any()) else 0.0,
-            ref_kl_sum=float(ref_k3[ref].double().sum()),
+            entropy_sum=_masked_sum(entropy, loss_pos),
+            mismatch_kl_sum=_masked_sum(k3, rl),
+            ratio_sum=_masked_sum(torch.exp(clamped), rl),
+            ce_nll_sum=_masked_sum(nll, ce),
+            ce_nll_max=(torch.where(ce, nll, -math.inf).max().double() if facts.ce_tokens else 0.0),
+            ref_kl_sum=_masked_sum(ref_k3, ref),
         )
     return loss, stats
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from configs import RunConfig
+from roles.lib.model.loading import transformer_blocks
 from roles.lib.model.weights import digest, tensors_to_bytes, tied_keys
 from roles.trainer.core import TrainerCore, batch_problem
 from roles.trainer.loss import LossStats
@@ -97,9 +98,9 @@ class ShardedCore(TrainerCore):
         # Names of tied copies (lm_head = embed_tokens) are only visible before sharding:
         # the gathered state dict holds such a copy as a tensor of its own.
         self._tied = set(tied_keys(model.state_dict()))
-        # One FSDP unit per transformer block (Llama, Qwen2, ... keep them in
-        # ``model.model.layers``), the rest (embeddings, final norm, head) in the root's.
-        units = [*getattr(getattr(model, "model", None), "layers", []), model]
+        # One FSDP unit per transformer block, the rest (embeddings, final norm, head)
+        # in the root's.
+        units = [*transformer_blocks(model), model]
         for unit in units:
             fully_shard(unit, reshard_after_forward=False)
         for unit in units:  # per unit: the root's setting does not reach the blocks

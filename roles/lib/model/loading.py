@@ -134,3 +134,30 @@ def load_model(
         source, dtype=resolve_dtype(dtype), local_files_only=local_files_only
     )
     return model.to(resolve_device(device)).eval()
+
+
+def transformer_blocks(model: Any) -> list[Any]:
+    """The model's repeated blocks, in order: the modules whose class the model names in
+    ``_no_split_modules`` (``LlamaDecoderLayer``, ``Qwen3DecoderLayer``, ...), found
+    through a LoRA wrapper too. What FSDP shards and ``compile_blocks`` compiles, one by one."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    base = getattr(model, "get_base_model", None)
+    if not names and base is not None:
+        names = set(getattr(base(), "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def compile_blocks(model: Any) -> int:
+    """``torch.compile`` every transformer block in place (regional compilation: the
+    blocks share one class, so one compile serves them all), with dynamic shapes, so a
+    new batch or sequence size does not compile again. Returns the blocks compiled;
+    raises when the model names none (an architecture this cannot find blocks in)."""
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"trainer.compile: no transformer blocks found in {type(model).__name__} "
+            "(its _no_split_modules names none)"
+        )
+    for block in blocks:
+        block.compile(dynamic=True)
+    return len(blocks)
