@@ -152,6 +152,10 @@ class InferenceConfig(_Section):
     kv_cache_gb: float | None = Field(default=None, gt=0)
     # Torch backend on CUDA: replay each decode step as a captured CUDA graph (false: eager).
     cuda_graphs: bool = True
+    # With cuda_graphs: step shapes captured when the replica starts, shortest lengths first
+    # (the gpu preset's 80 are all it has: a few seconds), so no request or weights swap
+    # waits for a capture mid-run; the rest on first use (0: every shape on first use).
+    graphs_at_start: int = Field(default=96, ge=0)
     # How a policy replica swaps in a new weights version (torch backend): "in_flight"
     # between two decode steps, live rows carrying on under the new weights (each token
     # span keeps the version that sampled it: GenerateResult.version_spans); "drain":

@@ -294,8 +294,11 @@ class TorchEngine:
         max_model_len: int | None = None,
         kv_cache_gb: float | None = None,
         cuda_graphs: bool = True,
+        graphs_at_start: int = 0,
     ) -> TorchEngine:
-        """Load the model for serving: ``serving_dtype`` and the memory cap on CUDA."""
+        """Load the model for serving: ``serving_dtype`` and the memory cap on CUDA; with
+        CUDA graphs, the first ``graphs_at_start`` step shapes captured before it returns
+        (``capture_graphs``)."""
         configure_torch_threads()
         dev = resolve_device(device)
         limit_gpu_memory(dev, gpu_memory_fraction)  # before the first allocation
@@ -311,7 +314,7 @@ class TorchEngine:
             budget = int(kv_cache_gb * 2**30)
         elif dev.startswith("cuda"):
             budget = gpu_kv_budget(torch.device(dev), gpu_memory_fraction)
-        return cls(
+        engine = cls(
             model,
             tokenizer,
             stop_token_ids=stop_token_ids,
@@ -320,6 +323,8 @@ class TorchEngine:
             kv_cache_bytes=budget,
             cuda_graphs=cuda_graphs,
         )
+        engine.capture_graphs(graphs_at_start)
+        return engine
 
     def describe(self) -> dict[str, Any]:
         """What the engine is serving with (for the role's start-up log line)."""
@@ -332,6 +337,7 @@ class TorchEngine:
                 self.runner.cache.numel() * self.runner.cache.element_size() / 2**30, 3
             ),
             "cuda_graphs": self.cuda_graphs,
+            "graphs_captured": len(self._graphs),
             "attention": self.runner.attention,
         }
 
@@ -610,13 +616,38 @@ class TorchEngine:
         longest = int(self.h_pos[live].max()) + 1
         filtered = bool(self.h_filtered[live].any())
         if self.device.type == "cuda":  # few shapes: one graph each (eager: the same shapes)
-            width = self.runner.width
-            return (
-                bucket(top, ROW_BLOCK, self.n_slots),
-                bucket(longest, GRAPH_COLUMNS, width),
-                filtered,
-            )
+            return self._graph_shape(top, longest, filtered)
         return round_up(top, ROW_BLOCK), round_up(longest), filtered
+
+    def _graph_shape(self, top: int, longest: int, filtered: bool) -> tuple[int, int, bool]:
+        """The CUDA step's shape for ``top`` rows and ``longest`` columns (``bucket``)."""
+        return (
+            bucket(top, ROW_BLOCK, self.n_slots),
+            bucket(longest, GRAPH_COLUMNS, self.runner.width),
+            filtered,
+        )
+
+    def graph_shapes(self, filtered: bool = False) -> list[tuple[int, int, bool]]:
+        """Every shape ``shape`` can give on CUDA (with ``filtered`` as given), shortest
+        columns first, then fewest rows: what ``capture_graphs`` captures, in order."""
+        rows = sorted({bucket(t, ROW_BLOCK, self.n_slots) for t in range(1, self.n_slots + 1)})
+        width = self.runner.width
+        cols = sorted({bucket(n, GRAPH_COLUMNS, width) for n in range(1, width + 1)})
+        return [(b, span, filtered) for span in cols for b in rows]
+
+    def capture_graphs(self, most: int) -> int:
+        """Capture the step's CUDA graph now (the engine idle, no row live) at up to
+        ``most`` unfiltered shapes, in ``graph_shapes`` order, so that no request and no
+        weights swap waits for a capture mid-run: a shape is otherwise captured by the
+        step that first needs it (tens of ms each), and a run's first generation meets a
+        score of new shapes. The rest (longer lengths, top-k/top-p) capture on first use.
+        Returns the graphs held (0 without CUDA graphs)."""
+        if not self.cuda_graphs:
+            return 0
+        with torch.inference_mode():
+            for key in self.graph_shapes()[:most]:
+                self._graph(key)
+        return len(self._graphs)
 
     def _head(self, b: int) -> tuple[Any, ...]:
         """Views of rows [0, b) of the step's state (made once per b)."""
@@ -654,7 +685,8 @@ class TorchEngine:
         pos.add_(1).clamp_(max=self.max_len - 1)
 
     def _graph(self, key: tuple[int, int, bool]) -> Any:
-        """The CUDA graph of the step of shape ``key``, captured on first use.
+        """The CUDA graph of the step of shape ``key``, captured on first use (or before
+        serving: ``capture_graphs``).
 
         Capturing needs warm-up runs, which execute: they write each row's keys and
         values for its current token at its current position (what the real step will

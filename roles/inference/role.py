@@ -157,6 +157,7 @@ async def make_backend(cfg: RunConfig, path: str, weights_dir: Path) -> Backend:
         max_model_len=inf.max_model_len,
         kv_cache_gb=inf.kv_cache_gb,
         cuda_graphs=inf.cuda_graphs,
+        graphs_at_start=inf.graphs_at_start,
         gpu_memory_fraction=inf.gpu_memory_fraction,
         served_dtype=inf.dtype,
     )

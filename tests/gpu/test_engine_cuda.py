@@ -103,3 +103,17 @@ def test_a_qwen3_generates_greedily_as_transformers_does_and_swaps_weights_under
     )
     assert [ids(r) for r in after] == [ids(r) for r in fresh.generate(reqs)]
     assert after[0].policy_version == 2 and ids(after[0]) != ids(got[0])
+
+
+def test_graphs_captured_at_start_leave_no_capture_to_a_run() -> None:
+    """inference.graphs_at_start: every shape captured before serving; a run of requests
+    that fits the captured lengths captures nothing more (a weights swap never waits for a
+    capture), and the tokens equal those of an engine capturing on first use."""
+    engine = TorchEngine(llama(torch.bfloat16), None, stop_token_ids=[], max_batch_size=64)
+    held = engine.capture_graphs(len(engine.graph_shapes()))
+    assert held == len(engine.graph_shapes()) > 0
+    reqs = requests(40)
+    at_start = engine.generate(reqs)
+    assert len(engine._graphs) == held
+    lazy = TorchEngine(llama(torch.bfloat16), None, stop_token_ids=[], max_batch_size=64)
+    assert [ids(r) for r in lazy.generate(reqs)] == [ids(r) for r in at_start]

@@ -527,3 +527,21 @@ def test_a_bf16_engine_reports_float32_logprobs_and_casts_published_weights(
     )
     assert isinstance(scored, ScoreResult)
     torch.testing.assert_close(torch.tensor(f32(scored.logprobs)), expected, atol=1e-4, rtol=0)
+
+
+def test_graphs_captured_at_start_cover_every_step_shape(engine: TorchEngine) -> None:
+    """inference.graphs_at_start: ``graph_shapes`` lists every (rows, columns) bucket a CUDA
+    step can take, each once, shortest lengths first then fewest rows, so capturing a
+    prefix of it at start covers every short step (the GPU half: tests/gpu); on the CPU
+    nothing is captured."""
+    shapes = engine.graph_shapes()
+    reachable = {
+        engine._graph_shape(top, longest, False)
+        for top in range(1, engine.n_slots + 1)
+        for longest in range(1, engine.runner.width + 1)
+    }
+    assert set(shapes) == reachable and len(shapes) == len(reachable)
+    assert shapes == sorted(shapes, key=lambda s: (s[1], s[0]))
+    assert all(b % 4 == 0 and b <= engine.n_slots and span <= engine.runner.width
+               for b, span, _ in shapes)  # fmt: skip
+    assert engine.capture_graphs(len(shapes)) == 0 and not engine._graphs
