@@ -4,7 +4,8 @@
 - `tiny`: build the tiny Llama-style model from a seed (`rlbus model init`)
 - `families`: models of real families (Qwen3, Llama) built here: a BPE tokenizer, a chat
   template, random weights
-- `loading`: load any model/tokenizer directory with no network
+- `loading`: load any model/tokenizer directory with no network; its transformer blocks
+  (FSDP's units, and what ``trainer.compile`` compiles)
 - `weights`: weights <-> deterministic safetensors bytes with a sha256 digest (a whole
   model, or LoRA adapters merged where they serve)
 - `lora`: LoRA adapters (``trainer.lora``, the peft library) and their merge
