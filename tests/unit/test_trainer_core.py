@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -230,6 +231,10 @@ def test_each_step_reports_its_model_flops_and_mfu_where_the_peak_is_known(tiny_
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="trainer.compile on the CPU needs a C++ compiler (torch inductor)",
+)
 # dynamo itself reads a non-leaf's .grad while tracing (a UserWarning of torch's own).
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 def test_a_compiled_core_trains_as_the_eager_one(tiny_dir: Path, cfg: RunConfig) -> None:
