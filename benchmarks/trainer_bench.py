@@ -202,7 +202,9 @@ def cuda(args: argparse.Namespace) -> None:
     cfg = load_config(args.preset, [f'trainer.device="{args.device}"', *args.set])
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = materialize_model(cfg, cfg.model.path, Path(tmp))
-        params = count_params(load_model(model_dir))
+        model = load_model(model_dir)
+        params, vocab = count_params(model), int(model.config.vocab_size)
+        del model
         compiled = cfg.model_copy(
             update={"trainer": cfg.trainer.model_copy(update={"compile": True})}
         )
@@ -213,7 +215,6 @@ def cuda(args: argparse.Namespace) -> None:
             "plain loop, compiled": lambda: PlainLoop(model_dir, cfg, compiled=True),
         }
         names = [n for n in setups if not args.only or any(o in n for o in args.only)]
-        vocab = int(load_model(model_dir).config.vocab_size)
         trainers = {n: setups[n]() for n in names}
         rates: dict[str, list[float]] = {n: [] for n in names}
         first_s: dict[str, float] = {}
