@@ -20,4 +20,5 @@
 - ``errors``: typed errors of the bus boundary, and what the NATS client's errors mean
 - ``log``: structlog set-up (JSON lines for machines, a plain line for a person)
 - ``children``: child processes that do not outlive their parent (parent-death signal)
+- ``sandbox``: role processes that cannot read another identity's secrets (Landlock)
 """

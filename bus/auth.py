@@ -28,9 +28,9 @@ may do what its role needs and no more (least privilege):
   but read requests; ``launcher`` (``rlbus up``, rollout, import) is the admin of its run
   only: it creates, updates and deletes the run's streams, before any role starts. Its
   credentials live apart (``admin_directory``): a role process is only ever handed the
-  path of its own file. (Every process of one OS user can read every file of that user:
-  a boundary between roles on one machine needs separate users; across hosts, each
-  host is given only its roles' files.)
+  path of its own file, and cannot read the others' (``hidden_from``: ``bus.sandbox``
+  hides them from the role processes the launcher starts; across hosts, each host is
+  given only its roles' files).
 
     auth = RunAuth.ensure(paths.auth, run)      # made once, the same passwords afterwards
     auth = auth.declare({"trainer": ["trainer"], "env": ["env-reverse-text"]})
@@ -318,6 +318,15 @@ def creds_path(directory: str | Path, kind: str) -> Path:
     kind = kind_of_role(kind)
     base = admin_directory(directory) if kind == "launcher" else Path(directory)
     return base / f"{kind}.creds"
+
+
+def hidden_from(directory: str | Path, kind: str) -> list[Path]:
+    """What a process of ``kind`` must not read in the run whose auth directory is
+    ``directory``: the launcher's directory and every other kind's credentials file
+    (``bus.sandbox`` hides them from role processes)."""
+    own = kind_of_role(kind)
+    others = [creds_path(directory, k) for k in KINDS if k not in (own, "launcher")]
+    return [admin_directory(directory), *others]
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,13 @@ def running_server_url(data_dir: str | Path) -> str | None:
     return str(data["url"])
 
 
+def conf_files(data_dir: str | Path) -> list[Path]:
+    """The configuration files of the servers on ``data_dir`` (one, or a cluster's
+    nodes'): each holds every identity's password (``bus.sandbox`` hides them)."""
+    d = Path(data_dir)
+    return [d / CONF_FILE, *sorted(d.glob(f"*/{CONF_FILE}"))]
+
+
 def has_store(data_dir: str | Path) -> bool:
     """Whether an embedded server (or cluster) has stored JetStream data under ``data_dir``."""
     from bus.cluster import is_cluster_store
@@ -286,8 +293,8 @@ def reachable_server(
     them, and clients in the block connect as the run's ``identity`` (a role kind;
     ``reader`` for the read commands) unless ``$RLBUS_NATS_CREDS`` already names one.
     """
-    auth = None if store is None else _store_auth(store)
-    with _connecting_as(auth, identity):
+    auth_dir = None if store is None else _auth_directory(store)
+    with _connecting_as(auth_dir, identity):
         if url := url or (os.environ.get(NATS_URL_ENV) if url_env else None):
             yield url
             return
@@ -300,7 +307,8 @@ def reachable_server(
         if start == "always" or (start == "existing" and has_store(store)):
             from bus.cluster import EmbeddedCluster, is_cluster_store
 
-            users = auth.users() if auth is not None else None
+            # Only a server's starter reads every identity's password (a role cannot).
+            users = _store_auth(auth_dir).users() if auth_dir is not None else None
             if is_cluster_store(store):
                 with EmbeddedCluster(store, users=users) as cluster:
                     yield cluster.url
@@ -311,22 +319,27 @@ def reachable_server(
         yield None
 
 
-def _store_auth(store: str | Path) -> RunAuth | None:
-    """The credentials of the run whose server store is ``store``, if it has them."""
+def _auth_directory(store: str | Path) -> Path | None:
+    """The credentials directory of the run whose server store is ``store``, if it has one."""
+    directory = Path(store).absolute().parent / AUTH_SUBDIR
+    return directory if directory.is_dir() else None
+
+
+def _store_auth(directory: Path) -> RunAuth:
+    """The credentials of the run whose auth directory is ``directory``."""
     from bus.auth import RunAuth
 
-    directory = Path(store).absolute().parent / AUTH_SUBDIR
-    return RunAuth.ensure(directory, directory.parent.name) if directory.is_dir() else None
+    return RunAuth.ensure(directory, directory.parent.name)
 
 
 @contextlib.contextmanager
-def _connecting_as(auth: RunAuth | None, identity: str) -> Iterator[None]:
-    """Within the block, ``Bus.connect`` presents ``identity`` of ``auth`` (unless
-    ``$RLBUS_NATS_CREDS`` already names one)."""
-    from bus.auth import CREDS_ENV, env_set
+def _connecting_as(auth_dir: Path | None, identity: str) -> Iterator[None]:
+    """Within the block, ``Bus.connect`` presents ``identity`` of the run whose auth
+    directory is ``auth_dir`` (unless ``$RLBUS_NATS_CREDS`` already names one)."""
+    from bus.auth import CREDS_ENV, creds_path, env_set
 
-    if auth is None or os.environ.get(CREDS_ENV):
+    if auth_dir is None or os.environ.get(CREDS_ENV):
         yield
         return
-    with env_set({CREDS_ENV: str(auth.creds_file(identity))}):
+    with env_set({CREDS_ENV: str(creds_path(auth_dir, identity))}):
         yield

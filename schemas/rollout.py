@@ -77,6 +77,10 @@ class TaskRequested(Event, frozen=True, tag="task_requested/1"):
     # (empty in logs written before runtime attach: the config's routing then applies).
     algorithms: list[str] = msgspec.field(default_factory=list)
     seating: Seating | None = None  # multi-agent envs: members' models and the learner
+    # The orchestrator's train group counter n: a train request is a function of the
+    # config and n (``roles.lib.tasks.train_request``), which the env server checks.
+    # None: an eval or adhoc request, or one logged before the counter was recorded.
+    number: NonNegative | None = None
 
 
 class ToolCall(Record, frozen=True):

@@ -39,6 +39,7 @@ with ``model.tiny`` sizes and ``model.tiny.init_seed`` if absent): no torch mode
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import traceback
@@ -59,6 +60,7 @@ from roles.lib.envs.group import score_group
 from roles.lib.envs.harness import Generate, completion_tokens, run_rollout
 from roles.lib.envs.registry import env_key, make_env, turn_options
 from roles.lib.envs.stop import HAS_ERROR
+from roles.lib.tasks import undispatched
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from schemas import (
@@ -319,6 +321,7 @@ class EnvServer(Role):
         concurrency: int = EnvServerConfig().groups_in_flight,
         metrics_interval_s: float = METRICS_INTERVAL_S,
         heartbeat_interval_s: float = 2.0,
+        undispatched: Callable[[TaskRequested], str | None] | None = None,
     ) -> None:
         super().__init__(bus, instance, heartbeat_interval_s)
         self.env_id = env_id
@@ -332,6 +335,9 @@ class EnvServer(Role):
         self.models = tuple(models)
         self.concurrency = concurrency
         self.metrics_interval_s = metrics_interval_s
+        # Why a request is not one the run's orchestrator dispatched (None: it is, or it is
+        # adhoc): such a request is dead-lettered, never run (``roles.lib.tasks``).
+        self.undispatched = undispatched
         self.stats = RolloutStats()
         self.total_rollouts = 0
         self._envs: dict[str, Environment] = {}
@@ -378,6 +384,8 @@ class EnvServer(Role):
         return self._envs[cache_key]
 
     async def on_task(self, request: TaskRequested, delivery: Delivery) -> list[Event]:
+        if self.undispatched is not None and (why := self.undispatched(request)) is not None:
+            raise Rejected(f"not the orchestrator's: {why}")
         self._inflight += 1
         t0 = time.monotonic()
         try:
@@ -460,6 +468,7 @@ def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
         "models": ctx.cfg.orchestrator.model_keys(),
         "concurrency": concurrency or ctx.cfg.env_server.groups_in_flight,
         "heartbeat_interval_s": ctx.cfg.bus.heartbeat_interval_s,
+        "undispatched": functools.partial(undispatched, ctx.cfg, ctx.run),
     }
 
 

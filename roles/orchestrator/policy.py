@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
 from configs import RunConfig
-from roles.lib.envs.seats import seating_of
-from roles.lib.tasks import eval_seed, sampling_params, seed_root
+from roles.lib.tasks import choose_env, eval_request, train_request
 from roles.orchestrator.eval_stats import eval_metrics
 from roles.orchestrator.state import OrchestratorState
 from schemas import (
@@ -31,12 +30,9 @@ from schemas import (
     Event,
     MetricsReported,
     RunStopped,
-    TaskRef,
-    TaskRequested,
     batch_id,
     derive_id,
     run_stopped_id,
-    stable_seed,
 )
 
 
@@ -51,18 +47,6 @@ def trains_on(cfg: RunConfig) -> dict[str, dict[str, set[str]]]:
     rl = {e.key: {a for a in (e.algorithms or ids) if a in ids} for e in o.train.env}
     sft = {e.key: set(o.warmup.algorithms) for e in o.train.env}
     return {"rl": rl, "sft": sft}
-
-
-def choose_env(cfg: RunConfig, n: int) -> Any:
-    """The env of group ``n``: drawn by ratio from a seed derived from the run and n."""
-    envs = cfg.orchestrator.train.env
-    total = sum(e.ratio for e in envs)
-    x = (stable_seed(cfg.seed, "env", n) % 1_000_003) / 1_000_003 * total
-    for env in envs:
-        x -= env.ratio
-        if x < 0:
-            return env
-    return envs[-1]
 
 
 class Decider:
@@ -176,34 +160,14 @@ class Decider:
                 need -= self.dispatch_group(phase)
 
     def dispatch_group(self, phase: Literal["sft", "rl"]) -> int:
-        s, o = self.state, self.cfg.orchestrator
-        n = s.dispatched
-        env = choose_env(self.cfg, n)
-        group_size = o.warmup.group_size if phase == "sft" else env.group_size
-        sampling = env.sampling or o.train.sampling
-        self.emit(
-            TaskRequested(
-                run=self.run,
-                event_id=derive_id(self.run, "task", n),
-                env=env.key,
-                task=TaskRef(
-                    index=stable_seed(self.cfg.seed, "task", env.id, n) % 2**31, split="train"
-                ),
-                group_id=derive_id(self.run, "group", n),
-                group_size=group_size,
-                sampling=sampling_params(sampling),
-                model=o.warmup.actor if phase == "sft" else o.actor,
-                step=s.assembled,
-                policy_version=s.trainer_version,
-                seed=stable_seed(seed_root(self.cfg.seed, sampling), "rollout", n),
-                max_turns=env.max_turns,
-                args=dict(env.args),
-                phase=phase,
-                algorithms=sorted(s.trains_on[phase].get(env.key, ())),
-                seating=seating_of(env),
-            )  # fmt: skip
-        )
-        return group_size
+        s = self.state
+        env_key = choose_env(self.cfg, s.dispatched).key
+        request = train_request(
+            self.cfg, self.run, s.dispatched, phase, step=s.assembled,
+            policy_version=s.trainer_version, algorithms=sorted(s.trains_on[phase].get(env_key, ())),
+        )  # fmt: skip
+        self.emit(request)
+        return request.group_size
 
     # -- eval ---------------------------------------------------------------------------
 
@@ -215,25 +179,7 @@ class Decider:
             # task count and sampling; an eval-only env is never dispatched for training.
             for env in self.cfg.orchestrator.eval_targets():
                 for i in range(env.num_tasks):
-                    self.emit(
-                        TaskRequested(
-                            run=self.run,
-                            event_id=derive_id(self.run, "eval", v, env.id, i),
-                            env=env.key,
-                            task=TaskRef(index=i, split="eval"),
-                            group_id=derive_id(self.run, "eval-group", v, env.id, i),
-                            group_size=e.k,
-                            sampling=sampling_params(env.sampling),
-                            model=self.cfg.orchestrator.actor,
-                            step=s.assembled,
-                            policy_version=v,
-                            seed=eval_seed(seed_root(self.cfg.seed, env.sampling), env.id, i),
-                            max_turns=env.max_turns,
-                            args=dict(env.args),
-                            phase="eval",
-                            seating=seating_of(env.train, e.learner_seat) if env.train else None,
-                        )  # fmt: skip
-                    )
+                    self.emit(eval_request(self.cfg, self.run, env, v, i, step=s.assembled))
         for version, round_ in sorted(s.eval_rounds.items()):
             if not round_.reported and round_.expected and round_.answered >= round_.expected:
                 self.emit(

@@ -90,6 +90,8 @@ class OrchestratorState:
     segment: int = 0
     trainer_version: int = 0  # newest WeightsPublished version
     assembled: int = 0  # step of the newest batch
+    batches: dict[int, str] = field(default_factory=dict)  # step -> its batch's event id
+    announced: dict[int, str] = field(default_factory=dict)  # version -> its weights' event id
     dispatched: int = 0  # train groups dispatched so far (the group counter)
     groups: dict[str, Group] = field(default_factory=dict)  # in flight, by group id
     queues: dict[str, deque[Queued]] = field(
@@ -149,10 +151,8 @@ class OrchestratorState:
                 return f"batch.assembled step {event.step} this run's orchestrator did not assemble"
             case MetricsReported(role="eval"):
                 return f"an eval report for version {event.step} this orchestrator did not make"
-            case WeightsPublished(version=v) if not 1 <= v <= self.assembled:
-                return (
-                    f"weights.published version {v}, but the newest batch is step {self.assembled}"
-                )
+            case WeightsPublished():
+                return self._not_the_trainers(event)
             case SamplesScored():  # expected or not (a shadow's): bad samples never pass
                 return next(
                     (
@@ -162,6 +162,21 @@ class OrchestratorState:
                     ),
                     None,
                 )
+        return None
+
+    def _not_the_trainers(self, event: WeightsPublished) -> str | None:
+        """Why ``event`` is not the trainer's one announcement of its version: a version
+        is trained on the batch this orchestrator assembled as that step, and announced
+        once (a second announcement, e.g. with other bytes, would make two versions v)."""
+        v = event.version
+        if not 1 <= v <= self.assembled:
+            return f"weights.published version {v}, but the newest batch is step {self.assembled}"
+        if event.step != v:
+            return f"weights.published version {v} says it was trained at step {event.step}"
+        if event.batch_id != (ours := self.batches.get(v)):
+            return f"weights.published version {v} names batch {event.batch_id}, not step {v}'s ({ours})"
+        if (first := self.announced.get(v)) is not None:
+            return f"a second weights.published for version {v} (the first: {first})"
         return None
 
     def resumes(self, event: RunStarted) -> bool:
@@ -219,6 +234,7 @@ class OrchestratorState:
                             self._complete(gid, skip_zero)
             case BatchAssembled():
                 self.assembled = max(self.assembled, event.step)
+                self.batches[event.step] = event.event_id
                 self.dropped_stale = self.skipped_zero = 0  # counters are "since the last batch"
                 used = {(s.rollout_id, s.branch) for s in event.samples}
                 q = self.queues[event.phase]
@@ -227,6 +243,7 @@ class OrchestratorState:
                 )
             case WeightsPublished():
                 self.trainer_version = max(self.trainer_version, event.version)
+                self.announced[event.version] = event.event_id
             case MetricsReported(role="eval", step=version) if version in self.eval_rounds:
                 self.eval_rounds[version].reported = True
             case EvalCompleted():

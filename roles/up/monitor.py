@@ -158,6 +158,7 @@ class RunMonitor(MetricCurves):
     started: RunStarted | None = None
     segment: int = 0  # resumed starts folded (``rlbus up --resume`` with changed keys)
     final_digest: str | None = None
+    announced: dict[int, str] = field(default_factory=dict)  # version -> its weights' event id
     rejected: int = 0  # events that cannot be true of the run (``why_rejected``), skipped
     undecodable: int = 0  # messages that are no readable event, skipped
     waiting: list[WeightsPublished] = field(default_factory=list)  # ahead of their batch
@@ -203,6 +204,7 @@ class RunMonitor(MetricCurves):
             case RunStopped():
                 self.stopped = event
             case WeightsPublished():
+                self.announced[event.version] = event.event_id  # once: the orchestrator's rule
                 self.policy_version = max(self.policy_version, event.version)
                 if event.version >= self.policy_version:
                     self.final_digest = event.weights.digest
@@ -226,6 +228,14 @@ class RunMonitor(MetricCurves):
                 return "a run.stopped that is not the orchestrator's"
             case WeightsPublished(version=v) if not 1 <= v <= min(self.assembled, self.max_steps):
                 return f"weights version {v}, newest batch step {self.assembled}"
+            case WeightsPublished(version=v) if v != event.step:
+                return f"weights version {v} says it was trained at step {event.step}"
+            case WeightsPublished(version=v) if (
+                self.announced.get(v, event.event_id) != event.event_id
+            ):
+                return (
+                    f"a second weights.published for version {v} (the first: {self.announced[v]})"
+                )
             case MetricsReported(role="orchestrator", step=s) if not 1 <= s <= self.max_steps:
                 return f"batch step {s}, max_steps {self.max_steps}"
             case MetricsReported(role="eval", step=v) if not 0 <= v <= self.policy_version:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from bus.children import die_with_parent
+from bus.sandbox import Sandbox, temp_dir_for, with_sandbox
 from configs.paths import RunPaths
 
 
@@ -33,6 +34,9 @@ class RoleProcess:
     log_file: IO[bytes] | None = None
     exit_codes: list[int] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
+    # what it must not read (``bus.sandbox``): other identities' credentials, server configs
+    hidden: list[Path] = field(default_factory=list)
+    temp_dir: Path | None = None  # its TMPDIR when the system's lies above a hidden path
     # time.monotonic() when its pool retired it (SIGTERM: it drains, then exits); None: serving
     retiring_since: float | None = None
 
@@ -42,12 +46,24 @@ class RoleProcess:
             self.log_file.close()  # the previous process's handle, on a restart
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = self.log_path.open("ab")
-        # A launcher that dies without stopping its roles (SIGKILL) takes them along: the
-        # run is resumable from its log (``rlbus up --run R --resume``), orphans are not.
-        self.proc = subprocess.Popen(
-            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGKILL), env=os.environ | self.env,
-        )  # fmt: skip
+        env = os.environ | self.env
+        if self.temp_dir is not None and (tmp := temp_dir_for(self.hidden, self.temp_dir)):
+            tmp.mkdir(parents=True, exist_ok=True)
+            env["TMPDIR"] = str(tmp)
+        # Built afresh at each start: it allows what is beside the hidden paths right now.
+        sandbox = Sandbox.build(self.hidden) if self.hidden else None
+        try:
+            # A launcher that dies without stopping its roles (SIGKILL) takes them along:
+            # the run is resumable from its log (``rlbus up --run R --resume``), orphans
+            # are not.
+            self.proc = subprocess.Popen(
+                self.argv, stdout=self.log_file, stderr=subprocess.STDOUT,
+                start_new_session=True, env=env,
+                preexec_fn=with_sandbox(die_with_parent(signal.SIGKILL), sandbox),
+            )  # fmt: skip
+        finally:
+            if sandbox is not None:
+                sandbox.close()
 
     @property
     def alive(self) -> bool:
@@ -118,13 +134,28 @@ def role_process(
 ) -> RoleProcess:
     """One role process of the run at ``paths``, logging to ``logs/<name>.log``, with its
     role kind's credentials (``args[0]``, e.g. ``env``) when the run has them (its
-    server requires them: ``bus.auth``), given through the environment, never argv."""
+    server requires them: ``bus.auth``), given through the environment, never argv;
+    sandboxed so that it cannot read another identity's (``hidden_from``)."""
     return RoleProcess(
         name,
         role_argv(args, paths, url, config_path),
         paths.log(name),
         env=import_path_env() | role_env(paths, args[0]),
+        hidden=hidden_from(paths, args[0]),
+        temp_dir=paths.dir / "tmp",
     )
+
+
+def hidden_from(paths: RunPaths, kind: str) -> list[Path]:
+    """What a role process of ``kind`` must not read: the launcher's and the other
+    kinds' credentials (``bus.auth.hidden_from``) and the server's configuration files,
+    which hold every password (``bus.server.conf_files``). Nothing when the run has no
+    credentials (its server lets anyone in)."""
+    from bus import auth, server
+
+    if not paths.auth.is_dir():
+        return []
+    return [*auth.hidden_from(paths.auth, kind), *server.conf_files(paths.nats)]
 
 
 def role_env(paths: RunPaths, kind: str) -> dict[str, str]:

@@ -35,6 +35,7 @@ from bus.errors import ServerStartError
 from bus.log import get_logger
 from bus.reader import LogReader, last_seq, stored_event
 from bus.runtime import Bus
+from bus.sandbox import unavailable_reason
 from bus.server import EmbeddedServer
 from bus.subjects import Topic, topic_of_subject
 from configs import RunConfig
@@ -495,6 +496,8 @@ async def supervise(
     follower = RunFollower(bus, monitor)
     await begin_segment(monitor, follower, paths)  # before any role publishes
     keeper = RoleKeeper(roles, view, log)
+    if any(r.hidden for r in roles) and (why := unavailable_reason()) is not None:
+        log.warning("roles.unconfined", reason=why, reads="every credential of this run")
     for r in roles:
         keeper.start(r)
     follower.start()

@@ -19,6 +19,7 @@ from bus import codec
 from bus.auth import CREDS_ENV, RunAuth, connect_options
 from bus.runtime import Bus
 from bus.subjects import Topic, objects_bucket, subject
+from roles.lib.envs.registry import env_key
 from schemas import (
     AlgorithmAttached,
     BatchAssembled,
@@ -30,9 +31,11 @@ from schemas import (
     TaskRef,
     TaskRequested,
     WeightsPublished,
+    batch_id,
     derive_id,
 )
 from schemas.arrays import pack_f32
+from schemas.run import ObjectRef
 from tests.samples import sample
 
 ENV = "reverse-text"
@@ -113,6 +116,32 @@ def injections(run: str) -> list[tuple[str, bytes]]:
     ]
 
 
+def as_producers(run: str) -> list[tuple[str, str, bytes]]:
+    """(kind, subject, payload) of schema-valid events that the kind publishing them may
+    publish, but that its role never made, as a buggy instance of it would: a task group
+    of 32 and an eval "at v1e6" on the env server's own subject (the orchestrator's
+    identity), and a second announcement of version 1 with other bytes (the trainer's)."""
+    group = TaskRequested(
+        run=run, event_id=FORGED + "group32", env=ENV, task=TaskRef(index=0), group_id="forged-32",
+        group_size=32, phase="rl", number=0,
+    )  # fmt: skip
+    evaluation = TaskRequested(
+        run=run, event_id=FORGED + "eval-1e6", env=ENV, task=TaskRef(index=0, split="eval"),
+        group_id="forged-e", group_size=1, phase="eval", policy_version=10**6,
+    )  # fmt: skip
+    weights = WeightsPublished(
+        run=run, event_id=FORGED + "weights-v1", version=1, step=1, batch_id=batch_id(run, 1),
+        weights=ObjectRef(kind="object", location="weights.v1", digest="0" * 64,
+                          bucket=objects_bucket(run, "trainer")),
+    )  # fmt: skip
+    tasks = subject(run, Topic.TASK_REQUESTED, env_key(ENV))
+    return [
+        ("orchestrator", tasks, codec.encode(group)),
+        ("orchestrator", tasks, codec.encode(evaluation)),
+        ("trainer", subject(run, Topic.WEIGHTS_PUBLISHED), codec.encode(weights)),
+    ]
+
+
 async def inject(url: str, run: str, squat_step: int, data_dir: Path) -> list[int]:
     """Publish every injection raw (nats-py, as any client with the run's credentials
     could); their sequences.
@@ -130,7 +159,15 @@ async def inject(url: str, run: str, squat_step: int, data_dir: Path) -> list[in
             seqs.append(ack.seq)
     finally:
         await nc.close()
-    env = RunAuth.ensure(data_dir / run / "auth", run).creds("env")
+    auth = RunAuth.ensure(data_dir / run / "auth", run)
+    for kind, subj, payload in as_producers(run):
+        c = auth.creds(kind)
+        nc = await nats.connect(url, user=c.user, password=c.password, inbox_prefix=c.inbox_prefix)
+        try:
+            seqs.append((await nc.jetstream().publish(subj, payload)).seq)
+        finally:
+            await nc.close()
+    env = auth.creds("env")
     nc = await nats.connect(
         url, user=env.user, password=env.password, inbox_prefix=env.inbox_prefix
     )

@@ -16,14 +16,17 @@ from pathlib import Path
 import pytest
 
 from bus.runtime import Bus
+from bus.sandbox import unavailable_reason
 from bus.server import EmbeddedServer
 from schemas import (
     AlgorithmDetached,
     BatchAssembled,
     DeadLettered,
+    EvalCompleted,
     MetricsReported,
     RunStopped,
     SamplesScored,
+    TraceCompleted,
     WeightsPublished,
 )
 from tests.e2e.faults import (
@@ -75,6 +78,9 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     # Stopped until the orchestrator reports the stall naming it (the threshold follows the
     # run's own step times, so a fixed pause may end before it), at most 60 s.
     trainer = (await running_role(url, run, "trainer")).pid
+    if unavailable_reason() is None:  # roles run sandboxed (bus.sandbox; tests/integration)
+        status = await asyncio.to_thread(Path(f"/proc/{trainer}/status").read_text)
+        assert "NoNewPrivs:\t1" in status and "CapEff:\t0000000000000000" in status, status
     log = tmp_path / run / "logs" / "orchestrator.log"
     await pause(trainer, 60, until=log, says=('"run.stalled"', "trainer", "no heartbeat"))
     await pause((await running_role(url, run, "algorithm", "grpo")).pid, 8)  # > group_timeout_s
@@ -86,6 +92,20 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     # every injected event dead-lettered, by sequence, counted from the log
     dead = {e.stream_seq for e in events if isinstance(e, DeadLettered)}
     assert set(injected) <= dead, f"not dead-lettered: {sorted(set(injected) - dead)}"
+    # the tasks the orchestrator never dispatched (a group of 32, an eval at v1e6), though
+    # published with its identity, were refused by the env server and never run
+    refused_by = {(e.role, e.causation_id) for e in events if isinstance(e, DeadLettered)}
+    assert {("env", FORGED + "group32"), ("env", FORGED + "eval-1e6")} <= refused_by
+    answers = [e for e in events if isinstance(e, TraceCompleted | EvalCompleted)]
+    assert not [e for e in answers if e.request_id.startswith(FORGED)]
+    # a second version 1 with other bytes, from the trainer's identity: refused by the fold,
+    # and the lake's weights table holds each version once, the trainer's
+    assert ("orchestrator", FORGED + "weights-v1") in refused_by
+    sql = rlbus(tmp_path, "sql", "--run", run, "-f", "json",
+                "SELECT version, count(*) AS n, min(event_id) AS id FROM weights GROUP BY version")  # fmt: skip
+    table = {r["version"]: (r["n"], r["id"]) for r in json.loads(sql.stdout)}
+    assert sorted(table) == list(range(1, steps + 1)), sql.stdout + sql.stderr
+    assert all(n == 1 and not i.startswith(FORGED) for n, i in table.values()), table
     # what a role tried against another's work was refused by the server, every attempt
     # (dead letters in the env server's name, the trainer's weights and durable)
     assert len(refused) == 7, refused

@@ -20,6 +20,7 @@ from schemas import (
     TraceCompleted,
 )
 from schemas.arrays import pack_f32
+from schemas.run import ObjectRef
 from tests.samples import sample, trace
 from tests.unit.test_orchestrator import make, scored, started, step, weights
 
@@ -59,6 +60,24 @@ def test_weights_for_a_batch_that_does_not_exist_are_refused() -> None:
     assert any(isinstance(e, BatchAssembled) and e.step == 1 for e in out)
     assert state.check(weights(1)) is None
     assert state.check(weights(2)) is not None
+
+
+def test_a_version_is_announced_once_for_the_batch_of_its_step() -> None:
+    """The issue's forgery, one of them: another announcement of version 1 (other bytes)
+    after the trainer's made "step 1" twice in the fold and the lake; so does one that
+    names another batch or another step. Each is refused, and the trainer's stands."""
+    cfg, state, tasks = running()
+    for t in tasks[:2]:
+        step(state, cfg, scored(t, [0.0, 1.0, 0.0, 1.0]))
+    assert "names batch None" in (state.check(weights(1, batch_id=None)) or "")
+    assert "names batch b" in (state.check(weights(1, batch_id="b")) or "")
+    assert "trained at step 2" in (state.check(weights(1, step=2)) or "")
+    trainers = weights(1)
+    step(state, cfg, trainers)
+    assert state.trainer_version == 1
+    other = weights(1, event_id="w1-forged", weights=ObjectRef(kind="object", location="x"))
+    assert "a second weights.published for version 1 (the first: w1)" in (state.check(other) or "")
+    assert state.check(trainers) is None  # the same event again: a duplicate, skipped
 
 
 def test_untrainable_scores_release_their_group_and_free_its_slot() -> None:

@@ -46,6 +46,8 @@ def test_forged_weights_versions_and_evals_are_rejected() -> None:
         m.apply(batch(step))
         m.apply(weights(step))
     m.apply(weights(10**9, digest="forged"))  # past max_steps
+    m.apply(msgspec.structs.replace(weights(2, digest="forged"), event_id="again"))  # v2 twice
+    m.apply(msgspec.structs.replace(weights(2, digest="forged"), step=1))
     m.apply(weights(0, digest="forged"))  # versions start at 1
     m.apply(evaluation(10**6))  # no such weights
     m.apply(evaluation(-1))
@@ -54,7 +56,7 @@ def test_forged_weights_versions_and_evals_are_rejected() -> None:
     s = m.summary()
     assert s["steps"] == 2 and s["final_weights_digest"] == "d2"
     assert list(s["eval"]) == ["2"] and m.assembled == 2
-    assert s["rejected"] == 5
+    assert s["rejected"] == 7
 
 
 def test_weights_ahead_of_their_batch_wait_for_it() -> None:

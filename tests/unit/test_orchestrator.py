@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -22,6 +24,7 @@ from schemas import (
     SamplesScored,
     TaskRequested,
     WeightsPublished,
+    batch_id,
     stable_seed,
 )
 from schemas.run import ObjectRef
@@ -80,14 +83,18 @@ def scored(
     )  # fmt: skip
 
 
-def weights(v: int) -> WeightsPublished:
-    return WeightsPublished(
+def weights(v: int, **changes: Any) -> WeightsPublished:
+    """The trainer's announcement of version ``v`` (trained on the orchestrator's batch
+    of step ``v``), with ``changes``."""
+    event = WeightsPublished(
         run="r",
         event_id=f"w{v}",
         version=v,
         step=v,
         weights=ObjectRef(kind="object", location=f"weights.v{v}"),
+        batch_id=batch_id("r", v),
     )
+    return msgspec.structs.replace(event, **changes)
 
 
 def tasks(events: list[Event]) -> list[TaskRequested]:
