@@ -27,10 +27,10 @@ may do what its role needs and no more (least privilege):
 - ``reader`` (the read commands: status, events, lake, trace, replay) publishes nothing
   but read requests; ``launcher`` (``rlbus up``, rollout, import) is the admin of its run
   only: it creates, updates and deletes the run's streams, before any role starts. Its
-  credentials live apart (``admin_directory``): a role process is only ever handed the
-  path of its own file, and cannot read the others' (``hidden_from``: ``bus.sandbox``
-  hides them from the role processes the launcher starts; across hosts, each host is
-  given only its roles' files).
+  credentials live apart (``admin_directory``, outside the run directory): a role
+  process is only ever handed the path of its own file, and cannot read the launcher's
+  (``hidden_from``: ``bus.sandbox`` hides it from the role processes the launcher
+  starts; across hosts, each host is given only its roles' files).
 
     auth = RunAuth.ensure(paths.auth, run)      # made once, the same passwords afterwards
     auth = auth.declare({"trainer": ["trainer"], "env": ["env-reverse-text"]})
@@ -304,11 +304,20 @@ def env_set(values: dict[str, str]) -> Iterator[None]:
 DURABLES_FILE = "durables.json"  # in a run's auth directory: kind -> its durable names
 
 
+RUN_AUTH = "auth"  # a run's auth directory: ``<data>/<run>/auth`` (configs.paths.RunPaths)
+ADMIN_ROOT = ".admin"  # ``<data>/.admin/<run>``: each run's launcher credentials, server configs
+
+
 def admin_directory(directory: str | Path) -> Path:
-    """Where the launcher's credentials live, beside the roles' directory
-    (``<run>/auth-admin``): a role process is handed its own file in ``<run>/auth`` and
-    never a path into this one."""
+    """Where the launcher's credentials (and its servers' configurations, which hold every
+    password: ``bus.server``) live, for the run whose auth directory is ``directory``.
+    For a run under a data directory (``<data>/<run>/auth``) it is ``<data>/.admin/<run>``:
+    outside every run directory, so a role's sandbox hides all of ``<data>/.admin`` and
+    leaves its run directory whole (``hidden_from``). Elsewhere (``rlbus nats config
+    --out``): ``<directory>-admin`` beside it. A role process is never handed a path here."""
     d = Path(directory)
+    if d.name == RUN_AUTH:
+        return d.parent.parent / ADMIN_ROOT / d.parent.name
     return d.with_name(f"{d.name}-admin")
 
 
@@ -320,13 +329,20 @@ def creds_path(directory: str | Path, kind: str) -> Path:
     return base / f"{kind}.creds"
 
 
-def hidden_from(directory: str | Path, kind: str) -> list[Path]:
-    """What a process of ``kind`` must not read in the run whose auth directory is
-    ``directory``: the launcher's directory and every other kind's credentials file
-    (``bus.sandbox`` hides them from role processes)."""
-    own = kind_of_role(kind)
-    others = [creds_path(directory, k) for k in KINDS if k not in (own, "launcher")]
-    return [admin_directory(directory), *others]
+def hidden_from(directory: str | Path) -> list[Path]:
+    """What a role process of the run whose auth directory is ``directory`` must not read
+    (``bus.sandbox`` hides it): every run's launcher credentials and server configurations
+    (``<data>/.admin``), and the other runs' credentials. (Its own run's directory stays
+    whole, the other kinds' credentials in it included: a boundary between the kinds of
+    one run needs separate hosts or OS users.)"""
+    d = Path(directory).absolute()
+    run_dir, data = d.parent, d.parent.parent
+    others: list[Path] = []
+    if data.is_dir():
+        for entry in data.iterdir():
+            if entry != run_dir and entry.name != ADMIN_ROOT:
+                others += [entry / RUN_AUTH, entry / f"{RUN_AUTH}-admin"]  # (an older layout's)
+    return [data / ADMIN_ROOT, *others]
 
 
 @dataclass(frozen=True)
@@ -350,9 +366,11 @@ class RunAuth:
         for sub in (d, admin_directory(d)):
             sub.mkdir(mode=0o700, parents=True, exist_ok=True)
             sub.chmod(0o700)
-        old = d / "launcher.creds"  # a run made before the admin directory: moved there
-        if old.exists() and not creds_path(d, "launcher").exists():
-            old.rename(creds_path(d, "launcher"))
+        # A run made before the admin directory, or when it sat beside the auth directory
+        # (``<run>/auth-admin``): its launcher credentials move there.
+        for old in (d / "launcher.creds", d.with_name(f"{d.name}-admin") / "launcher.creds"):
+            if old.exists() and not creds_path(d, "launcher").exists():
+                old.rename(creds_path(d, "launcher"))
         passwords = {}
         for kind in KINDS:
             path = creds_path(d, kind)

@@ -1,18 +1,19 @@
 """Role processes that cannot read another identity's secrets.
 
 Every process of one OS user can read every file of that user, so file modes alone
-cannot keep the launcher's credentials (``bus.auth.admin_directory``), the other kinds'
-credentials and the server's configuration (which holds every password) from a role
-process on the same machine. Linux's Landlock can: a process restricts itself and its
-future children, unprivileged, for root too, and nothing it does afterwards lifts it.
+cannot keep the launcher's credentials and the server's configuration (which holds every
+password; both in ``bus.auth.admin_directory``) from a role process on the same machine.
+Linux's Landlock can: a process restricts itself and its future children, unprivileged,
+for root too, and nothing it does afterwards lifts it.
 
 ``Sandbox(hidden)`` is built in the launcher: a Landlock ruleset that handles reading
 files and allows it everywhere but beneath the ``hidden`` paths. Landlock only allows,
 so "everywhere but" is spelled as every entry beside each hidden path and beside each
 of its ancestors, as they are when the ruleset is built (a role's restart builds a new
-one). A file that appears later directly in one of those directories is hidden too:
-``rlbus up`` makes a run's directories before its roles start, and a role's temporary
-directory is kept out of the hidden paths' ancestors (``temp_dir_for``).
+one). A file that appears later directly in one of those directories is hidden too,
+which is why the secrets sit outside every run directory (``<data>/.admin``): a run's
+own directory is an entry beside them, allowed whole, new files included. A role's
+temporary directory is kept out of the hidden paths' ancestors (``temp_dir_for``).
 
 ``preexec`` (run in the child between fork and exec) applies it: the child drops every
 capability from its bounding set (root keeps none after exec: no ``CAP_SYS_PTRACE``, so
@@ -24,7 +25,7 @@ Where the kernel has no Landlock (Linux before 5.13, or not enabled; macOS), ``S
 is None and ``unavailable_reason`` says why: roles run unconfined, as every process of
 one user does.
 
-    sandbox = Sandbox.build([run / "auth-admin", run / "auth" / "trainer.creds"])
+    sandbox = Sandbox.build([data / ".admin"])
     subprocess.Popen(argv, preexec_fn=sandbox.preexec)   # or with_sandbox(other, sandbox)
 """
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
+from bus.auth import RUN_AUTH, admin_directory
 from bus.children import die_with_parent
 from bus.errors import ServerBinaryNotFound, ServerStartError
 from bus.natsconf import Routes, Tls, server_conf, write_conf
@@ -42,8 +43,8 @@ _READY = "Server is ready"
 SERVER_FILE = "server.json"  # under the store, while the server runs: {"url", "pid"}
 STORE_SUBDIR = "jetstream"  # the JetStream data under the store
 NATS_URL_ENV = "RLBUS_NATS_URL"  # a NATS URL to use instead of the run's embedded server
-CONF_FILE = "nats.conf"  # under the store: the server's configuration (JSON)
-AUTH_SUBDIR = "auth"  # beside a run's store: its credentials (configs.paths.RunPaths.auth)
+CONF_FILE = "nats.conf"  # the server's configuration (JSON): ``EmbeddedServer.conf_path``
+AUTH_SUBDIR = RUN_AUTH  # beside a run's store: its credentials (configs.paths.RunPaths.auth)
 ADDRESS_FILE = "server-address.json"  # under the store, kept: {"port", "name"} last served
 
 
@@ -120,7 +121,15 @@ class EmbeddedServer:
 
     @property
     def conf_path(self) -> Path:
-        """The configuration it runs with (rewritten at each start; mode 0600)."""
+        """The configuration it runs with (rewritten at each start; mode 0600): with the
+        launcher's credentials when it serves a run's identities (it holds every password;
+        ``bus.auth.admin_directory``, which role processes cannot read), else under the
+        store."""
+        if self.users is not None:
+            for run_dir in (self.data_dir.parent, self.data_dir.parent.parent):  # a node's too
+                if (run_dir / RUN_AUTH).is_dir():
+                    name = "-".join(self.data_dir.relative_to(run_dir).parts)
+                    return admin_directory(run_dir / RUN_AUTH) / f"{name}.conf"
         return self.data_dir / CONF_FILE
 
     @property
@@ -258,13 +267,6 @@ def running_server_url(data_dir: str | Path) -> str | None:
     return str(data["url"])
 
 
-def conf_files(data_dir: str | Path) -> list[Path]:
-    """The configuration files of the servers on ``data_dir`` (one, or a cluster's
-    nodes'): each holds every identity's password (``bus.sandbox`` hides them)."""
-    d = Path(data_dir)
-    return [d / CONF_FILE, *sorted(d.glob(f"*/{CONF_FILE}"))]
-
-
 def has_store(data_dir: str | Path) -> bool:
     """Whether an embedded server (or cluster) has stored JetStream data under ``data_dir``."""
     from bus.cluster import is_cluster_store
@@ -335,11 +337,13 @@ def _store_auth(directory: Path) -> RunAuth:
 @contextlib.contextmanager
 def _connecting_as(auth_dir: Path | None, identity: str) -> Iterator[None]:
     """Within the block, ``Bus.connect`` presents ``identity`` of the run whose auth
-    directory is ``auth_dir`` (unless ``$RLBUS_NATS_CREDS`` already names one)."""
+    directory is ``auth_dir`` (unless ``$RLBUS_NATS_CREDS`` already names one; none when
+    the run's identities were never made: its server lets anyone in)."""
     from bus.auth import CREDS_ENV, creds_path, env_set
 
-    if auth_dir is None or os.environ.get(CREDS_ENV):
+    creds = None if auth_dir is None else creds_path(auth_dir, identity)
+    if creds is None or not creds.exists() or os.environ.get(CREDS_ENV):
         yield
         return
-    with env_set({CREDS_ENV: str(creds_path(auth_dir, identity))}):
+    with env_set({CREDS_ENV: str(creds)}):
         yield

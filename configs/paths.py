@@ -12,9 +12,13 @@ resolves it to the same place.
 
 A run's directory, ``<data_dir>/<run>/``::
 
-    nats/              the embedded nats-server's store (``jetstream/``, its log, server.json,
-                       nats.conf); a cluster's: one ``n<i>/`` per node and cluster.json
-    auth/              the run's credentials: one file per role kind (mode 0600)
+    nats/              the embedded nats-server's store (``jetstream/``, its log, server.json;
+                       nats.conf when it has no credentials); a cluster's: one ``n<i>/`` per
+                       node and cluster.json
+    auth/              the run's credentials: one file per role kind (mode 0600) but the
+                       launcher's, which lives in ``<data_dir>/.admin/<run>/`` with the
+                       server's configuration (every password), outside every run directory:
+                       role processes cannot read it (``bus.sandbox``)
     config.toml        the resolved config (rollout.config.toml: ``rlbus rollout``'s, when
                        the run already has another one)
     logs/<name>.log    one log per role process

@@ -226,10 +226,7 @@ def _launch_locked(
     from bus.server import running_server_url
 
     run = paths.run
-    # Made before any role starts: a role's sandbox hides what appears later beside its
-    # run's secrets (``bus.sandbox``), so the directories roles write and read back exist.
-    for d in (paths.logs, paths.checkpoints, paths.lake, paths.initial_model.parent):
-        d.mkdir(parents=True, exist_ok=True)
+    paths.logs.mkdir(parents=True, exist_ok=True)
     live = live_view and sys.stdout.isatty()
     # With the live view on a terminal, routine lines would scroll it away: warnings only
     # there (every line still goes to logs/launcher.log).

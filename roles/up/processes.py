@@ -34,7 +34,7 @@ class RoleProcess:
     log_file: IO[bytes] | None = None
     exit_codes: list[int] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
-    # what it must not read (``bus.sandbox``): other identities' credentials, server configs
+    # what it must not read (``bus.sandbox``): the launcher's credentials, server configs
     hidden: list[Path] = field(default_factory=list)
     temp_dir: Path | None = None  # its TMPDIR when the system's lies above a hidden path
     # time.monotonic() when its pool retired it (SIGTERM: it drains, then exits); None: serving
@@ -135,27 +135,24 @@ def role_process(
     """One role process of the run at ``paths``, logging to ``logs/<name>.log``, with its
     role kind's credentials (``args[0]``, e.g. ``env``) when the run has them (its
     server requires them: ``bus.auth``), given through the environment, never argv;
-    sandboxed so that it cannot read another identity's (``hidden_from``)."""
+    sandboxed so that it cannot read the launcher's (``hidden_from``)."""
     return RoleProcess(
         name,
         role_argv(args, paths, url, config_path),
         paths.log(name),
         env=import_path_env() | role_env(paths, args[0]),
-        hidden=hidden_from(paths, args[0]),
+        hidden=hidden_from(paths),
         temp_dir=paths.dir / "tmp",
     )
 
 
-def hidden_from(paths: RunPaths, kind: str) -> list[Path]:
-    """What a role process of ``kind`` must not read: the launcher's and the other
-    kinds' credentials (``bus.auth.hidden_from``) and the server's configuration files,
-    which hold every password (``bus.server.conf_files``). Nothing when the run has no
-    credentials (its server lets anyone in)."""
-    from bus import auth, server
+def hidden_from(paths: RunPaths) -> list[Path]:
+    """What a role process of the run at ``paths`` must not read (``bus.auth.hidden_from``:
+    every run's launcher credentials and server configurations, the other runs'
+    credentials). Nothing when the run has no credentials (its server lets anyone in)."""
+    from bus.auth import hidden_from
 
-    if not paths.auth.is_dir():
-        return []
-    return [*auth.hidden_from(paths.auth, kind), *server.conf_files(paths.nats)]
+    return hidden_from(paths.auth) if paths.auth.is_dir() else []
 
 
 def role_env(paths: RunPaths, kind: str) -> dict[str, str]:

@@ -65,6 +65,11 @@ def injections(run: str) -> list[tuple[str, bytes]]:
         run=run, event_id=FORGED + "nan", algorithm="grpo", env=ENV, group_id="g-nan",
         request_id="r", task_index=0, step=0, samples=[nan], rewards=[0.5],
     )  # fmt: skip
+    absurd = SamplesScored(
+        run=run, event_id=FORGED + "absurd", algorithm="grpo", env=ENV, group_id="g-absurd",
+        request_id="r", task_index=0, step=0, rewards=[0.5], samples=[msgspec.structs.replace(
+            sample("absurd"), advantages=pack_f32([1e38] * 17), group_id="g-absurd")],
+    )  # fmt: skip
     weights = WeightsPublished(
         run=run, event_id=FORGED + "weights", version=10**9, step=10**9,
         weights={"kind": "object", "location": "weights.v1000000000"},  # type: ignore[arg-type]
@@ -108,6 +113,7 @@ def injections(run: str) -> list[tuple[str, bytes]]:
         # schema-valid, impossible for the fold that reads them
         (s(Topic.TASK_REQUESTED, "nope"), codec.encode(task)),
         (s(Topic.SAMPLES_SCORED, "grpo"), codec.encode(scores)),
+        (s(Topic.SAMPLES_SCORED, "grpo"), codec.encode(absurd)),  # finite, beyond bounds
         (s(Topic.WEIGHTS_PUBLISHED), codec.encode(weights)),
         (s(Topic.BATCH_ASSEMBLED), codec.encode(batch)),
         (s(Topic.METRICS_REPORTED, "eval"), codec.encode(report)),

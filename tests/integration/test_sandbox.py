@@ -1,6 +1,7 @@
-"""A role process started as ``rlbus up`` starts it cannot read another identity's
-secrets (the launcher's credentials, other kinds', the server's configuration) nor the
-launcher's memory, and still reads and writes everything else it needs (``bus.sandbox``)."""
+"""A role process started as ``rlbus up`` starts it cannot read the launcher's
+credentials, the server's configuration (every password), another run's credentials or
+the launcher's memory, and still reads and writes everything else it needs, its whole
+run directory included (``bus.sandbox``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from bus.auth import RunAuth, creds_path
+from bus.natsconf import write_conf
 from bus.sandbox import unavailable_reason
+from bus.server import EmbeddedServer
 from configs.paths import RunPaths
 from roles.up.processes import RoleProcess, hidden_from
 
@@ -39,12 +42,12 @@ print("PROBE " + json.dumps(out), flush=True)
 """
 
 
-def probe(paths: RunPaths, kind: str, files: list[Path]) -> dict[str, str]:
+def probe(paths: RunPaths, name: str, files: list[Path]) -> dict[str, str]:
     r = RoleProcess(
-        f"probe-{kind}",
+        name,
         [sys.executable, "-c", PROBE, *map(str, files)],
-        paths.log(f"probe-{kind}"),
-        hidden=hidden_from(paths, kind),
+        paths.log(name),
+        hidden=hidden_from(paths),
         temp_dir=paths.dir / "tmp",
     )
     r.start()
@@ -55,54 +58,54 @@ def probe(paths: RunPaths, kind: str, files: list[Path]) -> dict[str, str]:
     return result
 
 
-def test_a_role_process_reads_its_own_credentials_and_no_other_identity_s(
+def a_run(data: Path, run: str) -> RunPaths:
+    """A run's directory as ``rlbus up`` lays it out before its roles start: identities,
+    a config, the server's configuration (written by ``EmbeddedServer`` itself)."""
+    paths = RunPaths(data, run)
+    auth = RunAuth.ensure(paths.auth, run)
+    paths.logs.mkdir(parents=True)
+    paths.config.write_text("max_steps = 1\n")
+    server = EmbeddedServer(paths.nats, users=auth.users())
+    write_conf(server.conf_path, {"authorization": {"users": auth.users()}})
+    return paths
+
+
+def test_a_role_process_cannot_read_the_launchers_credentials_nor_its_memory(
     tmp_path: Path,
 ) -> None:
-    paths = RunPaths(tmp_path / "runs", "r1")
-    RunAuth.ensure(paths.auth, "r1")
-    paths.nats.mkdir(parents=True)
-    conf = paths.nats / "nats.conf"
-    conf.write_text('{"authorization": {"users": []}}')
-    paths.config.write_text("max_steps = 1\n")
-    paths.logs.mkdir()
+    paths = a_run(tmp_path / "runs", "r1")
+    other = a_run(tmp_path / "runs", "r2")
     launcher = creds_path(paths.auth, "launcher")
-    readable = [creds_path(paths.auth, "env"), paths.config, Path(json.__file__), Path(os.__file__)]
+    conf = EmbeddedServer(paths.nats, users=[]).conf_path
+    assert conf.parent == launcher.parent  # beside the launcher's credentials, not the store
+    readable = [creds_path(paths.auth, "env"), paths.config, Path(json.__file__)]
     secret = [
-        launcher,
-        creds_path(paths.auth, "trainer"),
-        creds_path(paths.auth, "inference"),
-        conf,
-    ]
+        launcher, conf,  # every password of this run
+        creds_path(other.auth, "launcher"), creds_path(other.auth, "env"),  # another run's
+    ]  # fmt: skip
     memory = Path(f"/proc/{os.getpid()}/environ")  # the launcher's: ptrace-guarded like its memory
-    seen = probe(paths, "env", [*readable, *secret, memory])
+    seen = probe(paths, "env-0", [*readable, *secret, memory])
     assert {str(p): seen[str(p)] for p in readable} == {str(p): "read" for p in readable}
     assert {str(p): seen[str(p)] for p in secret} == {str(p): "denied" for p in secret}
     assert seen[str(memory)] == "denied"
     # the run lives under the system's temporary directory here: the role's is the run's
     assert seen["temp round trip"] == "mine"
     assert Path(seen["temp dir"]) == paths.dir / "tmp"
-    # the launcher (this process) still reads its own, and so does the trainer its own
+    # the launcher (this process) still reads its own
     assert json.loads(launcher.read_text())["kind"] == "launcher"
-    assert probe(paths, "trainer", [creds_path(paths.auth, "trainer")]) == {
-        str(creds_path(paths.auth, "trainer")): "read",
-        "temp round trip": "mine",
-        "temp dir": str(paths.dir / "tmp"),
-    }
 
 
-def test_a_file_made_after_the_start_beside_a_secret_is_hidden_until_a_restart(
-    tmp_path: Path,
-) -> None:
-    """The rule that keeps a run's directories made before its roles start: what appears
-    later directly beside a secret (or one of its parents) is hidden from a role that is
-    already running, and readable after its restart, when the sandbox is built again."""
-    paths = RunPaths(tmp_path / "runs", "r1")
-    RunAuth.ensure(paths.auth, "r1")
-    paths.logs.mkdir()
-    late = paths.dir / "late.txt"
+def test_the_run_directory_stays_whole_and_a_later_run_is_hidden(tmp_path: Path) -> None:
+    """What a role makes in its run directory after it started, it reads back (its run
+    directory is allowed whole); a run started after it is hidden from it (an entry that
+    appears later beside the secrets' ancestors), and readable after its restart."""
+    paths = a_run(tmp_path / "runs", "r1")
+    later = tmp_path / "runs" / "r3" / "notes.txt"
     script = (
         "import sys, time\n"
-        "p = sys.argv[1]\n"
+        "mine = sys.argv[1] + '/made-later.txt'\n"
+        "open(mine, 'w').write('x'); print('PROBE own', open(mine).read(), flush=True)\n"
+        "p = sys.argv[2]\n"
         "while True:\n"
         "    try:\n"
         "        open(p).read(); print('PROBE read', flush=True); break\n"
@@ -110,14 +113,15 @@ def test_a_file_made_after_the_start_beside_a_secret_is_hidden_until_a_restart(
         "    except PermissionError: print('PROBE denied', flush=True); break\n"
     )
     r = RoleProcess(
-        "late", [sys.executable, "-c", script, str(late)], paths.log("late"),
-        hidden=hidden_from(paths, "env"), temp_dir=paths.dir / "tmp",
+        "late", [sys.executable, "-c", script, str(paths.dir), str(later)], paths.log("late"),
+        hidden=hidden_from(paths), temp_dir=paths.dir / "tmp",
     )  # fmt: skip
     r.start()
     time.sleep(0.3)
-    late.write_text("x")
+    later.parent.mkdir()
+    later.write_text("x")
     r.wait(30)
-    assert "PROBE denied" in r.tail()
+    assert "PROBE own x" in r.tail() and "PROBE denied" in r.tail(), r.tail()
     r.start()
     r.wait(30)
     assert r.tail().splitlines()[-1] == "PROBE read"
@@ -125,4 +129,4 @@ def test_a_file_made_after_the_start_beside_a_secret_is_hidden_until_a_restart(
 
 def test_a_run_without_credentials_runs_its_roles_unconfined(tmp_path: Path) -> None:
     paths = RunPaths(tmp_path / "runs", "open")
-    assert hidden_from(paths, "env") == []
+    assert hidden_from(paths) == []

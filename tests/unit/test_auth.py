@@ -185,14 +185,24 @@ def test_declared_durables_are_kept_with_the_credentials(tmp_path: Path) -> None
 
 
 def test_the_launchers_credentials_live_apart(tmp_path: Path) -> None:
-    a = RunAuth.ensure(tmp_path / "auth", "r1")
+    """Outside the run directory, under the data directory's ``.admin`` (a role's sandbox
+    hides all of it); a run laid out before moves its file there."""
+    old = tmp_path / "runs" / "r1" / "auth-admin"
+    old.mkdir(parents=True)
+    doc = {"run": "r1", "kind": "launcher", "password": "p", "user": "u", "inbox_prefix": "i"}
+    (old / "launcher.creds").write_text(json.dumps(doc))
+    a = RunAuth.ensure(tmp_path / "runs" / "r1" / "auth", "r1")
     launcher = a.creds_file("launcher")
-    assert launcher.parent == tmp_path / "auth-admin" and launcher.exists()
+    assert launcher.parent == tmp_path / "runs" / ".admin" / "r1" and launcher.exists()
+    assert a.creds("launcher").password == "p" and not (old / "launcher.creds").exists()
     assert stat.S_IMODE(launcher.parent.stat().st_mode) == 0o700
-    assert not (tmp_path / "auth" / "launcher.creds").exists()
-    assert {p.name for p in (tmp_path / "auth").iterdir()} == {
+    assert {p.name for p in (tmp_path / "runs" / "r1" / "auth").iterdir()} == {
         f"{k}.creds" for k in KINDS if k != "launcher"
     }
+    # elsewhere (``rlbus nats config --out deploy``): beside the directory
+    assert RunAuth.ensure(tmp_path / "deploy" / "r1", "r1").creds_file("launcher").parent == (
+        tmp_path / "deploy" / "r1-admin"
+    )
     # a run made before: its launcher file is moved, the same password kept
     old = tmp_path / "old"
     b = RunAuth.ensure(old / "auth", "r2")
