@@ -9,6 +9,7 @@
 - ``cluster``: a JetStream cluster of several routed nats-server nodes (loopback or files)
 - ``codec``: events to bytes and headers, and decoding them back to declared types
 - ``runtime``: ``Bus``, a connection to one run: publishing events with dedup ids and acks
+- ``settings``: ``BusSettings``, the bus's settings and their defaults (the config's too)
 - ``consumer``: the durable pull-consumer loop (fetch, decode, handle, publish, then ack;
   ``Effects``, dead letters)
 - ``follower``: the second consumer kind, a follower of the log declared next to its handler

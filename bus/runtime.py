@@ -47,6 +47,7 @@ from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore, sha256_digest
 from bus.registry import Heartbeat, list_roles
+from bus.settings import BusSettings
 from bus.subjects import (
     objects_bucket,
     roles_bucket_name,
@@ -69,27 +70,6 @@ class StreamState:
     messages: int
     bytes: int
     last_seq: int
-
-
-@dataclass(frozen=True)
-class BusSettings:
-    offload_threshold_bytes: int = 512 * 1024
-    # per attempt: a stream leader lost mid-publish, or a server restart, costs this
-    publish_timeout_s: float = 2.0
-    publish_attempts: int = 5
-    # ...and keep retrying this long: a cluster elects a new stream leader in seconds.
-    publish_patience_s: float = 30.0
-    publish_window: int = 256  # max un-acked async publishes
-    publish_window_bytes: int = (
-        32 * 1024 * 1024
-    )  # cap in-flight bytes (stream ingest queue, NATS_NOTES #3)
-    duplicate_window_s: float = 3600.0
-    max_deliver: int = 5
-    ack_wait_s: float = 3.0
-    nak_delay_s: float = 1.0
-    server_lost_s: float = 60.0  # unreachable this long: ``watch_server`` gives up
-    replicas: int = 1  # copies of the run's stream and object store (3 on a cluster)
-    squat_steps: int = 3  # salted ids tried for a squatted event before PublishError
 
 
 _RETRYABLE = (

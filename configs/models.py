@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from bus.settings import BusSettings
 from configs.orchestrator import OrchestratorConfig, orchestrator_problems, pool_bounds
 
 # Run ids become NATS subject tokens and stream names (`RL_<run>`), where dots,
@@ -26,24 +27,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_BUS = BusSettings()
+
+
 class BusConfig(_Section):
     """Connection to NATS JetStream and the delivery guarantees of every consumer."""
 
     url: str | None = None  # None = start an embedded nats-server under the run directory
     data_dir: str = "runs"  # root of run directories (JetStream store, weights, logs)
+    # The defaults are bus.settings.BusSettings's (one place; what each means is there).
     # Bodies larger than this go to the object store; NATS max_payload defaults to 1 MB.
-    offload_threshold_bytes: int = Field(default=512 * 1024, gt=0)
-    max_deliver: int = Field(default=5, ge=1)  # deliveries before a message is dead-lettered
+    offload_threshold_bytes: int = Field(default=_BUS.offload_threshold_bytes, gt=0)
+    max_deliver: int = Field(default=_BUS.max_deliver, ge=1)  # then a message is dead-lettered
     # Seconds a consumer may hold a message unanswered before the server redelivers it:
     # how soon work held by a dead consumer comes back. Live consumers keep every message
     # they hold alive (`in_progress` every ack_wait/3), so a slow handler is not affected.
-    ack_wait_s: float = Field(default=3.0, gt=0)
-    nak_delay_s: float = Field(default=1.0, ge=0)
+    ack_wait_s: float = Field(default=_BUS.ack_wait_s, gt=0)
+    nak_delay_s: float = Field(default=_BUS.nak_delay_s, ge=0)
     # How long the stream remembers Nats-Msg-Id values to drop duplicate publishes.
-    duplicate_window_s: float = Field(default=3600.0, gt=0)
+    duplicate_window_s: float = Field(default=_BUS.duplicate_window_s, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     # A role whose server stays unreachable this long exits with a one-line error.
-    server_lost_s: float = Field(default=60.0, gt=0)
+    server_lost_s: float = Field(default=_BUS.server_lost_s, gt=0)
     # Nodes of the embedded JetStream cluster `rlbus up` starts on loopback (1: one server).
     cluster: int = Field(default=1, ge=1, le=9)
     # Copies of the run's stream, object store and role registry. None: 1 on one server,
