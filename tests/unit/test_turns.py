@@ -202,6 +202,29 @@ def test_a_harness_declares_its_own_schedule_and_it_is_its_turn_plan() -> None:
         Environment("bad", ListTaskset([{"n": 1}]), Bad(None), Rubric({"x": answered}))
 
 
+def test_an_env_with_members_it_cannot_run_is_refused_when_built() -> None:
+    """Env code as a user writes it: empty or twice-listed members, a judge or a rubric's
+    member reward naming no member, each refused in one line naming the env and them."""
+
+    def build(members: tuple[str, ...], judges: tuple[str, ...] = (), rewarded: str = "a") -> None:
+        class Team(Cued):
+            pass
+
+        Team.members, Team.judges = members, judges
+        rubric = Rubric({"x": answered}, member_funcs={rewarded: answered})
+        Environment("team", ListTaskset([{"n": 1}]), Team(None), rubric)
+
+    build(("a", "b"), judges=("b",))  # a well-formed one
+    for members, judges, rewarded, says in [
+        (("a", ""), (), "a", r"env 'team': a member has an empty name \(members: \['a', ''\]\)"),
+        (("a", "b", "a"), (), "a", r"members \['a'\] are listed twice"),
+        (("a", "b"), ("j",), "a", r"judges \['j'\] are not members"),
+        (("a", "b"), (), "c", r"its rubric rewards \['c'\], which are not members"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            build(members, judges, rewarded)
+
+
 # -- min_turns ----------------------------------------------------------------------------
 
 

@@ -544,6 +544,25 @@ async def _awaited(value: Awaitable[Any]) -> Any:
 # -- environment ------------------------------------------------------------------------
 
 
+def members_problem(
+    env: str, members: Sequence[str], judges: Sequence[str], rewarded: Sequence[str]
+) -> str | None:
+    """Why env ``env`` cannot run with ``members``, ``judges`` among them and a rubric
+    that rewards the members ``rewarded`` (``Rubric.member_funcs``), or None."""
+    if any(not isinstance(m, str) or not m.strip() for m in members):
+        return f"env {env!r}: a member has an empty name (members: {list(members)})"
+    if twice := sorted({m for m in members if list(members).count(m) > 1}):
+        return f"env {env!r}: members {twice} are listed twice (members: {list(members)})"
+    if unknown := sorted(set(judges) - set(members)):
+        return f"env {env!r}: judges {unknown} are not members"
+    if unknown := sorted(set(rewarded) - set(members)):
+        return (
+            f"env {env!r}: its rubric rewards {unknown}, which are not members "
+            f"(members: {list(members)})"
+        )
+    return None
+
+
 def schedule_problem(env: str, members: Sequence[str], schedule: Sequence[str]) -> str | None:
     """Why ``schedule`` cannot order the turns of env ``env`` with ``members``, or None."""
     if not schedule:
@@ -581,11 +600,12 @@ class Environment:
         self.members = tuple(members) or tuple(harness.members)
         self.judges = tuple(judges) or tuple(harness.judges)
         self.state_columns = tuple(state_columns) or tuple(harness.state_columns)
-        unknown = set(self.judges) - set(self.members)
-        if unknown:
-            raise ValueError(f"env {name!r}: judges {sorted(unknown)} are not members")
-        if why := schedule_problem(name, self.members, harness.schedule):
-            raise ValueError(why)
+        for why in (
+            members_problem(name, self.members, self.judges, tuple(rubric.member_funcs)),
+            schedule_problem(name, self.members, harness.schedule),
+        ):
+            if why:
+                raise ValueError(why)
 
     @property
     def seats(self) -> tuple[str, ...]:
