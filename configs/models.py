@@ -61,6 +61,11 @@ class BusConfig(_Section):
     tls_ca: str | None = None
     # The embedded server's HTTP monitoring port (on 127.0.0.1). None: off.
     monitor_port: int | None = Field(default=None, ge=1, le=65535)
+    # Role processes the launcher starts cannot read the launcher's credentials, the
+    # server's configuration, another run's credentials or the launcher's memory (Linux
+    # Landlock, capabilities dropped: bus.sandbox). false: they run unconfined, as every
+    # process of one OS user does (e.g. a GPU transport that needs ptrace between roles).
+    sandbox: bool = True
 
     @model_validator(mode="after")
     def _tls_complete(self) -> BusConfig:

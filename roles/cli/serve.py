@@ -77,8 +77,9 @@ async def _serve(cfg: Any, paths: Any, url: str, config_path: Path, timeout_s: f
     bus = await Bus.connect(url, run=paths.run, producer="cli-serve", settings=bus_settings(cfg))
     await bus.ensure_stream()
     roles = [
-        role_process("inference-policy-0", ["inference", "--model", "policy"], paths, url, config_path),
-        role_process("gateway", ["gateway"], paths, url, config_path),
+        role_process("inference-policy-0", ["inference", "--model", "policy"], paths, url,
+                     config_path, sandbox=cfg.bus.sandbox),
+        role_process("gateway", ["gateway"], paths, url, config_path, sandbox=cfg.bus.sandbox),
     ]  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

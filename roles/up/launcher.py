@@ -148,7 +148,10 @@ def role_specs(
     """Every role process the config needs at the start, placed by the CPU ``plan``
     (default: this run's on this machine)."""
     plan = run_cpu_plan(cfg) if plan is None else plan
-    return [placed(role_process(name, args, paths, url), plan) for name, args in role_commands(cfg)]
+    return [
+        placed(role_process(name, args, paths, url, sandbox=cfg.bus.sandbox), plan)
+        for name, args in role_commands(cfg)
+    ]
 
 
 def run_cpu_plan(cfg: RunConfig) -> dict[str, Slot]:
@@ -267,8 +270,9 @@ def _launch_locked(
         if len(servers) > 1:
             print(f"nats cluster: {len(servers)} nodes, {cfg.bus.resolved_replicas()} replicas", flush=True)  # fmt: skip
         pools = run_pools(
-            cfg, roles, lambda name, args: placed(role_process(name, args, paths, url), plan)
-        )
+            cfg, roles,
+            lambda name, args: placed(role_process(name, args, paths, url, sandbox=cfg.bus.sandbox), plan),
+        )  # fmt: skip
         return asyncio.run(supervise(cfg, paths, url, roles, live_view, servers, pools))
 
 

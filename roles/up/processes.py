@@ -130,18 +130,20 @@ def import_path_env() -> dict[str, str]:
 
 
 def role_process(
-    name: str, args: list[str], paths: RunPaths, url: str, config_path: Path | None = None
-) -> RoleProcess:
+    name: str, args: list[str], paths: RunPaths, url: str, config_path: Path | None = None,
+    *, sandbox: bool = True,
+) -> RoleProcess:  # fmt: skip
     """One role process of the run at ``paths``, logging to ``logs/<name>.log``, with its
     role kind's credentials (``args[0]``, e.g. ``env``) when the run has them (its
     server requires them: ``bus.auth``), given through the environment, never argv;
-    sandboxed so that it cannot read the launcher's (``hidden_from``)."""
+    sandboxed so that it cannot read the launcher's (``hidden_from``; ``sandbox``: the
+    config's ``bus.sandbox``)."""
     return RoleProcess(
         name,
         role_argv(args, paths, url, config_path),
         paths.log(name),
         env=import_path_env() | role_env(paths, args[0]),
-        hidden=hidden_from(paths),
+        hidden=hidden_from(paths) if sandbox else [],
         temp_dir=paths.dir / "tmp",
     )
 

@@ -308,7 +308,7 @@ async def start_missing_roles(
     started: list[RoleProcess] = []
     try:
         for name, args in todo:
-            role = role_process(name, args, paths, url, config_path)
+            role = role_process(name, args, paths, url, config_path, sandbox=cfg.bus.sandbox)
             role.start()
             started.append(role)
             note(f"started {name} (pid {role.proc.pid if role.proc else '?'}, log {role.log_path})")

@@ -1,4 +1,5 @@
-"""`rlbus up` says which device each model-running role uses, resolved as the roles do."""
+"""`rlbus up` says which device each model-running role uses, resolved as the roles do;
+what each role process is started with (its sandbox: ``bus.sandbox``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from bus.auth import RunAuth
 from configs import RunPaths, load_config
 from roles.up.launcher import role_devices, role_specs
 
@@ -27,3 +29,14 @@ def test_explicit_devices_and_vllm(tmp_path: Path) -> None:
     found = devices(tmp_path, "trainer.device=cuda:1", 'inference.backend="vllm"')
     assert found["trainer"] == "cuda:1"
     assert found["inference-policy-0"] == "cuda (vllm)"
+
+
+def test_bus_sandbox_false_starts_every_role_unconfined(tmp_path: Path) -> None:
+    """The config's switch reaches every role process the launcher would start."""
+    paths = RunPaths(tmp_path / "runs", "r1")
+    RunAuth.ensure(paths.auth, "r1")
+    confined = role_specs(load_config("smoke"), paths, "nats://x")
+    assert confined and all(r.hidden == [tmp_path / "runs" / ".admin"] for r in confined)
+    free = role_specs(load_config("smoke", ["bus.sandbox=false"]), paths, "nats://x")
+    assert [r.name for r in free] == [r.name for r in confined]
+    assert all(r.hidden == [] for r in free)
