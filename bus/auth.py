@@ -331,17 +331,18 @@ def creds_path(directory: str | Path, kind: str) -> Path:
 
 def hidden_from(directory: str | Path) -> list[Path]:
     """What a role process of the run whose auth directory is ``directory`` must not read
-    (``bus.sandbox`` hides it): every run's launcher credentials and server configurations
-    (``<data>/.admin``), and the other runs' credentials. (Its own run's directory stays
-    whole, the other kinds' credentials in it included: a boundary between the kinds of
-    one run needs separate hosts or OS users.)"""
+    or write (``bus.sandbox`` hides it): every run's launcher credentials and server
+    configurations (``<data>/.admin``), and the other runs' credentials and stores
+    (``nats/``: an older layout kept its configuration there). (Its own run's directory
+    stays whole, the other kinds' credentials in it included: a boundary between the
+    kinds of one run needs separate hosts or OS users.)"""
     d = Path(directory).absolute()
     run_dir, data = d.parent, d.parent.parent
     others: list[Path] = []
     if data.is_dir():
         for entry in data.iterdir():
             if entry != run_dir and entry.name != ADMIN_ROOT:
-                others += [entry / RUN_AUTH, entry / f"{RUN_AUTH}-admin"]  # (an older layout's)
+                others += [entry / RUN_AUTH, entry / f"{RUN_AUTH}-admin", entry / "nats"]
     return [data / ADMIN_ROOT, *others]
 
 
@@ -368,9 +369,15 @@ class RunAuth:
             sub.chmod(0o700)
         # A run made before the admin directory, or when it sat beside the auth directory
         # (``<run>/auth-admin``): its launcher credentials move there.
+        # A copy left where role processes can reach it is removed once the file is there.
         for old in (d / "launcher.creds", d.with_name(f"{d.name}-admin") / "launcher.creds"):
-            if old.exists() and not creds_path(d, "launcher").exists():
-                old.rename(creds_path(d, "launcher"))
+            if old == creds_path(d, "launcher"):
+                continue
+            with contextlib.suppress(FileNotFoundError):  # (a concurrent ensure moved it)
+                if not creds_path(d, "launcher").exists():
+                    old.rename(creds_path(d, "launcher"))
+                else:
+                    old.unlink()
         passwords = {}
         for kind in KINDS:
             path = creds_path(d, kind)

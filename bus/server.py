@@ -187,6 +187,8 @@ class EmbeddedServer:
             tls=self.tls, monitor_port=self.monitor_port,
         )  # fmt: skip
         write_conf(self.conf_path, conf)
+        if self.conf_path.parent != self.data_dir:  # an older layout's copy, every password
+            (self.data_dir / CONF_FILE).unlink(missing_ok=True)
         cmd = [binary, "-c", str(self.conf_path), "-l", str(self.log_path)]
         # Own session: a terminal Ctrl-C must reach our owner, not the server, so roles can
         # still drain (ack, publish) through it; the owner stops it last. If the owner dies

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 Key = tuple[str, str]  # (event type, event id)
 UNCOMPARED = ("ts_ns", "producer")  # the producer's clock and name: not decisions
+# Fields added since a log may have been written: a recorded None is "not recorded yet"
+ADDED = ("number",)  # TaskRequested.number (the group counter)
 
 
 def key(event: Event) -> Key:
@@ -169,10 +171,12 @@ def diff_decisions(log: OrchestratorLog, redone: Redecided) -> OrchestratorDiff:
 
 
 def differing_fields(old: Event, new: Event) -> list[str]:
-    """The fields (but ``UNCOMPARED``) whose encoded values differ."""
+    """The fields (but ``UNCOMPARED``, and an ``ADDED`` one ``old`` does not record)
+    whose encoded values differ."""
     a, b = msgspec.structs.asdict(old), msgspec.structs.asdict(new)
     enc = msgspec.msgpack.encode
-    names = [n for n in a.keys() | b.keys() if n not in UNCOMPARED]
+    unrecorded = {n for n in ADDED if n in a and a[n] is None}
+    names = [n for n in a.keys() | b.keys() if n not in UNCOMPARED and n not in unrecorded]
     return sorted(n for n in names if enc(a.get(n)) != enc(b.get(n)))
 
 

@@ -468,7 +468,10 @@ def server_options(ctx: RoleContext, env_id: str) -> dict[str, Any]:
         "models": ctx.cfg.orchestrator.model_keys(),
         "concurrency": concurrency or ctx.cfg.env_server.groups_in_flight,
         "heartbeat_interval_s": ctx.cfg.bus.heartbeat_interval_s,
-        "undispatched": functools.partial(undispatched, ctx.cfg, ctx.run),
+        # (not under ``rlbus rollout``'s config: another's, with the run's queue shared)
+        "undispatched": functools.partial(undispatched, ctx.cfg, ctx.run)
+        if ctx.runs_config
+        else None,
     }
 
 

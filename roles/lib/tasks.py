@@ -120,7 +120,7 @@ def undispatched(cfg: RunConfig, run: str, request: TaskRequested) -> str | None
     else:
         if request.phase == "sft" and cfg.orchestrator.warmup.steps == 0:
             return "an sft task in a run without a warm start"
-        if request.number is None:
+        if request.number is None:  # (a request logged before the counter was, too)
             return f"a train task ({request.phase}) without the orchestrator's group number"
         ours = train_request(
             cfg, run, request.number, request.phase, step=request.step,

@@ -271,8 +271,14 @@ class OrchestratorState:
             self.eval_rounds[version].dead += 1
 
     def expects(self, event: SamplesScored) -> bool:
+        """Whether ``event`` answers one of its groups: its group, through the request
+        this orchestrator made for it (an adhoc request may reuse a group's id)."""
         group = self.groups.get(event.group_id)
-        return group is not None and event.algorithm in group.waiting_for
+        return (
+            group is not None
+            and event.request_id == group.request.event_id
+            and event.algorithm in group.waiting_for
+        )
 
     def _on_scored(self, event: SamplesScored, skip_zero: bool) -> None:
         if not self.expects(event):

@@ -64,6 +64,10 @@ class RoleContext:
     url: str
     cfg: RunConfig
     instance: str
+    # Whether ``cfg`` is the run's own config (its ``config.toml`` or ``run.started``), not
+    # the one ``rlbus rollout`` started this role with (``rollout.config.toml``): the
+    # env server checks the orchestrator's requests against the run's own alone.
+    runs_config: bool = True
 
     @property
     def paths(self) -> RunPaths:
@@ -121,4 +125,9 @@ async def role_context(
         cfg = resolve(started.config)
     cfg.run = run
     settle_data_dir(cfg, flag=data_dir)
-    return RoleContext(run=run, url=url, cfg=cfg, instance=instance)
+    own = config is None or not _is_rollout_config(config, RunPaths.of(cfg, run))
+    return RoleContext(run=run, url=url, cfg=cfg, instance=instance, runs_config=own)
+
+
+def _is_rollout_config(config: str, paths: RunPaths) -> bool:
+    return Path(config).resolve() == paths.rollout_config.resolve()

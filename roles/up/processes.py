@@ -9,12 +9,14 @@ and its exit is no crash.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -34,8 +36,9 @@ class RoleProcess:
     log_file: IO[bytes] | None = None
     exit_codes: list[int] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
-    # what it must not read (``bus.sandbox``): the launcher's credentials, server configs
-    hidden: list[Path] = field(default_factory=list)
+    # What it must not touch (``bus.sandbox``: the launcher's credentials, server configs,
+    # other runs'), asked at each start; None: unconfined.
+    hidden: Callable[[], list[Path]] | None = None
     temp_dir: Path | None = None  # its TMPDIR when the system's lies above a hidden path
     # time.monotonic() when its pool retired it (SIGTERM: it drains, then exits); None: serving
     retiring_since: float | None = None
@@ -47,11 +50,12 @@ class RoleProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = self.log_path.open("ab")
         env = os.environ | self.env
-        if self.temp_dir is not None and (tmp := temp_dir_for(self.hidden, self.temp_dir)):
+        hidden = self.hidden() if self.hidden is not None else []
+        if hidden and self.temp_dir is not None and (tmp := temp_dir_for(hidden, self.temp_dir)):
             tmp.mkdir(parents=True, exist_ok=True)
             env["TMPDIR"] = str(tmp)
         # Built afresh at each start: it allows what is beside the hidden paths right now.
-        sandbox = Sandbox.build(self.hidden) if self.hidden else None
+        sandbox = Sandbox.build(hidden) if hidden else None
         try:
             # A launcher that dies without stopping its roles (SIGKILL) takes them along:
             # the run is resumable from its log (``rlbus up --run R --resume``), orphans
@@ -143,7 +147,7 @@ def role_process(
         role_argv(args, paths, url, config_path),
         paths.log(name),
         env=import_path_env() | role_env(paths, args[0]),
-        hidden=hidden_from(paths) if sandbox else [],
+        hidden=functools.partial(hidden_from, paths) if sandbox else None,
         temp_dir=paths.dir / "tmp",
     )
 

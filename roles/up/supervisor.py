@@ -496,7 +496,7 @@ async def supervise(
     follower = RunFollower(bus, monitor)
     await begin_segment(monitor, follower, paths)  # before any role publishes
     keeper = RoleKeeper(roles, view, log)
-    if any(r.hidden for r in roles) and (why := unavailable_reason()) is not None:
+    if any(r.hidden is not None for r in roles) and (why := unavailable_reason()) is not None:
         log.warning("roles.unconfined", reason=why, reads="every credential of this run")
     for r in roles:
         keeper.start(r)

@@ -80,7 +80,10 @@ async def test_bad_events_failing_groups_and_stopped_roles(tmp_path: Path) -> No
     trainer = (await running_role(url, run, "trainer")).pid
     if unavailable_reason() is None:  # roles run sandboxed (bus.sandbox; tests/integration)
         status = await asyncio.to_thread(Path(f"/proc/{trainer}/status").read_text)
-        assert "NoNewPrivs:\t1" in status and "CapEff:\t0000000000000000" in status, status
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        # no-new-privileges; none of DAC_READ_SEARCH, SYS_PTRACE, SYS_ADMIN, MKNOD
+        reach = (1 << 2) | (1 << 19) | (1 << 21) | (1 << 27)
+        assert fields["NoNewPrivs"] == "1" and not int(fields["CapEff"], 16) & reach, status
     log = tmp_path / run / "logs" / "orchestrator.log"
     await pause(trainer, 60, until=log, says=('"run.stalled"', "trainer", "no heartbeat"))
     await pause((await running_role(url, run, "algorithm", "grpo")).pid, 8)  # > group_timeout_s

@@ -34,6 +34,18 @@ for path in sys.argv[1:]:
         out[path] = "read"
     except OSError as e:
         out[path] = "denied" if e.errno in (1, 13) else f"errno {e.errno}"
+    if "launcher" in path:  # what a role could do to the launcher's file instead
+        for what, act in [
+            ("write", lambda: open(path, "ab").close()),
+            ("remove", lambda: os.unlink(path)),
+            ("make beside", lambda: open(os.path.join(os.path.dirname(path), "x"), "w").close()),
+            ("replace", lambda: os.rename(os.environ["MINE"], path)),
+        ]:
+            try:
+                act()
+                out[what] = "done"
+            except OSError as e:
+                out[what] = "denied" if e.errno in (1, 13, 18) else f"errno {e.errno}"
 with tempfile.NamedTemporaryFile("w+", delete=False) as f:
     f.write("mine")
 out["temp round trip"] = open(f.name).read()
@@ -42,12 +54,15 @@ print("PROBE " + json.dumps(out), flush=True)
 """
 
 
-def probe(paths: RunPaths, name: str, files: list[Path]) -> dict[str, str]:
+def probe(
+    paths: RunPaths, name: str, files: list[Path], env: dict[str, str] | None = None
+) -> dict[str, str]:
     r = RoleProcess(
         name,
         [sys.executable, "-c", PROBE, *map(str, files)],
         paths.log(name),
-        hidden=hidden_from(paths),
+        env=env or {},
+        hidden=lambda: hidden_from(paths),
         temp_dir=paths.dir / "tmp",
     )
     r.start()
@@ -84,10 +99,16 @@ def test_a_role_process_cannot_read_the_launchers_credentials_nor_its_memory(
         creds_path(other.auth, "launcher"), creds_path(other.auth, "env"),  # another run's
     ]  # fmt: skip
     memory = Path(f"/proc/{os.getpid()}/environ")  # the launcher's: ptrace-guarded like its memory
-    seen = probe(paths, "env-0", [*readable, *secret, memory])
+    mine = paths.dir / "mine.creds"  # a file of its own run, to move over the launcher's
+    mine.write_text("{}")
+    seen = probe(paths, "env-0", [*readable, *secret, memory], env={"MINE": str(mine)})
     assert {str(p): seen[str(p)] for p in readable} == {str(p): "read" for p in readable}
     assert {str(p): seen[str(p)] for p in secret} == {str(p): "denied" for p in secret}
     assert seen[str(memory)] == "denied"
+    assert {k: seen[k] for k in ("write", "remove", "make beside", "replace")} == dict.fromkeys(
+        ("write", "remove", "make beside", "replace"), "denied"
+    )
+    assert json.loads(launcher.read_text())["kind"] == "launcher" and mine.exists()
     # the run lives under the system's temporary directory here: the role's is the run's
     assert seen["temp round trip"] == "mine"
     assert Path(seen["temp dir"]) == paths.dir / "tmp"
@@ -114,7 +135,7 @@ def test_the_run_directory_stays_whole_and_a_later_run_is_hidden(tmp_path: Path)
     )
     r = RoleProcess(
         "late", [sys.executable, "-c", script, str(paths.dir), str(later)], paths.log("late"),
-        hidden=hidden_from(paths), temp_dir=paths.dir / "tmp",
+        hidden=lambda: hidden_from(paths), temp_dir=paths.dir / "tmp",
     )  # fmt: skip
     r.start()
     time.sleep(0.3)

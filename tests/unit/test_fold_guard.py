@@ -167,3 +167,15 @@ async def test_an_algorithm_that_raises_answers_the_group_as_failed() -> None:
     assert out.group_id == group_id
     ok = sample()
     assert ok.problem() is None
+
+
+def test_scores_answer_a_group_only_through_the_request_made_for_it() -> None:
+    """An adhoc request may reuse a pending group's id (``rlbus rollout`` runs any
+    adhoc task): its scores are not the group's, and the group waits for its own."""
+    cfg, state, tasks = running()
+    t = tasks[0]
+    adhoc = msgspec.structs.replace(scored(t, [0.0, 1.0, 0.0, 1.0]), request_id="adhoc-req")
+    assert not state.expects(adhoc)
+    step(state, cfg, adhoc)
+    assert t.group_id in state.groups  # still waiting
+    assert state.expects(scored(t, [0.0, 1.0, 0.0, 1.0]))

@@ -77,6 +77,18 @@ def test_a_changed_decision_is_named_with_its_fields() -> None:
     assert d.changed == [f"BatchAssembled {batch.event_id}: policy_version, samples"]
 
 
+def test_a_log_written_before_the_group_number_still_matches() -> None:
+    """Task requests logged before ``TaskRequested.number`` existed carry none: replay
+    does not count that as a difference (a recorded number that differs still is)."""
+    log, _ = recorded_run()
+    tasks = [k for k, e in log.recorded.items() if isinstance(e, TaskRequested) and e.number]
+    old, bent = tasks[0], tasks[1]
+    log.recorded[old] = msgspec.structs.replace(log.recorded[old], number=None)
+    log.recorded[bent] = msgspec.structs.replace(log.recorded[bent], number=10**6)
+    d = diff_decisions(log, redecide(log))
+    assert d.changed == [f"TaskRequested {bent[1]}: number"]
+
+
 def test_a_forged_decision_must_have_been_dead_lettered() -> None:
     """A batch on the log that the core never made is refused; only a dead letter of it
     in the run makes the replay match (the run refused it too)."""
