@@ -318,7 +318,13 @@ def admin_directory(directory: str | Path) -> Path:
     d = Path(directory)
     if d.name == RUN_AUTH:
         return d.parent.parent / ADMIN_ROOT / d.parent.name
-    return d.with_name(f"{d.name}-admin")
+    return _beside(d)
+
+
+def _beside(directory: Path) -> Path:
+    """``<directory>-admin``: the admin directory outside a run layout (and a run's own
+    before ``.admin``, which ``RunAuth.ensure`` moves from)."""
+    return directory.with_name(f"{directory.name}-admin")
 
 
 def creds_path(directory: str | Path, kind: str) -> Path:
@@ -335,14 +341,17 @@ def hidden_from(directory: str | Path) -> list[Path]:
     configurations (``<data>/.admin``), and the other runs' credentials and stores
     (``nats/``: an older layout kept its configuration there). (Its own run's directory
     stays whole, the other kinds' credentials in it included: a boundary between the
-    kinds of one run needs separate hosts or OS users.)"""
+    kinds of one run needs separate hosts or OS users.) Nothing when the run has no auth
+    directory: its server lets anyone in."""
     d = Path(directory).absolute()
+    if not d.is_dir():
+        return []
     run_dir, data = d.parent, d.parent.parent
     others: list[Path] = []
-    if data.is_dir():
-        for entry in data.iterdir():
-            if entry != run_dir and entry.name != ADMIN_ROOT:
-                others += [entry / RUN_AUTH, entry / f"{RUN_AUTH}-admin", entry / "nats"]
+    for entry in data.iterdir():
+        if entry != run_dir and entry.name != ADMIN_ROOT:
+            auth = entry / RUN_AUTH
+            others += [auth, _beside(auth), entry / "nats"]
     return [data / ADMIN_ROOT, *others]
 
 
@@ -370,7 +379,7 @@ class RunAuth:
         # A run made before the admin directory, or when it sat beside the auth directory
         # (``<run>/auth-admin``): its launcher credentials move there.
         # A copy left where role processes can reach it is removed once the file is there.
-        for old in (d / "launcher.creds", d.with_name(f"{d.name}-admin") / "launcher.creds"):
+        for old in (d / "launcher.creds", _beside(d) / "launcher.creds"):
             if old == creds_path(d, "launcher"):
                 continue
             with contextlib.suppress(FileNotFoundError):  # (a concurrent ensure moved it)

@@ -80,25 +80,23 @@ _SYSCALL: Callable[..., int] | None = None if _LIBC is None else _LIBC.syscall
 _PRCTL: Callable[..., int] | None = None if _LIBC is None else _LIBC.prctl
 
 
-def _abi() -> int:
-    """Landlock's ABI version here (0: none)."""
+def _abi() -> tuple[int, str]:
+    """Landlock's ABI version here (0: none) and, without one, why."""
     if _SYSCALL is None:
-        return 0
-    return max(0, _SYSCALL(_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION))
+        return 0, f"Landlock is Linux's; this is {sys.platform}"
+    abi = _SYSCALL(_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION)
+    if abi < 1:
+        return 0, f"this kernel has no Landlock ({os.strerror(ctypes.get_errno())})"
+    return abi, ""
+
+
+_ABI, _WHY_NOT = _abi()  # asked once: the kernel's answer does not change
+_HANDLED = sum(bits for version, bits in _FS_RIGHTS.items() if version <= _ABI)
 
 
 def unavailable_reason() -> str | None:
     """Why role processes cannot be sandboxed here; None when they can."""
-    if _LIBC is None:
-        return f"Landlock is Linux's; this is {sys.platform}"
-    if _abi() < 1:
-        return f"this kernel has no Landlock ({os.strerror(ctypes.get_errno())})"
-    return None
-
-
-def _handled() -> int:
-    abi = _abi()
-    return sum(bits for version, bits in _FS_RIGHTS.items() if version <= abi)
+    return _WHY_NOT or None
 
 
 def _check(result: int, what: str) -> int:
@@ -125,7 +123,6 @@ class Sandbox:
     every file but those beneath ``hidden``; ``preexec`` applies it in the child."""
 
     ruleset_fd: int
-    hidden: tuple[Path, ...]
     rules: int  # entries allowed (beside the hidden paths and their ancestors)
 
     @classmethod
@@ -137,7 +134,7 @@ class Sandbox:
         assert _SYSCALL is not None
         hide = {Path(os.path.realpath(p)) for p in hidden} | set(_block_devices())
         above = {a for h in hide for a in h.parents}
-        handled = _handled()
+        handled = _HANDLED
         attr = struct.pack("=Q", handled)
         fd = _check(_SYSCALL(_CREATE_RULESET, attr, len(attr), 0), "landlock_create_ruleset")
         os.set_inheritable(fd, False)
@@ -156,7 +153,7 @@ class Sandbox:
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, tuple(sorted(hide)), rules)
+        return cls(fd, rules)
 
     def preexec(self) -> None:
         """In the child, between fork and exec: drop the capabilities that reach past the

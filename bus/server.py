@@ -44,7 +44,6 @@ SERVER_FILE = "server.json"  # under the store, while the server runs: {"url", "
 STORE_SUBDIR = "jetstream"  # the JetStream data under the store
 NATS_URL_ENV = "RLBUS_NATS_URL"  # a NATS URL to use instead of the run's embedded server
 CONF_FILE = "nats.conf"  # the server's configuration (JSON): ``EmbeddedServer.conf_path``
-AUTH_SUBDIR = RUN_AUTH  # beside a run's store: its credentials (configs.paths.RunPaths.auth)
 ADDRESS_FILE = "server-address.json"  # under the store, kept: {"port", "name"} last served
 
 
@@ -325,7 +324,7 @@ def reachable_server(
 
 def _auth_directory(store: str | Path) -> Path | None:
     """The credentials directory of the run whose server store is ``store``, if it has one."""
-    directory = Path(store).absolute().parent / AUTH_SUBDIR
+    directory = Path(store).absolute().parent / RUN_AUTH
     return directory if directory.is_dir() else None
 
 

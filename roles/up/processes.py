@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from bus.auth import hidden_from
 from bus.children import die_with_parent
 from bus.sandbox import Sandbox, temp_dir_for, with_sandbox
 from configs.paths import RunPaths
@@ -147,18 +148,9 @@ def role_process(
         role_argv(args, paths, url, config_path),
         paths.log(name),
         env=import_path_env() | role_env(paths, args[0]),
-        hidden=functools.partial(hidden_from, paths) if sandbox else None,
+        hidden=functools.partial(hidden_from, paths.auth) if sandbox else None,
         temp_dir=paths.dir / "tmp",
     )
-
-
-def hidden_from(paths: RunPaths) -> list[Path]:
-    """What a role process of the run at ``paths`` must not read (``bus.auth.hidden_from``:
-    every run's launcher credentials and server configurations, the other runs'
-    credentials). Nothing when the run has no credentials (its server lets anyone in)."""
-    from bus.auth import hidden_from
-
-    return hidden_from(paths.auth) if paths.auth.is_dir() else []
 
 
 def role_env(paths: RunPaths, kind: str) -> dict[str, str]:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from bus.auth import RunAuth, creds_path
+from bus.auth import RunAuth, creds_path, hidden_from
 from bus.natsconf import write_conf
 from bus.sandbox import unavailable_reason
 from bus.server import EmbeddedServer
 from configs.paths import RunPaths
-from roles.up.processes import RoleProcess, hidden_from
+from roles.up.processes import RoleProcess
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason() is not None, reason=f"no sandbox here: {unavailable_reason()}"
@@ -62,7 +62,7 @@ def probe(
         [sys.executable, "-c", PROBE, *map(str, files)],
         paths.log(name),
         env=env or {},
-        hidden=lambda: hidden_from(paths),
+        hidden=lambda: hidden_from(paths.auth),
         temp_dir=paths.dir / "tmp",
     )
     r.start()
@@ -135,7 +135,7 @@ def test_the_run_directory_stays_whole_and_a_later_run_is_hidden(tmp_path: Path)
     )
     r = RoleProcess(
         "late", [sys.executable, "-c", script, str(paths.dir), str(later)], paths.log("late"),
-        hidden=lambda: hidden_from(paths), temp_dir=paths.dir / "tmp",
+        hidden=lambda: hidden_from(paths.auth), temp_dir=paths.dir / "tmp",
     )  # fmt: skip
     r.start()
     time.sleep(0.3)
@@ -150,4 +150,4 @@ def test_the_run_directory_stays_whole_and_a_later_run_is_hidden(tmp_path: Path)
 
 def test_a_run_without_credentials_runs_its_roles_unconfined(tmp_path: Path) -> None:
     paths = RunPaths(tmp_path / "runs", "open")
-    assert hidden_from(paths) == []
+    assert hidden_from(paths.auth) == []
