@@ -158,10 +158,16 @@ class Ranks:
         ranks.tell(Init(cfg.model_dump(mode="json"), str(model_dir), device, cfg.run or ""))
         return ranks
 
-    def exits(self) -> str:
-        """Which ranks have exited, and how ("" if none)."""
-        gone = [f"rank {r} exited with code {p.returncode}" for r, p in self._numbered() if p.poll() is not None]  # fmt: skip
-        return ", ".join(gone)
+    def exits(self, wait_s: float = 0.0) -> str:
+        """Which ranks have exited, and how ("" if none). ``wait_s``: after a collective
+        failed, wait up to that long for a rank's exit to show (a killed rank's sockets
+        close before its exit status is there to read)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = [f"rank {r} exited with code {p.returncode}" for r, p in self._numbered() if p.poll() is not None]  # fmt: skip
+            if gone or time.monotonic() >= deadline:
+                return ", ".join(gone)
+            time.sleep(0.02)
 
     def check(self) -> None:
         """Raise ``GroupBroken`` if a rank has exited."""
@@ -209,14 +215,18 @@ class GroupLeader(ShardedCore):
             )  # fmt: skip
         except Exception as e:
             ranks.close(timeout_s=5.0)
-            raise GroupBroken(f"the trainer group did not form: {e!r} {ranks.exits()}") from e
+            raise GroupBroken(
+                f"the trainer group did not form: {e!r} {ranks.exits(wait_s=2.0)}"
+            ) from e
 
     def _together(self, command: Command, call: Callable[..., T], *args: Any) -> T:
         self.ranks.tell(command)
         try:
             return call(*args)
         except Exception as e:
-            raise GroupBroken(f"{type(e).__name__}: {e} {self.ranks.exits()}".strip()) from e
+            raise GroupBroken(
+                f"{type(e).__name__}: {e} {self.ranks.exits(wait_s=2.0)}".strip()
+            ) from e
 
     def train_step(self, batch: BatchAssembled) -> dict[str, float]:
         # A gap or a malformed batch is the batch's fault, not the group's: it raises here,
