@@ -135,6 +135,19 @@ class Role:
             await hb.stop(mark_stopped=False)
 
 
+def freeze_heap() -> None:
+    """Move every object alive now (the imports, a model, captured graphs) out of the
+    collector's reach (``gc.freeze``). A role's heap after its setup is mostly torch's
+    and transformers' objects (~430k with a tiny model): a full collection walks them
+    all, 0.24 s on this CPU, stalling the role's loop each time the oldest generation
+    fills. On one H200 the ``gpu`` preset's inference replica took ~0.3 s instead of
+    ~25 ms for every 6th or 7th weights swap (load time all of it); frozen, the slowest
+    of 40 swaps took 0.10-0.14 s in four runs. What a role allocates later is collected
+    as before."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     """Run ``role`` until SIGTERM/SIGINT (or ``role.request_stop()``), then drain (SIGTERM)
     or hand back in-flight work (SIGINT, a second signal) and exit."""
@@ -148,6 +161,8 @@ async def serve_role(role: Role, *, install_signals: bool = True) -> None:
     except BaseException:
         await role.bus.close()  # a role that cannot start must not leak its connection
         raise
+    if install_signals:
+        freeze_heap()
     declared = role.subscriptions()
     role.consumers = [
         Consumer(role.bus, s, role.role) for s in declared if isinstance(s, Subscription)

@@ -12,6 +12,11 @@ wait for each other). So the launcher plans placement before it starts anything:
 - the **light roles** (orchestrator, env servers, algorithm workers, the scripted
   teacher, the monitor) run one thread each on CPUs kept for them (one in four of those
   the compute roles leave, at least one);
+- a compute role on a GPU gets at most ``GPU_ROLE_CPUS`` CPUs (per trainer rank): its
+  work is on the device, and the light roles get the rest. On one H200 with the
+  ``gpu`` preset (``benchmarks/gpu_bench.py``), the proportional plan gave the trainer
+  and inference 13 of the 16 CPUs, where each used 0.6-0.7 of one, and left 3 to the env
+  server, both algorithm workers, the orchestrator and the teacher;
 - a machine with no CPU to spare beyond one per compute process (2 cores, one trainer
   and one inference replica) gets no affinity at all, one thread per process. Measured
   on 2 cores (``benchmarks/overlap_bench.py``, 9 interleaved pairs): pinning inference to
@@ -44,6 +49,9 @@ from roles.lib.threads import THREADS_ENV
 CPUS_ENV = "RLBUS_CPUS"
 # Thread pools that would otherwise size themselves to every core of the machine.
 BLAS_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+# CPUs a compute role on a GPU gets (per trainer rank): the thread that launches its
+# kernels, the host work around them (packing, decoding, the bus) and one to spare.
+GPU_ROLE_CPUS = 3
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,14 @@ def cpu_plan(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slo
     return {n: _override(cfg, n, slot) for n, slot in plan.items()}
 
 
+def on_gpu(cfg: RunConfig, name: str) -> bool:
+    """Whether compute process ``name`` runs on a GPU (its role's ``device``, resolved)."""
+    from roles.lib.model.loading import resolve_device
+
+    device = cfg.trainer.device if name == "trainer" else cfg.inference.device
+    return resolve_device(device) != "cpu"
+
+
 def _auto(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slot]:
     ranks = cfg.trainer.world_size
     weights = {n: ranks if n == "trainer" else 1 for n in names if computes(n)}
@@ -95,7 +111,6 @@ def _auto(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slot]:
     spare = len(cpus) - total
     light = cpus[len(cpus) - max(1, spare // 4) :]  # one CPU of 4 spare for the light roles
     compute = cpus[: len(cpus) - len(light)]
-    plan: dict[str, Slot] = {}
     # Proportional shares; what rounding leaves goes to the trainer, then in name order.
     shares = {n: len(compute) * w // total for n, w in weights.items()}
     left = len(compute) - sum(shares.values())
@@ -104,6 +119,14 @@ def _auto(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slot]:
             break
         shares[n] += 1
         left -= 1
+    # A role on a GPU feeds it from a few host threads; what it does not need goes to
+    # the light roles, whose env servers then bound the rollout rate.
+    for n in shares:
+        if on_gpu(cfg, n):
+            shares[n] = min(shares[n], GPU_ROLE_CPUS * weights[n])
+    used = sum(shares.values())
+    compute, light = cpus[:used], cpus[used:]
+    plan: dict[str, Slot] = {}
     start = 0
     for n in sorted(weights, key=lambda n: (n != "trainer", n)):
         mine = tuple(compute[start : start + shares[n]])

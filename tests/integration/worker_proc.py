@@ -2,7 +2,8 @@
 
     python -m tests.integration.worker_proc --url nats://... --run R [--crash-on N]
 
-With ``--crash-on N`` it publishes the outputs of its N-th message and then dies
+Each metric carries how many objects the process froze (``serve_role`` freezes the heap
+after setup). With ``--crash-on N`` it publishes the outputs of its N-th message and then dies
 (``os._exit``) before acking: the worst moment to crash.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 
 from bus.consumer import Delivery, Subscription
@@ -35,7 +37,8 @@ class Worker(Role):
         self.seen += 1
         out: list[Event] = [
             MetricsReported(run=self.run, event_id=derive_id(ev.event_id, "metric"), causation_id=ev.event_id,
-                            role="worker", step=ev.step, values={"task": float(ev.task.index)})
+                            role="worker", step=ev.step, values={"task": float(ev.task.index),
+                                                        "frozen": float(gc.get_freeze_count())})
         ]  # fmt: skip
         if self.crash_on == self.seen:
             await self.bus.publish_many(out)

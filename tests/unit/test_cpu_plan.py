@@ -26,8 +26,11 @@ def test_two_cores_pin_nothing_and_three_split_compute_from_light_roles() -> Non
         assert plan[light] == Slot((2,), 1)
 
 
+CPU_ONLY = ["trainer.device=cpu", "inference.device=cpu"]
+
+
 def test_many_cores_give_compute_roles_slices_and_keep_a_few_for_the_light_roles() -> None:
-    plan = cpu_plan(load_config("default"), DEFAULT, list(range(16)))
+    plan = cpu_plan(load_config("default", CPU_ONLY), DEFAULT, list(range(16)))
     trainer, inference = plan["trainer"], plan["inference-policy-0"]
     assert trainer.cpus is not None and inference.cpus is not None
     assert not set(trainer.cpus) & set(inference.cpus)
@@ -38,8 +41,23 @@ def test_many_cores_give_compute_roles_slices_and_keep_a_few_for_the_light_roles
     assert plan["env-reverse-text"].threads == 1
 
 
+def test_compute_roles_on_a_gpu_leave_their_cpus_to_the_light_roles() -> None:
+    # The gpu preset on 16 CPUs: the trainer and inference feed the GPU from 3 each (not
+    # 7 and 6), and the env servers, algorithm workers and orchestrator get the other 10.
+    plan = cpu_plan(load_config("gpu"), DEFAULT, list(range(16)))
+    assert plan["trainer"] == Slot((0, 1, 2), 3)
+    assert plan["inference-policy-0"] == Slot((3, 4, 5), 3)
+    for light in ("orchestrator", "env-reverse-text", "algorithm-grpo"):
+        assert plan[light] == Slot(tuple(range(6, 16)), 1)
+    # Only the role on the GPU gives CPUs up; one on the CPU keeps its share.
+    mixed = cpu_plan(load_config("gpu", ["inference.device=cpu"]), DEFAULT, list(range(16)))
+    assert mixed["trainer"] == Slot((0, 1, 2), 3)
+    assert mixed["inference-policy-0"].cpus == (3, 4, 5, 6, 7, 8)
+    assert mixed["orchestrator"].cpus == tuple(range(9, 16))
+
+
 def test_trainer_ranks_share_their_slice_and_too_few_cores_pin_nothing() -> None:
-    cfg = load_config("default", ["trainer.world_size=2"])
+    cfg = load_config("default", ["trainer.world_size=2", *CPU_ONLY])
     plan = cpu_plan(cfg, DEFAULT, list(range(7)))  # 6 for compute, 1 for the light roles
     assert plan["trainer"].cpus is not None and len(plan["trainer"].cpus) == 4
     assert plan["trainer"].threads == 2  # 4 CPUs over 2 ranks
@@ -48,7 +66,9 @@ def test_trainer_ranks_share_their_slice_and_too_few_cores_pin_nothing() -> None
 
 
 def test_elastic_pools_are_planned_at_their_maximum() -> None:
-    cfg = load_config("default", ["inference.min_replicas=1", "inference.max_replicas=2"])
+    cfg = load_config(
+        "default", ["inference.min_replicas=1", "inference.max_replicas=2", *CPU_ONLY]
+    )
     names = process_names(cfg)
     assert "inference-policy-1" in names
     plan = cpu_plan(cfg, names, list(range(8)))

@@ -106,3 +106,21 @@ def test_char_template_reads_tool_calls_and_hides_tool_schemas() -> None:
     assert content == "sum" and [(c.name, c.arguments) for c in calls] == [
         ("calc", '{"expr":"1+1"}')
     ]
+
+
+def test_a_groups_opening_is_rendered_once_and_each_rollout_gets_its_own_copy() -> None:
+    """first_turn is memoised (a group's rollouts all open alike): the same turn as a
+    fresh render, rendered once, and a copy a rollout may extend without touching the
+    next rollout's."""
+    renderer = Renderer(TOKENIZER)
+    opening = [{"role": "system", "content": "Reverse."}, {"role": "user", "content": "abc"}]
+    fresh = Renderer(TOKENIZER)._first_turn(opening, None)
+    first = renderer.first_turn(opening)
+    assert first == fresh
+    first.prompt.append(END)
+    first.pieces[0][0].append(END)
+    first.gen.append(END)
+    again = renderer.first_turn(opening)
+    assert again == fresh and len(renderer._turns) == 1
+    # Other messages or tools: another turn.
+    assert renderer.first_turn(opening[1:]) != fresh and len(renderer._turns) == 2

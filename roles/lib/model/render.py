@@ -165,6 +165,7 @@ class Renderer:
         )
         self._anchor_text = self._template([_ANCHOR], False)
         self._memo: dict[tuple[str, str], Any] = {}  # (what, message JSON) -> result
+        self._turns: dict[str, Turn] = {}  # (messages, tools) JSON -> first turn
 
     # -- text level -----------------------------------------------------------------
 
@@ -349,6 +350,18 @@ class Renderer:
 
     def first_turn(
         self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> Turn:
+        """The opening turn; memoised, since a group's rollouts all open alike (a fresh
+        copy each call: the harness extends its lists)."""
+        key = json.dumps([list(messages), tools], sort_keys=True, default=str)
+        if (turn := self._turns.get(key)) is None:
+            if len(self._turns) >= _CACHE_SIZE:
+                self._turns.clear()
+            turn = self._turns[key] = self._first_turn(messages, tools)
+        return Turn(list(turn.prompt), [], [(list(t), s) for t, s in turn.pieces], list(turn.gen))
+
+    def _first_turn(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None
     ) -> Turn:
         prompt = self.render_prompt(messages, tools)
         pieces, gen = self.split_initial_prompt(messages, prompt)
