@@ -101,6 +101,9 @@ class Subscription:
     # Recreate the durable at this sequence when the role starts, dropping its old
     # position (the trainer: its position is derived from its checkpoint and catch-up).
     restart_at: int | None = None
+    # One process consumes this durable (the trainer's): after a reconnect, what the
+    # server delivered that it never got comes again at once (``Consumer._reposition``).
+    owned: bool = False
     max_ack_pending: int = 1000
     types: tuple[type, ...] = field(init=False)
 
@@ -151,9 +154,12 @@ class Consumer:
         self._unavailable_since: float | None = None  # JetStream answering 503 since
         self._slots = asyncio.Semaphore(max(1, sub.concurrency))
 
-    def config(self) -> ConsumerConfig:
+    def config(self, start: int | None = None) -> ConsumerConfig:
+        """The durable's configuration; ``start``: at this stream sequence (default: the
+        subscription's ``restart_at``, else its ``start_seq``)."""
         s = self.bus.settings
-        start = self.sub.start_seq if self.sub.restart_at is None else self.sub.restart_at
+        if start is None:
+            start = self.sub.start_seq if self.sub.restart_at is None else self.sub.restart_at
         policy = DeliverPolicy.NEW if self.sub.deliver_new else DeliverPolicy.ALL
         if start is not None and start > 1:
             policy = DeliverPolicy.BY_START_SEQUENCE
@@ -184,6 +190,26 @@ class Consumer:
         except nats.js.errors.NotFoundError:
             await self.bus.api(lambda: js.add_consumer(stream, self.config()), "create consumer")
 
+    async def _reposition(self, psub: Any) -> Any:
+        """After a reconnect, an ``owned`` durable whose process holds nothing: what the
+        server had delivered and the process never got (lost with a restarted server)
+        would come back only after ``ack_wait``, and with ``max_ack_pending = 1`` nothing
+        else would come meanwhile. Recreated at its ack floor, it comes at once (the
+        handler is idempotent: what it did but could not ack comes again too). Returns
+        the subscription to fetch from."""
+        js, stream, durable = self.bus.js, self.bus.stream, self.sub.durable
+        info = await self.bus.api(lambda: js.consumer_info(stream, durable), "consumer info")
+        if not info.num_ack_pending:
+            return psub
+        start = info.ack_floor.stream_seq + 1
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await self.bus.api(lambda: js.delete_consumer(stream, durable), "delete consumer")
+        await self.bus.api(lambda: js.add_consumer(stream, self.config(start)), "create consumer")
+        self.log.info("consumer.repositioned", start_seq=start, ack_pending=info.num_ack_pending)
+        with contextlib.suppress(Exception):
+            await psub.unsubscribe()
+        return await js.pull_subscribe_bind(durable, stream)
+
     async def _unavailable(self, stop: asyncio.Event) -> None:
         """JetStream answered 503 (a cluster electing the stream's leader, a node coming
         back): wait and fetch again, up to ``bus.server_lost_s``, then raise. Dying on it
@@ -213,10 +239,15 @@ class Consumer:
         psub = await self.bus.js.pull_subscribe_bind(self.sub.durable, self.bus.stream)
         sequential = self.sub.concurrency <= 1
         keepalive = asyncio.create_task(self._keep_alive())
+        reconnects = self.bus.reconnects
         try:
             while not stop.is_set():
                 if self._broken is not None:  # a concurrent handler's (see HandlerBroken)
                     raise self._broken
+                if reconnects != self.bus.reconnects and not self._held:
+                    reconnects = self.bus.reconnects
+                    if self.sub.owned:
+                        psub = await self._reposition(psub)
                 want = self.sub.batch if sequential else self._free_slots()
                 if want == 0:
                     await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)

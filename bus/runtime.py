@@ -30,7 +30,7 @@ import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -117,6 +117,16 @@ class _Link:
     closing: bool = False  # set by close(): a disconnect then is expected, not news
     lost_since: float | None = None  # monotonic time of the disconnect, while reconnecting
     last_error: Exception | None = None
+    reconnects: int = 0
+    # Set (and replaced by a fresh one) at each reconnect: what a wait for a reply the
+    # old connection may have lost watches (``Bus.reconnected``).
+    reconnected: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def reconnect(self) -> None:
+        self.lost_since = None
+        self.reconnects += 1
+        self.reconnected.set()
+        self.reconnected = asyncio.Event()
 
 
 class Bus:
@@ -141,6 +151,11 @@ class Bus:
         self.url = ""
         self.lost: ServerLost | None = None  # set by watch_server when it gives up
         self._link = _Link()
+
+    @property
+    def reconnects(self) -> int:
+        """How often the connection has come back after losing its server."""
+        return self._link.reconnects
 
     @classmethod
     async def connect(
@@ -171,7 +186,7 @@ class Bus:
                 log.warning("nats.disconnected", url=url)
 
         async def on_reconnect() -> None:
-            link.lost_since = None
+            link.reconnect()
             log.info("nats.reconnected")
 
         link.lost_since = time.monotonic()  # until connected: nats-py retries a refused URL
@@ -454,6 +469,26 @@ class Bus:
                 acks[i] = ack
         return acks
 
+    async def _acks(self, pending: Sequence[asyncio.Future[PubAck]]) -> None:
+        """Wait for ``pending`` acks, at most ``publish_timeout_s``. A reconnect meanwhile
+        ends the wait sooner: a message the lost connection carried is never acked, so it
+        is retried at once (under its id) rather than when the timeout runs out, after a
+        short grace for those the client sent over the new connection."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.publish_timeout_s
+        acked: asyncio.Future[Any] = asyncio.gather(*pending, return_exceptions=True)
+        back: asyncio.Future[Any] = asyncio.ensure_future(self._link.reconnected.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {acked, back}, timeout=self.settings.publish_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )  # fmt: skip
+            if back in done and not acked.done():
+                grace = min(RECONNECT_GRACE_S, max(0.0, deadline - loop.time()))
+                await asyncio.wait({acked}, timeout=grace)
+        finally:
+            back.cancel()
+
     async def _settle(self, item: Prepared, ack: PubAck) -> PubAck:
         """The ack of the copy of ``item`` the stream holds, given a duplicate ``ack``.
 
@@ -527,9 +562,10 @@ class Bus:
                 # message); whatever is not acked in time is retried with the same id.
                 pending = [f for f in futs if f is not None]
                 if pending:
-                    _, late = await asyncio.wait(pending, timeout=self.settings.publish_timeout_s)
-                    for f in late:
-                        f.cancel()
+                    await self._acks(pending)
+                    for f in pending:
+                        if not f.done():
+                            f.cancel()
                 for i, fut in zip(chunk, futs, strict=True):
                     if fut is None or fut.cancelled():
                         failed.append(i)
@@ -604,6 +640,9 @@ def _state(run: str, info: Any) -> StreamState:
 
 
 _CHECKS_AT_ONCE = 64  # duplicate acks checked concurrently
+# After a reconnect, how long a publish waits for the acks of what the client sent over
+# the new connection before it retries what the old one carried.
+RECONNECT_GRACE_S = 0.25
 
 _Identity = tuple[str, str | None, str | None]  # (subject, Rl-Schema, payload event_id)
 

@@ -128,6 +128,7 @@ class TrainerRole(Role):
             self.on_batch,
             batch=1,
             max_ack_pending=1,
+            owned=True,
         )
         self.saved_step = 0  # step of the newest checkpoint on disk
         self.last_batch_seq = 0  # stream seq of the batch behind ``core.step``

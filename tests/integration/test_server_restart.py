@@ -8,6 +8,7 @@ messages still there, and a client connected before the kill publishes again aft
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -114,4 +115,66 @@ async def test_an_object_put_waits_out_a_server_restart(tmp_path: Path) -> None:
             assert digest == sha256_digest(data)
             assert await bus.objects.get("weights.v1", digest) == data
         finally:
+            await bus.close()
+
+
+async def test_what_a_killed_server_delivered_to_the_trainer_comes_back_at_once(
+    tmp_path: Path,
+) -> None:
+    """The trainer's durable (``owned``, one batch in flight at most) after a kill -9 of
+    the server: a batch the server had delivered that never reached it comes again as
+    soon as it reconnects, not after ``ack_wait``, and a publish in flight when the
+    server died is retried at once. (Here the lost delivery is a client that fetched
+    and vanished; in a run, the kill takes it.)"""
+    from bus.consumer import Consumer, Delivery, Subscription
+    from bus.runtime import BusSettings
+    from schemas import TaskRef, TaskRequested
+
+    slow = BusSettings(ack_wait_s=30.0, publish_timeout_s=20.0)
+    with EmbeddedServer.for_run(tmp_path / "nats") as server:
+        bus = await Bus.connect(server.url, run=RUN, producer="test", settings=slow)
+        lost = await Bus.connect(server.url, run=RUN, producer="lost", settings=slow)
+        got: list[tuple[str, float]] = []
+        stop = asyncio.Event()
+
+        async def handle(event: TaskRequested, d: Delivery) -> None:
+            got.append((event.event_id, time.monotonic()))
+
+        sub = Subscription("owned", [(Topic.TASK_REQUESTED, None)], handle, batch=1,
+                           max_ack_pending=1, owned=True)  # fmt: skip
+        try:
+            await bus.ensure_stream()
+            consumer = Consumer(bus, sub, "test")
+            await consumer.ensure()
+            await bus.publish(TaskRequested(run=RUN, env="e", task=TaskRef(index=1),
+                                            group_id="g1", group_size=1, event_id="b1"))  # fmt: skip
+            psub = await lost.js.pull_subscribe_bind("owned", lost.stream)
+            (taken,) = await psub.fetch(1, timeout=5)  # delivered, never acked
+            await lost.close()
+            running = asyncio.create_task(consumer.run(stop))
+            await asyncio.sleep(1.5)
+            assert got == []  # held by the vanished client, and nothing else comes
+
+            # A publish the server received and never acknowledged: sent to a stopped
+            # server, which is then killed.
+            assert server.proc is not None
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            publishing = asyncio.create_task(
+                bus.publish(TaskRequested(run=RUN, env="e", task=TaskRef(index=2),
+                                          group_id="g2", group_size=1, event_id="b2"))
+            )  # fmt: skip
+            await asyncio.sleep(0.5)
+            killed(server)
+            killed_at = time.monotonic()
+            assert await keeper_of(server).check() is None
+            await asyncio.wait_for(publishing, timeout=10)  # not publish_timeout_s's 20 s
+            async with asyncio.timeout(10):  # not ack_wait's 30 s
+                while len(got) < 2:
+                    await asyncio.sleep(0.05)
+            assert [e for e, _ in got] == ["b1", "b2"]
+            assert got[0][1] - killed_at < 10
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(running, 10)
             await bus.close()
