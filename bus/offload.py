@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import time
+from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
@@ -32,6 +34,7 @@ from nats.js.object_store import (
 )
 
 from bus.errors import BodyError
+from bus.settings import RECONNECT_GRACE_S
 
 # Weights larger than this are not put in a run's object store: they go to a path under
 # the run directory, named by an ObjectRef of kind "path" (trainer and orchestrator).
@@ -42,6 +45,12 @@ READ_STALL_S = 5.0
 # A put that meets a restarting server or a cluster electing a leader is tried again
 # for this long (a put of the same name and bytes is idempotent).
 PUT_PATIENCE_S = 30.0
+
+
+class _Reconnected(Exception):
+    """The connection came back while a put was in progress (``BodyStore._put_once``)."""
+
+
 _TRANSIENT = (
     asyncio.TimeoutError,
     nats.errors.TimeoutError,
@@ -64,8 +73,12 @@ class BodyStore:
         bucket: str,
         read_stall_s: float = READ_STALL_S,
         replicas: int = 1,  # copies kept when this store creates the bucket
+        reconnected: Callable[[], asyncio.Event] | None = None,
     ):
+        """``reconnected``: the event the connection sets when it next comes back
+        (``Bus``'s), so that a put it interrupts starts again at once."""
         self.js = js
+        self.reconnected = reconnected
         self.bucket = bucket
         self.replicas = replicas
         self.stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)  # the bucket's JetStream stream
@@ -88,13 +101,41 @@ class BodyStore:
         deadline = time.monotonic() + patience_s
         while True:
             try:
-                obs = await self.store()
-                await obs.put(name, data)
+                await self._put_once(name, data)
                 return sha256_digest(data)
+            except _Reconnected:
+                continue
             except _TRANSIENT:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
+
+    async def _put_once(self, name: str, data: bytes) -> None:
+        """One put (the bucket looked up first). When the connection comes back meanwhile,
+        a request or chunk the old one carried is never answered (nats-py would wait out
+        its timeout, 5 s): given ``RECONNECT_GRACE_S`` to finish, the put is then dropped
+        and ``_Reconnected`` raised."""
+
+        async def attempt() -> None:
+            await (await self.store()).put(name, data)
+
+        if self.reconnected is None:
+            await attempt()
+            return
+        back = asyncio.ensure_future(self.reconnected().wait())
+        put = asyncio.ensure_future(attempt())
+        try:
+            await asyncio.wait({put, back}, return_when=asyncio.FIRST_COMPLETED)
+            if not put.done():
+                await asyncio.wait({put}, timeout=RECONNECT_GRACE_S)
+            if not put.done():
+                put.cancel()
+                with contextlib.suppress(BaseException):
+                    await put
+                raise _Reconnected
+            put.result()
+        finally:
+            back.cancel()
 
     async def get(self, name: str, digest: str) -> bytes:
         """The bytes of ``name``, checked against ``digest``."""

@@ -47,7 +47,7 @@ from bus.errors import PublishError, ServerLost, ServerUnreachable
 from bus.log import get_logger
 from bus.offload import BodyStore, sha256_digest
 from bus.registry import Heartbeat, list_roles
-from bus.settings import BusSettings
+from bus.settings import RECONNECT_GRACE_S, BusSettings
 from bus.subjects import (
     objects_bucket,
     roles_bucket_name,
@@ -146,7 +146,8 @@ class Bus:
         self.stream = stream_name(run)
         # its own object store (an anonymous bus: the run's shared one); it reads any
         bucket = objects_bucket(run, None if identity is None else identity.kind)
-        self.objects = BodyStore(self.js, bucket, replicas=settings.replicas)
+        self.objects = BodyStore(self.js, bucket, replicas=settings.replicas,
+                                 reconnected=lambda: self._link.reconnected)  # fmt: skip
         self.log = get_logger(run=run, role=producer)
         self.url = ""
         self.lost: ServerLost | None = None  # set by watch_server when it gives up
@@ -373,8 +374,10 @@ class Bus:
         silence_s: float | None = None,
     ) -> Any:  # fmt: skip
         """One request's decoded reply (``bus.rpc.request``; ``silence_s``: with signs of
-        life, ``ReplicaSilent`` when they stop)."""
-        return await rpc.request(self.nc, subject, req, reply_types, timeout_s, silence_s)
+        life, ``ReplicaSilent`` when they stop, or when the connection comes back and
+        nothing comes over the new one)."""
+        return await rpc.request(self.nc, subject, req, reply_types, timeout_s, silence_s,
+                                 reconnected=self._link.reconnected)  # fmt: skip
 
     async def flush(self, timeout_s: float = 2.0) -> None:
         """Wait until the server has everything sent so far (a subscription, replies)."""
@@ -640,9 +643,6 @@ def _state(run: str, info: Any) -> StreamState:
 
 
 _CHECKS_AT_ONCE = 64  # duplicate acks checked concurrently
-# After a reconnect, how long a publish waits for the acks of what the client sent over
-# the new connection before it retries what the old one carried.
-RECONNECT_GRACE_S = 0.25
 
 _Identity = tuple[str, str | None, str | None]  # (subject, Rl-Schema, payload event_id)
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# After the connection loses its server and comes back, how long a publish, a request or
+# an object put in progress may still finish over the new connection before what the
+# old one carried is sent again (its acks or reply never come; otherwise a restarted
+# server costs each of them its whole timeout).
+RECONNECT_GRACE_S = 0.25
+
 
 @dataclass(frozen=True)
 class BusSettings:

@@ -178,3 +178,61 @@ async def test_what_a_killed_server_delivered_to_the_trainer_comes_back_at_once(
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(running, 10)
             await bus.close()
+
+
+async def test_a_request_the_killed_server_held_is_asked_again_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """A request (inference traffic: core NATS, nothing stored) sent just before the
+    server died is lost with it: once the requester's connection is back, it says so
+    (``ReplicaSilent``, which the inference client answers by asking again) within the
+    reconnect grace, not after ``silence_s``."""
+    from bus.errors import ReplicaSilent
+    from schemas import TaskRef
+
+    with EmbeddedServer.for_run(tmp_path / "nats") as server:
+        bus = await Bus.connect(server.url, run=RUN, producer="test")
+        try:
+            assert server.proc is not None
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            asking = asyncio.create_task(
+                bus.request("rl.restart1.infer.test", TaskRef(index=1), [TaskRef],
+                            timeout_s=60, silence_s=20)
+            )  # fmt: skip
+            await asyncio.sleep(0.5)
+            killed(server)
+            assert await keeper_of(server).check() is None
+            back = time.monotonic()
+            with pytest.raises(ReplicaSilent, match="with the connection"):
+                await asyncio.wait_for(asking, timeout=10)  # not silence_s's 20 s
+            assert time.monotonic() - back < 5
+        finally:
+            await bus.close()
+
+
+async def test_an_object_put_the_killed_server_held_starts_again_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    """A weights put whose chunk the server took and never acknowledged (it died): once
+    the connection is back the put starts again within the reconnect grace, instead of
+    waiting out nats-py's 5 s publish timeout, and the object reads back whole."""
+    from bus.offload import sha256_digest
+
+    data = bytes(range(256)) * 2000  # 512 kB: several chunks
+    with EmbeddedServer.for_run(tmp_path / "nats") as server:
+        bus = await Bus.connect(server.url, run=RUN, producer="test")
+        try:
+            await bus.ensure_run()
+            assert server.proc is not None
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            put = asyncio.create_task(bus.objects.put("weights.v1", data))
+            await asyncio.sleep(0.5)
+            killed(server)
+            assert await keeper_of(server).check() is None
+            back = time.monotonic()
+            digest = await asyncio.wait_for(put, timeout=20)
+            assert time.monotonic() - back < 3.5  # the grace and a reconnect, not 5 s
+            assert digest == sha256_digest(data)
+            assert await bus.objects.get("weights.v1", digest) == data
+        finally:
+            await bus.close()
