@@ -53,7 +53,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
 
 from bus import codec
 from bus.errors import BodyError, DecodeError
-from bus.runtime import Bus, unless_stopped
+from bus.runtime import Bus
 from bus.subjects import Topic, check_schema, filter_subject
 from schemas import EVENT_TYPES, BatchAssembled, Event
 from schemas.legacy import LEGACY_TYPES, upcast
@@ -137,6 +137,10 @@ class Skipped:
     reason: str
 
 
+class _Reconnected(Exception):
+    """The connection came back while a follower waited (``LogReader._next``)."""
+
+
 # A follower's ordered consumer lives in the server's memory: a restarted server has lost
 # it, and nats-py recreates it (from the next sequence) once two idle heartbeats went
 # missing. With nats-py's default (5 s) a follower stood still 10-20 s after a server
@@ -167,12 +171,29 @@ class LogReader:
         self.last_seq = max(self.last_seq, self.from_seq - 1)
 
     async def messages(self) -> AsyncGenerator[Msg, None]:
-        """The raw stored messages from the start position on, in order."""
+        """The raw stored messages from the start position on, in order. A follower whose
+        connection comes back after losing its server subscribes again after the last
+        message it read at once (its ordered consumer lived in the server's memory;
+        nats-py would recreate it only after two missed heartbeats, ~2-3 s)."""
         if self.until_seq is not None and self.from_seq > self.until_seq:
             return
+        while True:
+            back = self.bus.next_reconnect if self.follow else None
+            async with contextlib.aclosing(self._subscribed(back)) as messages:
+                async for msg in messages:
+                    yield msg
+            if back is None or not back.is_set() or (self.stop is not None and self.stop.is_set()):
+                return
+
+    async def _subscribed(self, back: asyncio.Event | None) -> AsyncGenerator[Msg, None]:
+        """``messages`` from one subscription: from the start position, or after the last
+        message read; it ends when ``back`` is set (the connection came back)."""
+        resumed = self.read > 0 or back is not None and self.last_seq >= self.from_seq
         config = ordered_config(
-            self.bus.run, self.topics, self.from_seq, self.since, self.start, self.headers_only
-        )
+            self.bus.run, self.topics, self.last_seq + 1 if resumed else self.from_seq,
+            None if resumed else self.since, None if resumed else self.start,
+            self.headers_only,
+        )  # fmt: skip
         sub = await self.bus.api(
             lambda: self.bus.js.subscribe(
                 "", ordered_consumer=True, config=config, stream=self.bus.stream,
@@ -195,7 +216,9 @@ class LogReader:
                 if self.stop is not None and self.stop.is_set():
                     return
                 try:
-                    msg = await self._next(sub)
+                    msg = await self._next(sub, back)
+                except _Reconnected:
+                    return
                 except (TimeoutError, nats.errors.TimeoutError) as e:
                     if self.follow:
                         continue
@@ -226,16 +249,30 @@ class LogReader:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def _next(self, sub: Any) -> Msg:
+    async def _next(self, sub: Any, back: asyncio.Event | None = None) -> Msg:
         """The next message, or ``TimeoutError`` after ``idle_timeout_s``, or at once when
         ``stop`` is set while it waits (a follower stopping does not wait out the idle
-        timeout; the loop then sees the stop). Messages already buffered are taken as is."""
-        if self.stop is None or sub.pending_msgs:
+        timeout; the loop then sees the stop), or ``_Reconnected`` once ``back`` is set.
+        Messages already buffered are taken as is."""
+        if back is not None and back.is_set():
+            raise _Reconnected
+        waits = [e for e in (self.stop, back) if e is not None]
+        if not waits or sub.pending_msgs:
             return await sub.next_msg(timeout=self.idle_timeout_s)  # type: ignore[no-any-return]
-        got = await unless_stopped(sub.next_msg(timeout=self.idle_timeout_s), self.stop)
-        if got is None:
-            raise TimeoutError("stopped")
-        return got.result()  # type: ignore[no-any-return]
+        nxt = asyncio.ensure_future(sub.next_msg(timeout=self.idle_timeout_s))
+        watchers = [asyncio.ensure_future(e.wait()) for e in waits]
+        try:
+            await asyncio.wait({nxt, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in watchers:
+                w.cancel()
+        if nxt.done():
+            return nxt.result()  # type: ignore[no-any-return]
+        nxt.cancel()
+        await asyncio.gather(nxt, return_exceptions=True)
+        if back is not None and back.is_set():
+            raise _Reconnected
+        raise TimeoutError("stopped")
 
     async def entries(self) -> AsyncGenerator[Entry, None]:
         """The decoded events from the start position on, in order (see the module doc)."""

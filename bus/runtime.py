@@ -147,7 +147,7 @@ class Bus:
         # its own object store (an anonymous bus: the run's shared one); it reads any
         bucket = objects_bucket(run, None if identity is None else identity.kind)
         self.objects = BodyStore(self.js, bucket, replicas=settings.replicas,
-                                 reconnected=lambda: self._link.reconnected)  # fmt: skip
+                                 reconnected=lambda: self.next_reconnect)  # fmt: skip
         self.log = get_logger(run=run, role=producer)
         self.url = ""
         self.lost: ServerLost | None = None  # set by watch_server when it gives up
@@ -157,6 +157,12 @@ class Bus:
     def reconnects(self) -> int:
         """How often the connection has come back after losing its server."""
         return self._link.reconnects
+
+    @property
+    def next_reconnect(self) -> asyncio.Event:
+        """An event set when the connection next comes back after losing its server
+        (take it before the wait it may end)."""
+        return self._link.reconnected
 
     @classmethod
     async def connect(
@@ -377,7 +383,7 @@ class Bus:
         life, ``ReplicaSilent`` when they stop, or when the connection comes back and
         nothing comes over the new one)."""
         return await rpc.request(self.nc, subject, req, reply_types, timeout_s, silence_s,
-                                 reconnected=self._link.reconnected)  # fmt: skip
+                                 reconnected=self.next_reconnect)  # fmt: skip
 
     async def flush(self, timeout_s: float = 2.0) -> None:
         """Wait until the server has everything sent so far (a subscription, replies)."""
@@ -480,7 +486,7 @@ class Bus:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.publish_timeout_s
         acked: asyncio.Future[Any] = asyncio.gather(*pending, return_exceptions=True)
-        back: asyncio.Future[Any] = asyncio.ensure_future(self._link.reconnected.wait())
+        back: asyncio.Future[Any] = asyncio.ensure_future(self.next_reconnect.wait())
         try:
             done, _ = await asyncio.wait(
                 {acked, back}, timeout=self.settings.publish_timeout_s,

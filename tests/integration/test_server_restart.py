@@ -236,3 +236,53 @@ async def test_an_object_put_the_killed_server_held_starts_again_once_it_is_back
             assert await bus.objects.get("weights.v1", digest) == data
         finally:
             await bus.close()
+
+
+async def test_a_follower_reads_on_as_soon_as_the_killed_server_is_back(tmp_path: Path) -> None:
+    """A follower's ordered consumer lived in the killed server's memory: once the
+    connection is back it subscribes again after the last event it read, at once (nats-py
+    alone recreates it after two missed heartbeats, 2 s or more), and reads every event
+    once, in order."""
+    from bus.reader import LogReader
+    from schemas import TaskRef, TaskRequested
+
+    def task(i: int) -> TaskRequested:
+        return TaskRequested(run=RUN, env="e", task=TaskRef(index=i), group_id=f"g{i}",
+                             group_size=1, event_id=f"t{i}")  # fmt: skip
+
+    with EmbeddedServer.for_run(tmp_path / "nats") as server:
+        bus = await Bus.connect(server.url, run=RUN, producer="test")
+        stop = asyncio.Event()
+        seen: list[tuple[str, float]] = []
+
+        async def follow() -> None:
+            reader = LogReader(bus, topics=[(Topic.TASK_REQUESTED, None)], follow=True,
+                               idle_timeout_s=1.0, stop=stop)  # fmt: skip
+            async for event in reader.events((TaskRequested,)):
+                seen.append((event.event_id, time.monotonic()))
+
+        try:
+            await bus.ensure_stream()
+            await bus.publish(task(1))
+            following = asyncio.create_task(follow())
+            async with asyncio.timeout(10):
+                while not seen:
+                    await asyncio.sleep(0.02)
+            reconnects = bus.reconnects
+            killed(server)
+            assert await keeper_of(server).check() is None
+            async with asyncio.timeout(10):
+                while bus.reconnects == reconnects:
+                    await asyncio.sleep(0.02)
+            back = time.monotonic()
+            await bus.publish(task(2))
+            async with asyncio.timeout(10):
+                while len(seen) < 2:
+                    await asyncio.sleep(0.02)
+            assert [e for e, _ in seen] == ["t1", "t2"]
+            assert seen[1][1] - back < 1.5
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(following, 10)
+            await bus.close()
