@@ -19,7 +19,8 @@ import base64
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -47,8 +48,11 @@ READ_STALL_S = 5.0
 PUT_PATIENCE_S = 30.0
 
 
+T = TypeVar("T")
+
+
 class _Reconnected(Exception):
-    """The connection came back while a put was in progress (``BodyStore._put_once``)."""
+    """The connection came back while a put or read was in progress."""
 
 
 _TRANSIENT = (
@@ -101,7 +105,7 @@ class BodyStore:
         deadline = time.monotonic() + patience_s
         while True:
             try:
-                await self._put_once(name, data)
+                await self._unless_reconnected(self._put(name, data))
                 return sha256_digest(data)
             except _Reconnected:
                 continue
@@ -110,30 +114,28 @@ class BodyStore:
                     raise
                 await asyncio.sleep(0.5)
 
-    async def _put_once(self, name: str, data: bytes) -> None:
-        """One put (the bucket looked up first). When the connection comes back meanwhile,
-        a request or chunk the old one carried is never answered (nats-py would wait out
-        its timeout, 5 s): given ``RECONNECT_GRACE_S`` to finish, the put is then dropped
-        and ``_Reconnected`` raised."""
+    async def _put(self, name: str, data: bytes) -> None:
+        await (await self.store()).put(name, data)  # (the bucket's lookup is a request too)
 
-        async def attempt() -> None:
-            await (await self.store()).put(name, data)
-
+    async def _unless_reconnected(self, work: Coroutine[Any, Any, T]) -> T:
+        """``work``'s result. When the connection comes back meanwhile, a request or chunk
+        the old one carried is never answered (nats-py would wait out its timeout, 5 s,
+        and a read its stall time): given ``RECONNECT_GRACE_S`` to finish, ``work`` is
+        then cancelled and ``_Reconnected`` raised, for the caller to start again."""
         if self.reconnected is None:
-            await attempt()
-            return
+            return await work
         back = asyncio.ensure_future(self.reconnected().wait())
-        put = asyncio.ensure_future(attempt())
+        task = asyncio.ensure_future(work)
         try:
-            await asyncio.wait({put, back}, return_when=asyncio.FIRST_COMPLETED)
-            if not put.done():
-                await asyncio.wait({put}, timeout=RECONNECT_GRACE_S)
-            if not put.done():
-                put.cancel()
+            await asyncio.wait({task, back}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait({task}, timeout=RECONNECT_GRACE_S)
+            if not task.done():
+                task.cancel()
                 with contextlib.suppress(BaseException):
-                    await put
+                    await task
                 raise _Reconnected
-            put.result()
+            return task.result()
         finally:
             back.cancel()
 
@@ -165,8 +167,14 @@ class BodyStore:
         """Every chunk of ``name`` in order, its chunk digest checked (no reference needed).
 
         When no chunk arrives for ``read_stall_s`` the object's info is read again: an
-        object deleted (or replaced) under the read is a ``BodyError``, never a hang.
+        object deleted (or replaced) under the read is a ``BodyError``, never a hang. A
+        read the connection's coming back interrupts starts again at once.
         """
+        while True:
+            with contextlib.suppress(_Reconnected):
+                return await self._unless_reconnected(self._read(name))
+
+    async def _read(self, name: str) -> bytes:
         info = await self._info(name)
         if not info.size:
             return b""

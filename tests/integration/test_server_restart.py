@@ -210,12 +210,13 @@ async def test_a_request_the_killed_server_held_is_asked_again_once_it_is_back(
             await bus.close()
 
 
-async def test_an_object_put_the_killed_server_held_starts_again_once_it_is_back(
+async def test_an_object_put_or_read_the_killed_server_held_starts_again_once_it_is_back(
     tmp_path: Path,
 ) -> None:
     """A weights put whose chunk the server took and never acknowledged (it died): once
     the connection is back the put starts again within the reconnect grace, instead of
-    waiting out nats-py's 5 s publish timeout, and the object reads back whole."""
+    waiting out nats-py's 5 s publish timeout, and the object reads back whole; a read
+    in progress starts again the same way."""
     from bus.offload import sha256_digest
 
     data = bytes(range(256)) * 2000  # 512 kB: several chunks
@@ -234,6 +235,16 @@ async def test_an_object_put_the_killed_server_held_starts_again_once_it_is_back
             assert time.monotonic() - back < 3.5  # the grace and a reconnect, not 5 s
             assert digest == sha256_digest(data)
             assert await bus.objects.get("weights.v1", digest) == data
+
+            # A read the server held when it died starts again too (not after its stall).
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            read = asyncio.create_task(bus.objects.get("weights.v1", digest))
+            await asyncio.sleep(0.5)
+            killed(server)
+            assert await keeper_of(server).check() is None
+            back = time.monotonic()
+            assert await asyncio.wait_for(read, timeout=20) == data
+            assert time.monotonic() - back < 3.5
         finally:
             await bus.close()
 
