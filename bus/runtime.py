@@ -332,7 +332,9 @@ class Bus:
     def bodies(self, bucket: str | None = None) -> BodyStore:
         """The object store ``bucket`` (default: the run's own), for offloaded bodies
         and weights."""
-        return self.objects if bucket in (None, self.objects.bucket) else BodyStore(self.js, bucket)
+        if bucket in (None, self.objects.bucket):
+            return self.objects
+        return BodyStore(self.js, bucket, reconnected=lambda: self.next_reconnect)
 
     async def object_stores(self) -> list[BodyStore]:
         """The run's object stores that exist (asking never creates one)."""

@@ -236,9 +236,12 @@ async def test_an_object_put_or_read_the_killed_server_held_starts_again_once_it
             assert digest == sha256_digest(data)
             assert await bus.objects.get("weights.v1", digest) == data
 
-            # A read the server held when it died starts again too (not after its stall).
+            # A read the server held when it died starts again too (not after its stall),
+            # from another kind's store as inference reads the trainer's weights.
+            other = "RLOBJTRAINER_restart1"
+            assert await bus.bodies(other).put("weights.v1", data) == digest
             os.kill(server.proc.pid, signal.SIGSTOP)
-            read = asyncio.create_task(bus.objects.get("weights.v1", digest))
+            read = asyncio.create_task(bus.bodies(other).get("weights.v1", digest))
             await asyncio.sleep(0.5)
             killed(server)
             assert await keeper_of(server).check() is None
