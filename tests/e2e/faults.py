@@ -217,9 +217,13 @@ def _logged(log: Path, says: tuple[str, ...]) -> bool:
 
 async def newest_version(bus: Any) -> int:
     """The newest weights version on the log (0 before the first; -1 while unreadable:
-    the server is away, or the newest message there is an injected one)."""
+    the server is away, or the newest message there is an injected one). Asked with a
+    short timeout: a probe the killed server took is asked again, not waited on for
+    nats-py's 5 s (which the recovery times would count)."""
     try:
-        msg = await bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.WEIGHTS_PUBLISHED))
+        msg = await asyncio.wait_for(
+            bus.js.get_last_msg(bus.stream, subject(bus.run, Topic.WEIGHTS_PUBLISHED)), 0.5
+        )
         event = codec.decode(msg.data, [WeightsPublished])
         return -1 if event.event_id.startswith(FORGED) else int(event.version)
     except Exception:  # noqa: BLE001 - a probe: unreadable now, asked again
