@@ -35,7 +35,9 @@ SHORT = (
 
 
 async def test_debate_trains_only_the_learner_and_rae_rebuilds_its_state(tmp_path: Path) -> None:
-    run, steps = "debate1", 10
+    # 8 steps after the kill at version 4: a loaded machine ran 6 in the time the launcher
+    # took to see the worker dead, and a run that ends first restarts nothing.
+    run, steps = "debate1", 12
     proc = up(tmp_path, run, f"max_steps={steps}", *SHORT, config="debate")
     url = await reached_version(proc, tmp_path, run, 4, timeout_s=400)
     assert url is not None, "the run never reached version 4"
@@ -75,7 +77,7 @@ async def test_debate_trains_only_the_learner_and_rae_rebuilds_its_state(tmp_pat
     evals = {
         e.step: e.values for e in events if isinstance(e, MetricsReported) and e.role == "eval"
     }
-    assert sorted(evals) == [0, 5, 10]
+    assert sorted(evals) == [0, 5, 10, steps]  # every 5 steps, and the last
     assert all(0.0 <= v["debate/win_rate"] <= 1.0 for v in evals.values()), evals
 
     r = rlbus(tmp_path, "replay", run, "algorithm", "rae")

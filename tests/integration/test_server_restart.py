@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,6 +44,19 @@ def killed(server: EmbeddedServer) -> None:
 def keeper_of(server: EmbeddedServer) -> ServerKeeper:
     view = LiveView(RunMonitor(run=RUN, max_steps=1), [], enabled=False)
     return ServerKeeper([server], view, get_logger(run=RUN, role="launcher"))
+
+
+async def held_by_a_killed_server(server: EmbeddedServer, work: Any) -> tuple[Any, float]:
+    """Start ``work`` while the server is stopped (what it sends is taken and never
+    answered), kill the server and restart it the launcher's way: (the task running
+    ``work``, when the server was back)."""
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    task = asyncio.create_task(work)
+    await asyncio.sleep(0.5)
+    killed(server)
+    assert await keeper_of(server).check() is None
+    return task, time.monotonic()
 
 
 async def test_a_killed_server_restarts_on_its_url_with_its_stream(
@@ -155,18 +169,11 @@ async def test_what_a_killed_server_delivered_to_the_trainer_comes_back_at_once(
             await asyncio.sleep(1.5)
             assert got == []  # held by the vanished client, and nothing else comes
 
-            # A publish the server received and never acknowledged: sent to a stopped
-            # server, which is then killed.
-            assert server.proc is not None
-            os.kill(server.proc.pid, signal.SIGSTOP)
-            publishing = asyncio.create_task(
-                bus.publish(TaskRequested(run=RUN, env="e", task=TaskRef(index=2),
-                                          group_id="g2", group_size=1, event_id="b2"))
+            # A publish the server received and never acknowledged.
+            publishing, killed_at = await held_by_a_killed_server(
+                server, bus.publish(TaskRequested(run=RUN, env="e", task=TaskRef(index=2),
+                                                  group_id="g2", group_size=1, event_id="b2"))
             )  # fmt: skip
-            await asyncio.sleep(0.5)
-            killed(server)
-            killed_at = time.monotonic()
-            assert await keeper_of(server).check() is None
             await asyncio.wait_for(publishing, timeout=10)  # not publish_timeout_s's 20 s
             async with asyncio.timeout(10):  # not ack_wait's 30 s
                 while len(got) < 2:
@@ -193,16 +200,10 @@ async def test_a_request_the_killed_server_held_is_asked_again_once_it_is_back(
     with EmbeddedServer.for_run(tmp_path / "nats") as server:
         bus = await Bus.connect(server.url, run=RUN, producer="test")
         try:
-            assert server.proc is not None
-            os.kill(server.proc.pid, signal.SIGSTOP)
-            asking = asyncio.create_task(
-                bus.request("rl.restart1.infer.test", TaskRef(index=1), [TaskRef],
-                            timeout_s=60, silence_s=20)
+            asking, back = await held_by_a_killed_server(
+                server, bus.request("rl.restart1.infer.test", TaskRef(index=1), [TaskRef],
+                                    timeout_s=60, silence_s=20)
             )  # fmt: skip
-            await asyncio.sleep(0.5)
-            killed(server)
-            assert await keeper_of(server).check() is None
-            back = time.monotonic()
             with pytest.raises(ReplicaSilent, match="with the connection"):
                 await asyncio.wait_for(asking, timeout=10)  # not silence_s's 20 s
             assert time.monotonic() - back < 5
@@ -224,13 +225,7 @@ async def test_an_object_put_or_read_the_killed_server_held_starts_again_once_it
         bus = await Bus.connect(server.url, run=RUN, producer="test")
         try:
             await bus.ensure_run()
-            assert server.proc is not None
-            os.kill(server.proc.pid, signal.SIGSTOP)
-            put = asyncio.create_task(bus.objects.put("weights.v1", data))
-            await asyncio.sleep(0.5)
-            killed(server)
-            assert await keeper_of(server).check() is None
-            back = time.monotonic()
+            put, back = await held_by_a_killed_server(server, bus.objects.put("weights.v1", data))
             digest = await asyncio.wait_for(put, timeout=20)
             assert time.monotonic() - back < 3.5  # the grace and a reconnect, not 5 s
             assert digest == sha256_digest(data)
@@ -240,12 +235,9 @@ async def test_an_object_put_or_read_the_killed_server_held_starts_again_once_it
             # from another kind's store as inference reads the trainer's weights.
             other = "RLOBJTRAINER_restart1"
             assert await bus.bodies(other).put("weights.v1", data) == digest
-            os.kill(server.proc.pid, signal.SIGSTOP)
-            read = asyncio.create_task(bus.bodies(other).get("weights.v1", digest))
-            await asyncio.sleep(0.5)
-            killed(server)
-            assert await keeper_of(server).check() is None
-            back = time.monotonic()
+            read, back = await held_by_a_killed_server(
+                server, bus.bodies(other).get("weights.v1", digest)
+            )
             assert await asyncio.wait_for(read, timeout=20) == data
             assert time.monotonic() - back < 3.5
         finally:
