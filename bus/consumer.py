@@ -158,10 +158,11 @@ class Consumer:
         """The durable's configuration; ``start``: at this stream sequence (default: the
         subscription's ``restart_at``, else its ``start_seq``)."""
         s = self.bus.settings
+        given = start is not None
         if start is None:
             start = self.sub.start_seq if self.sub.restart_at is None else self.sub.restart_at
         policy = DeliverPolicy.NEW if self.sub.deliver_new else DeliverPolicy.ALL
-        if start is not None and start > 1:
+        if start is not None and (start > 1 or given):
             policy = DeliverPolicy.BY_START_SEQUENCE
         return ConsumerConfig(
             durable_name=self.sub.durable,

@@ -130,14 +130,17 @@ class BodyStore:
             await asyncio.wait({task, back}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
                 await asyncio.wait({task}, timeout=RECONNECT_GRACE_S)
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                raise _Reconnected
-            return task.result()
+        except BaseException:  # the caller was cancelled: so is the work
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
         finally:
             back.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # (passes a cancellation on)
+            raise _Reconnected
+        return task.result()
 
     async def get(self, name: str, digest: str) -> bytes:
         """The bytes of ``name``, checked against ``digest``."""

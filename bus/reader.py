@@ -188,7 +188,7 @@ class LogReader:
     async def _subscribed(self, back: asyncio.Event | None) -> AsyncGenerator[Msg, None]:
         """``messages`` from one subscription: from the start position, or after the last
         message read; it ends when ``back`` is set (the connection came back)."""
-        resumed = self.read > 0 or back is not None and self.last_seq >= self.from_seq
+        resumed = back is not None and (self.read > 0 or self.last_seq >= self.from_seq)
         config = ordered_config(
             self.bus.run, self.topics, self.last_seq + 1 if resumed else self.from_seq,
             None if resumed else self.since, None if resumed else self.start,
@@ -266,10 +266,11 @@ class LogReader:
         finally:
             for w in watchers:
                 w.cancel()
-        if nxt.done():
+            if not nxt.done():  # stopped, reconnected, or the caller was cancelled
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+        if not nxt.cancelled():
             return nxt.result()  # type: ignore[no-any-return]
-        nxt.cancel()
-        await asyncio.gather(nxt, return_exceptions=True)
         if back is not None and back.is_set():
             raise _Reconnected
         raise TimeoutError("stopped")

@@ -18,9 +18,10 @@ died, or the server lost the request), so the caller sends it again at once inst
 after its attempt timeout. A handler that fails stops its signs of life too. A request
 that asks for none is answered exactly as before. When the requester's connection loses
 its server and comes back meanwhile, the request (or its reply) may have gone with the
-old connection: if nothing comes over the new one within ``RECONNECT_GRACE_S``, the same
-``ReplicaSilent`` says to send it again (a restarted server then costs ~0.25 s, not
-``silence_s``).
+old connection: if nothing comes over the new one within one keepalive interval
+(``silence_s / 3``) plus ``RECONNECT_GRACE_S`` (a replica still working on it says so in
+that time), the same ``ReplicaSilent`` says to send it again (a restarted server then
+costs ~0.9 s with the default 2 s, not ``silence_s``).
 """
 
 from __future__ import annotations
@@ -136,9 +137,9 @@ async def request(
     """The decoded reply to ``message`` on ``subject`` within ``timeout_s``; with
     ``silence_s``, ``ReplicaSilent`` as soon as the server holding it says nothing for
     that long (module docstring), or, when ``reconnected`` is set meanwhile (the
-    connection lost its server and came back), as soon as nothing comes within
-    ``RECONNECT_GRACE_S`` after: the request or its reply may have gone with the old
-    connection, so it is asked again at once rather than after ``silence_s``."""
+    connection lost its server and came back), as soon as nothing comes within a
+    keepalive interval and ``RECONNECT_GRACE_S`` after: the request or its reply may have
+    gone with the old connection, so it is asked again rather than after ``silence_s``."""
     if silence_s is not None:
         return await _watched_request(nc, subject, message, tuple(reply_types), timeout_s,
                                       silence_s, reconnected)  # fmt: skip
@@ -174,8 +175,9 @@ async def _watched_request(
                 raise RequestTimeout(f"no reply on {subject} within {timeout_s}s")
             wait = min(left, silence_s)
             try:
-                if back is not None and back.done():  # came back: a short grace, once
-                    back, wait = None, min(wait, RECONNECT_GRACE_S)
+                if back is not None and back.done():  # came back: a grace, once, long
+                    # enough for a live replica's next sign of life (silence_s / 3)
+                    back, wait = None, min(wait, silence_s / 3 + RECONNECT_GRACE_S)
                     msg = await sub.next_msg(timeout=wait)
                 else:
                     msg = await _next(sub, wait, back)
@@ -212,10 +214,12 @@ async def _next(sub: Any, timeout: float, back: asyncio.Future[Any] | None) -> A
     if back is None:
         return await sub.next_msg(timeout=timeout)
     nxt = asyncio.ensure_future(sub.next_msg(timeout=timeout))
-    await asyncio.wait({nxt, back}, return_when=asyncio.FIRST_COMPLETED)
-    if nxt.done():
-        return nxt.result()
-    nxt.cancel()
-    with contextlib.suppress(BaseException):
-        await nxt
-    raise _Reconnected
+    try:
+        await asyncio.wait({nxt, back}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not nxt.done():  # reconnected first, or the caller was cancelled
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+    if nxt.cancelled():
+        raise _Reconnected
+    return nxt.result()

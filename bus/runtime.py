@@ -480,15 +480,18 @@ class Bus:
                 acks[i] = ack
         return acks
 
-    async def _acks(self, pending: Sequence[asyncio.Future[PubAck]]) -> None:
-        """Wait for ``pending`` acks, at most ``publish_timeout_s``. A reconnect meanwhile
-        ends the wait sooner: a message the lost connection carried is never acked, so it
-        is retried at once (under its id) rather than when the timeout runs out, after a
-        short grace for those the client sent over the new connection."""
+    async def _acks(
+        self, pending: Sequence[asyncio.Future[PubAck]], reconnect: asyncio.Event
+    ) -> None:
+        """Wait for ``pending`` acks, at most ``publish_timeout_s``. A reconnect
+        (``reconnect`` set: taken before they were sent) ends the wait sooner: a message
+        the lost connection carried is never acked, so it is retried (under its id) rather
+        than when the timeout runs out, after a short grace for those the client sent over
+        the new connection."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.publish_timeout_s
         acked: asyncio.Future[Any] = asyncio.gather(*pending, return_exceptions=True)
-        back: asyncio.Future[Any] = asyncio.ensure_future(self.next_reconnect.wait())
+        back: asyncio.Future[Any] = asyncio.ensure_future(reconnect.wait())
         try:
             done, _ = await asyncio.wait(
                 {acked, back}, timeout=self.settings.publish_timeout_s,
@@ -559,6 +562,7 @@ class Bus:
                 await asyncio.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
             failed: list[int] = []
             for chunk in _chunks(todo, prepared, self.settings.publish_window_bytes):
+                back = self.next_reconnect  # before sending: a reconnect meanwhile counts
                 futs: list[asyncio.Future[PubAck] | None] = []
                 for i in chunk:
                     subj, payload, headers = prepared[i]
@@ -573,7 +577,7 @@ class Bus:
                 # message); whatever is not acked in time is retried with the same id.
                 pending = [f for f in futs if f is not None]
                 if pending:
-                    await self._acks(pending)
+                    await self._acks(pending, back)
                     for f in pending:
                         if not f.done():
                             f.cancel()

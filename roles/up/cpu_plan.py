@@ -98,6 +98,8 @@ def on_gpu(cfg: RunConfig, name: str) -> bool:
     """Whether compute process ``name`` runs on a GPU (its role's ``device``, resolved)."""
     from roles.lib.model.loading import resolve_device
 
+    if name != "trainer" and cfg.inference.backend == "vllm":
+        return True  # vLLM serves on CUDA only
     device = cfg.trainer.device if name == "trainer" else cfg.inference.device
     return resolve_device(device) != "cpu"
 

@@ -100,6 +100,7 @@ _ANCHOR_REPLY: Message = {"role": "assistant", "content": "y"}
 # Stands in for a message's content to find where the template puts the content.
 _SENTINEL = "\x00content\x00"
 _CACHE_SIZE = 4096  # rendered messages kept (cleared when full)
+_TURNS_CACHED = 256  # first turns kept (whole prompts: a group needs one; cleared when full)
 
 
 def _suffix_after(full: str, base: str) -> str | None:
@@ -355,7 +356,7 @@ class Renderer:
         copy each call: the harness extends its lists)."""
         key = json.dumps([list(messages), tools], sort_keys=True, default=str)
         if (turn := self._turns.get(key)) is None:
-            if len(self._turns) >= _CACHE_SIZE:
+            if len(self._turns) >= _TURNS_CACHED:
                 self._turns.clear()
             turn = self._turns[key] = self._first_turn(messages, tools)
         return Turn(list(turn.prompt), [], [(list(t), s) for t, s in turn.pieces], list(turn.gen))
