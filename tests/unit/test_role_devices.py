@@ -45,3 +45,22 @@ def test_bus_sandbox_false_starts_every_role_unconfined(tmp_path: Path) -> None:
     free = role_specs(load_config("smoke", ["bus.sandbox=false"]), paths, "nats://x")
     assert [r.name for r in free] == [r.name for r in confined]
     assert all(r.hidden is None for r in free)
+
+
+def test_rlbus_up_places_auto_weights_on_one_gpu_as_ipc() -> None:
+    """``trainer.weights_via = "auto"``: a device-to-device copy when the trainer and the
+    torch inference replicas share one CUDA device; the object store otherwise (the CPU,
+    two devices, LoRA adapters, several ranks, vLLM), and an explicit choice stays."""
+    from roles.up.launcher import placed_weights_via
+
+    def via(*overrides: str) -> str:
+        return placed_weights_via(load_config("default", list(overrides))).trainer.weights_via
+
+    gpu = ("trainer.device=cuda", "inference.device=cuda")
+    assert via(*gpu) == "ipc"
+    assert via("trainer.device=cpu", "inference.device=cpu") == "auto"
+    assert via("trainer.device=cuda:0", "inference.device=cuda:1") == "auto"
+    assert via(*gpu, "trainer.world_size=2") == "auto"
+    assert via(*gpu, "inference.backend=vllm") == "auto"
+    assert via(*gpu, "trainer.lora={rank=8}") == "auto"
+    assert via(*gpu, "trainer.weights_via=shm") == "shm"
