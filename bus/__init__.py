@@ -16,6 +16,8 @@
 - ``reader``: the one log reader, a run's stored events in stream order (legacy upcast)
 - ``rpc``: request/reply over core NATS with queue groups (inference traffic, not stored)
 - ``offload``: large bodies in the run's JetStream Object Store, verified by digest
+- ``waits``: ``unless_stopped``, work an event cuts short (a role stopping, the
+  connection coming back after it lost its server)
 - ``registry``: the live role registry: a KV bucket of heartbeats, one key per role
   instance (not ``kinds``, which declares the roles)
 - ``errors``: typed errors of the bus boundary, and what the NATS client's errors mean

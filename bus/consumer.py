@@ -39,8 +39,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus import codec
 from bus.errors import BodyError, DecodeError, HandlerBroken, Rejected
-from bus.runtime import Bus, unless_stopped
+from bus.runtime import Bus
 from bus.subjects import TOPICS, Topic, TopicSpec, check_schema, filter_subject
+from bus.waits import unless_stopped
 from schemas import DeadLettered, Event, derive_id
 
 

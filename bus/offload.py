@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Coroutine
@@ -36,6 +35,7 @@ from nats.js.object_store import (
 
 from bus.errors import BodyError
 from bus.settings import RECONNECT_GRACE_S
+from bus.waits import unless_stopped
 
 # Weights larger than this are not put in a run's object store: they go to a path under
 # the run directory, named by an ObjectRef of kind "path" (trainer and orchestrator).
@@ -49,11 +49,6 @@ PUT_PATIENCE_S = 30.0
 
 
 T = TypeVar("T")
-
-
-class _Reconnected(Exception):
-    """The connection came back while a put or read was in progress."""
-
 
 _TRANSIENT = (
     asyncio.TimeoutError,
@@ -105,10 +100,8 @@ class BodyStore:
         deadline = time.monotonic() + patience_s
         while True:
             try:
-                await self._unless_reconnected(self._put(name, data))
+                await self._again_on_reconnect(lambda: self._put(name, data))
                 return sha256_digest(data)
-            except _Reconnected:
-                continue
             except _TRANSIENT:
                 if time.monotonic() > deadline:
                     raise
@@ -117,30 +110,17 @@ class BodyStore:
     async def _put(self, name: str, data: bytes) -> None:
         await (await self.store()).put(name, data)  # (the bucket's lookup is a request too)
 
-    async def _unless_reconnected(self, work: Coroutine[Any, Any, T]) -> T:
-        """``work``'s result. When the connection comes back meanwhile, a request or chunk
-        the old one carried is never answered (nats-py would wait out its timeout, 5 s,
-        and a read its stall time): given ``RECONNECT_GRACE_S`` to finish, ``work`` is
-        then cancelled and ``_Reconnected`` raised, for the caller to start again."""
-        if self.reconnected is None:
-            return await work
-        back = asyncio.ensure_future(self.reconnected().wait())
-        task = asyncio.ensure_future(work)
-        try:
-            await asyncio.wait({task, back}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                await asyncio.wait({task}, timeout=RECONNECT_GRACE_S)
-        except BaseException:  # the caller was cancelled: so is the work
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise
-        finally:
-            back.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # (passes a cancellation on)
-            raise _Reconnected
-        return task.result()
+    async def _again_on_reconnect(self, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """``work()``'s result, started again when the connection comes back while it
+        runs: a request or chunk the old connection carried is never answered (nats-py
+        would wait out its timeout, 5 s, and a read its stall time), so after
+        ``RECONNECT_GRACE_S`` for what went over the new one, it is cancelled."""
+        while True:
+            if self.reconnected is None:
+                return await work()
+            done = await unless_stopped(work(), self.reconnected(), grace_s=RECONNECT_GRACE_S)
+            if done is not None:
+                return done.result()
 
     async def get(self, name: str, digest: str) -> bytes:
         """The bytes of ``name``, checked against ``digest``."""
@@ -173,9 +153,7 @@ class BodyStore:
         object deleted (or replaced) under the read is a ``BodyError``, never a hang. A
         read the connection's coming back interrupts starts again at once.
         """
-        while True:
-            with contextlib.suppress(_Reconnected):
-                return await self._unless_reconnected(self._read(name))
+        return await self._again_on_reconnect(lambda: self._read(name))
 
     async def _read(self, name: str) -> bytes:
         info = await self._info(name)

@@ -55,6 +55,7 @@ from bus import codec
 from bus.errors import BodyError, DecodeError
 from bus.runtime import Bus
 from bus.subjects import Topic, check_schema, filter_subject
+from bus.waits import unless_stopped
 from schemas import EVENT_TYPES, BatchAssembled, Event
 from schemas.legacy import LEGACY_TYPES, upcast
 
@@ -259,18 +260,9 @@ class LogReader:
         waits = [e for e in (self.stop, back) if e is not None]
         if not waits or sub.pending_msgs:
             return await sub.next_msg(timeout=self.idle_timeout_s)  # type: ignore[no-any-return]
-        nxt = asyncio.ensure_future(sub.next_msg(timeout=self.idle_timeout_s))
-        watchers = [asyncio.ensure_future(e.wait()) for e in waits]
-        try:
-            await asyncio.wait({nxt, *watchers}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in watchers:
-                w.cancel()
-            if not nxt.done():  # stopped, reconnected, or the caller was cancelled
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
-        if not nxt.cancelled():
-            return nxt.result()  # type: ignore[no-any-return]
+        got = await unless_stopped(sub.next_msg(timeout=self.idle_timeout_s), *waits)
+        if got is not None:
+            return got.result()  # type: ignore[no-any-return]
         if back is not None and back.is_set():
             raise _Reconnected
         raise TimeoutError("stopped")

@@ -42,6 +42,7 @@ from bus import codec
 from bus.errors import DecodeError, NoResponders, ReplicaSilent, RequestTimeout
 from bus.log import get_logger
 from bus.settings import RECONNECT_GRACE_S
+from bus.waits import unless_stopped
 
 log = get_logger()
 
@@ -165,7 +166,7 @@ async def _watched_request(
     deadline = loop.time() + timeout_s
     inbox = nc.new_inbox()  # under this identity's inbox prefix
     sub = await nc.subscribe(inbox)
-    back = asyncio.ensure_future(reconnected.wait()) if reconnected is not None else None
+    watching = reconnected  # None once the grace after a reconnect is given
     try:
         headers = {H_KEEPALIVE: f"{silence_s / 3:.3g}"}
         await nc.publish(subject, codec.encode_any(message), reply=inbox, headers=headers)
@@ -173,24 +174,25 @@ async def _watched_request(
             left = deadline - loop.time()
             if left <= 0:
                 raise RequestTimeout(f"no reply on {subject} within {timeout_s}s")
-            wait = min(left, silence_s)
+            wait, lost = min(left, silence_s), ""
+            if watching is not None and watching.is_set():  # came back: a grace, once,
+                # long enough for a live replica's next sign of life (silence_s / 3)
+                watching, lost = None, " with the connection"
+                wait = min(wait, silence_s / 3 + RECONNECT_GRACE_S)
             try:
-                if back is not None and back.done():  # came back: a grace, once, long
-                    # enough for a live replica's next sign of life (silence_s / 3)
-                    back, wait = None, min(wait, silence_s / 3 + RECONNECT_GRACE_S)
+                if watching is None:
                     msg = await sub.next_msg(timeout=wait)
+                elif (got := await unless_stopped(sub.next_msg(timeout=wait), watching)) is None:
+                    continue  # the connection came back first
                 else:
-                    msg = await _next(sub, wait, back)
+                    msg = got.result()
             except (TimeoutError, nats.errors.TimeoutError):
                 if loop.time() >= deadline:
                     raise RequestTimeout(f"no reply on {subject} within {timeout_s}s") from None
                 raise ReplicaSilent(
                     f"no sign of life on {subject} for {wait:g} s (the replica holding "
-                    "the request is gone, or the request was lost"
-                    + (")" if wait == silence_s else " with the connection)")
+                    f"the request is gone, or the request was lost{lost})"
                 ) from None
-            except _Reconnected:
-                continue
             h = msg.headers or {}
             if h.get(_STATUS) == _NO_RESPONDERS and not msg.data:
                 raise NoResponders(f"no responders on {subject}")
@@ -198,28 +200,5 @@ async def _watched_request(
                 continue
             return codec.decode(msg.data, reply_types)
     finally:
-        if back is not None:
-            back.cancel()
         with contextlib.suppress(Exception):  # a closed connection has nothing to undo
             await sub.unsubscribe()
-
-
-class _Reconnected(Exception):
-    """The connection came back while a request waited (``_next``)."""
-
-
-async def _next(sub: Any, timeout: float, back: asyncio.Future[Any] | None) -> Any:
-    """``sub``'s next message within ``timeout``; ``_Reconnected`` as soon as ``back``
-    is done first."""
-    if back is None:
-        return await sub.next_msg(timeout=timeout)
-    nxt = asyncio.ensure_future(sub.next_msg(timeout=timeout))
-    try:
-        await asyncio.wait({nxt, back}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not nxt.done():  # reconnected first, or the caller was cancelled
-            nxt.cancel()
-            await asyncio.gather(nxt, return_exceptions=True)
-    if nxt.cancelled():
-        raise _Reconnected
-    return nxt.result()

@@ -56,6 +56,7 @@ from bus.subjects import (
     stream_subjects,
     subject_for,
 )
+from bus.waits import unless_stopped
 from schemas import BodyRef, Event, RoleHeartbeat, derive_id
 
 Prepared = tuple[str, bytes, dict[str, str]]  # (subject, payload, headers) as published
@@ -91,23 +92,6 @@ _LEADERLESS = (
     nats.js.errors.ServiceUnavailableError,
 )
 T = TypeVar("T")
-
-
-async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> asyncio.Future[T] | None:
-    """Run ``work`` until it completes (its finished future: ``result()`` returns or
-    raises what it did) or until ``stop`` is set first (None: ``work`` is cancelled). An
-    idle read that would wait out its timeout ends as the role stops."""
-    task = asyncio.ensure_future(work)
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if task.done():
-        return task
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return None
 
 
 @dataclass
@@ -480,29 +464,6 @@ class Bus:
                 acks[i] = ack
         return acks
 
-    async def _acks(
-        self, pending: Sequence[asyncio.Future[PubAck]], reconnect: asyncio.Event
-    ) -> None:
-        """Wait for ``pending`` acks, at most ``publish_timeout_s``. A reconnect
-        (``reconnect`` set: taken before they were sent) ends the wait sooner: a message
-        the lost connection carried is never acked, so it is retried (under its id) rather
-        than when the timeout runs out, after a short grace for those the client sent over
-        the new connection."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.publish_timeout_s
-        acked: asyncio.Future[Any] = asyncio.gather(*pending, return_exceptions=True)
-        back: asyncio.Future[Any] = asyncio.ensure_future(reconnect.wait())
-        try:
-            done, _ = await asyncio.wait(
-                {acked, back}, timeout=self.settings.publish_timeout_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )  # fmt: skip
-            if back in done and not acked.done():
-                grace = min(RECONNECT_GRACE_S, max(0.0, deadline - loop.time()))
-                await asyncio.wait({acked}, timeout=grace)
-        finally:
-            back.cancel()
-
     async def _settle(self, item: Prepared, ack: PubAck) -> PubAck:
         """The ack of the copy of ``item`` the stream holds, given a duplicate ``ack``.
 
@@ -577,7 +538,13 @@ class Bus:
                 # message); whatever is not acked in time is retried with the same id.
                 pending = [f for f in futs if f is not None]
                 if pending:
-                    await self._acks(pending, back)
+                    # A reconnect ends the wait sooner: what the lost connection carried
+                    # is never acked, and is retried rather than waited out (after a
+                    # grace for what went over the new one).
+                    await unless_stopped(
+                        asyncio.wait(pending, timeout=self.settings.publish_timeout_s),
+                        back, grace_s=RECONNECT_GRACE_S,
+                    )  # fmt: skip
                     for f in pending:
                         if not f.done():
                             f.cancel()

@@ -94,14 +94,22 @@ def cpu_plan(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slo
     return {n: _override(cfg, n, slot) for n, slot in plan.items()}
 
 
-def on_gpu(cfg: RunConfig, name: str) -> bool:
-    """Whether compute process ``name`` runs on a GPU (its role's ``device``, resolved)."""
+def device_of(cfg: RunConfig, name: str) -> str:
+    """The device compute process ``name`` (the trainer, else an inference replica) runs
+    its model on, resolved as the role resolves it (``trainer.device``,
+    ``inference.device``: "auto" is cuda when torch sees a GPU; vLLM serves on CUDA)."""
     from roles.lib.model.loading import resolve_device
 
-    if name != "trainer" and cfg.inference.backend == "vllm":
-        return True  # vLLM serves on CUDA only
-    device = cfg.trainer.device if name == "trainer" else cfg.inference.device
-    return resolve_device(device) != "cpu"
+    if name == "trainer":
+        return resolve_device(cfg.trainer.device)
+    if cfg.inference.backend == "vllm":
+        return "cuda (vllm)"
+    return resolve_device(cfg.inference.device)
+
+
+def on_gpu(cfg: RunConfig, name: str) -> bool:
+    """Whether compute process ``name`` runs on a GPU."""
+    return device_of(cfg, name) != "cpu"
 
 
 def _auto(cfg: RunConfig, names: list[str], cpus: list[int]) -> dict[str, Slot]:

@@ -36,7 +36,7 @@ from bus.server import EmbeddedServer
 from configs import POLICY, RunConfig, dump_toml
 from configs.paths import RunPaths
 from roles.runtime.context import policy_model_dir
-from roles.up.cpu_plan import Slot, available_cpus, cpu_plan
+from roles.up.cpu_plan import Slot, available_cpus, cpu_plan, device_of
 from roles.up.pools import env_replica, inference_replica, run_pools, served_envs
 from roles.up.processes import RoleProcess, role_env, role_process
 from roles.up.run_guard import (
@@ -124,13 +124,11 @@ def placed_weights_via(cfg: RunConfig) -> RunConfig:
     ``gpu`` preset: publish -> live 26-44 ms median, 100-142 ms at most, where the host
     path took 1.8 s median); otherwise unchanged (the object store). A role started by
     hand keeps "auto": where it runs is not known. LoRA adapters travel as bytes."""
-    from roles.lib.model.loading import resolve_device
-
-    t, inf = cfg.trainer, cfg.inference
-    if t.weights_via != "auto" or t.lora is not None or t.world_size != 1 or inf.backend != "torch":
+    t = cfg.trainer
+    if t.weights_via != "auto" or t.lora is not None or t.world_size != 1:
         return cfg
-    trainer, inference = resolve_device(t.device), resolve_device(inf.device)
-    if trainer != inference or not trainer.startswith("cuda"):
+    trainer, inference = device_of(cfg, "trainer"), device_of(cfg, "inference")
+    if trainer != inference or not trainer.startswith("cuda"):  # (vLLM: "cuda (vllm)")
         return cfg
     return cfg.model_copy(update={"trainer": t.model_copy(update={"weights_via": "ipc"})})
 
@@ -186,14 +184,12 @@ def placed(r: RoleProcess, plan: dict[str, Slot]) -> RoleProcess:
 def role_devices(cfg: RunConfig, roles: list[RoleProcess]) -> dict[str, str]:
     """The device of each role that runs a model, resolved as the role resolves it
     (``trainer.device``, ``inference.device``: "auto" is cuda when torch sees a GPU)."""
-    from roles.lib.model.loading import resolve_device
-
-    served = (
-        "cuda (vllm)" if cfg.inference.backend == "vllm" else resolve_device(cfg.inference.device)
-    )
-    devices = {"trainer": resolve_device(cfg.trainer.device)}
-    devices |= {r.name: served for r in roles if r.name.startswith("inference-")}
-    return {r.name: devices[r.name] for r in roles if r.name in devices}
+    served = device_of(cfg, "inference")
+    return {
+        r.name: device_of(cfg, "trainer") if r.name == "trainer" else served
+        for r in roles
+        if r.name == "trainer" or r.name.startswith("inference-")
+    }
 
 
 def new_run_id() -> str:

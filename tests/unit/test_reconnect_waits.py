@@ -1,6 +1,6 @@
-"""What a wait that a reconnect may end does with its work (no server needed): the
-object store's put and read (``BodyStore._unless_reconnected``) and a request's next
-message (``bus.rpc._next``)."""
+"""Waits that an event ends (``bus.waits.unless_stopped``, no server needed): what they do
+with their work when the event comes, after a grace, or when their caller is cancelled;
+and the object store starting a put or read again after a reconnect."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from bus import rpc
-from bus.offload import BodyStore, _Reconnected
+from bus.offload import BodyStore
+from bus.waits import unless_stopped
 
 
-def sleeper(log: list[str]) -> Any:
+def sleeper(log: list[str], s: float = 100.0) -> Any:
     async def work() -> str:
         log.append("started")
         try:
-            await asyncio.sleep(100)
+            await asyncio.sleep(s)
         except asyncio.CancelledError:
             log.append("cancelled")
             raise
@@ -26,56 +26,39 @@ def sleeper(log: list[str]) -> Any:
     return work
 
 
-async def test_a_put_or_read_cut_off_by_a_reconnect_or_a_cancelled_caller_stops_its_work() -> None:
+async def test_work_ends_with_an_event_after_its_grace_and_with_its_caller() -> None:
+    log: list[str] = []
+    # Finished first: its future.
+    done = await unless_stopped(sleeper(log, 0.0)(), asyncio.Event())
+    assert done is not None and done.result() == "done"
+    # Any of the events set first: cancelled, None.
+    stop, back = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(unless_stopped(sleeper(log)(), stop, back))
+    await asyncio.sleep(0.01)
+    back.set()
+    assert await task is None
+    assert log == ["started", "started", "cancelled"]
+    # With a grace, work that finishes within it is kept.
+    back = asyncio.Event()
+    back.set()
+    kept = await unless_stopped(sleeper(log, 0.05)(), back, grace_s=1.0)
+    assert kept is not None and kept.result() == "done"
+    # The caller cancelled: so is the work, and the cancellation goes on.
+    task = asyncio.create_task(unless_stopped(sleeper(log)(), asyncio.Event()))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert log[-2:] == ["started", "cancelled"]
+
+
+async def test_the_object_store_starts_work_again_when_the_connection_comes_back() -> None:
     back = asyncio.Event()
     store = BodyStore(None, "b", reconnected=lambda: back)  # type: ignore[arg-type]
     log: list[str] = []
-    # The caller is cancelled: so is the work, and the cancellation is not a reconnect.
-    task = asyncio.create_task(store._unless_reconnected(sleeper(log)()))
+    tries = iter([sleeper(log), sleeper(log, 0.0)])
+    task = asyncio.create_task(store._again_on_reconnect(lambda: next(tries)()))
     await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert log == ["started", "cancelled"]
-    # The connection comes back: after the grace the work is cancelled, to start again.
-    task = asyncio.create_task(store._unless_reconnected(sleeper(log)()))
-    await asyncio.sleep(0.01)
-    back.set()
-    with pytest.raises(_Reconnected):
-        await task
-    assert log == ["started", "cancelled", "started", "cancelled"]
-
-
-class Inbox:
-    def __init__(self) -> None:
-        self.waiting: list[str] = []
-
-    async def next_msg(self, timeout: float) -> str:
-        self.waiting.append("waiting")
-        try:
-            await asyncio.sleep(timeout)
-        except asyncio.CancelledError:
-            self.waiting.append("cancelled")
-            raise
-        raise TimeoutError
-
-
-async def test_a_request_waiting_when_the_connection_comes_back_stops_listening() -> None:
-    back = asyncio.Event()
-    inbox = Inbox()
-    waiter = asyncio.ensure_future(back.wait())
-    task = asyncio.create_task(rpc._next(inbox, 100, waiter))
-    await asyncio.sleep(0.01)
-    back.set()
-    with pytest.raises(rpc._Reconnected):
-        await task
-    assert inbox.waiting == ["waiting", "cancelled"]
-    # A caller cancelled while it waits leaves no read behind either.
-    never = asyncio.ensure_future(asyncio.Event().wait())
-    task = asyncio.create_task(rpc._next(inbox, 100, never))
-    await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    never.cancel()
-    assert inbox.waiting[-2:] == ["waiting", "cancelled"]
+    back.set()  # the first try is cut off after the grace; the second one finishes
+    assert await task == "done"
+    assert log == ["started", "cancelled", "started"]
