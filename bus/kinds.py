@@ -58,7 +58,7 @@ KINDS: dict[str, Kind] = {
         ),
         Kind(
             "trainer", "the trainer (rank 0)",
-            (_T.WEIGHTS_PUBLISHED, _T.METRICS_REPORTED, _T.DEAD_LETTERED),
+            (_T.WEIGHTS_PUBLISHED, _T.WEIGHTS_STORED, _T.METRICS_REPORTED, _T.DEAD_LETTERED),
             durables=True, objects=True, heartbeats=("trainer",),
         ),
         Kind(

@@ -31,6 +31,7 @@ from schemas import (
     TaskRequested,
     TraceCompleted,
     WeightsPublished,
+    WeightsStored,
 )
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
@@ -45,6 +46,7 @@ class Topic(StrEnum):
     SAMPLES_SCORED = "samples.scored"
     BATCH_ASSEMBLED = "batch.assembled"
     WEIGHTS_PUBLISHED = "weights.published"
+    WEIGHTS_STORED = "weights.stored"
     METRICS_REPORTED = "metrics.reported"
     DEAD_LETTERED = "dead.lettered"
     ALGORITHM_ATTACHED = "algorithm.attached"
@@ -119,6 +121,13 @@ TOPICS: dict[Topic, TopicSpec] = {
             None,
             "trainer",
             "inference, orchestrator",
+        ),
+        TopicSpec(
+            Topic.WEIGHTS_STORED,
+            WeightsStored,
+            None,
+            "trainer (a version announced on the device, stored later)",
+            "inference (bytes when a device copy is gone), export",
         ),
         TopicSpec(
             Topic.METRICS_REPORTED,

@@ -57,7 +57,7 @@ from bus.subjects import (
     topic_of_subject,
 )
 from configs.paths import RunPaths
-from schemas import EVENT_TYPES, Event, ObjectRef, RunStarted, WeightsPublished
+from schemas import EVENT_TYPES, Event, ObjectRef, RunStarted, WeightsPublished, WeightsStored
 
 FORMAT = "rlbus-run/2"  # /2: gzip-compressed log members, only the weights replay needs
 READABLE = ("rlbus-run/1", FORMAT)  # formats import reads
@@ -122,13 +122,14 @@ async def unneeded_weights(bus: Bus) -> frozenset[str]:
     """Published weights objects that neither replay nor an imported run needs.
 
     Replay recomputes every version from the initial weights (``run.started``, kept) and
-    the batches; an imported run's inference loads the newest announcement (kept). Every
-    other ``weights.published`` object is left out.
+    the batches; an imported run's inference loads the newest stored version (kept).
+    Every other object of ``weights.published`` or ``weights.stored`` is left out.
     """
     keep: set[str] = set()
     published: dict[int, str] = {}
-    topics = [(Topic.RUN_STARTED, None), (Topic.WEIGHTS_PUBLISHED, None)]
-    async for event in read_log(bus, topics, (RunStarted, WeightsPublished)):
+    topics = [(Topic.RUN_STARTED, None), (Topic.WEIGHTS_PUBLISHED, None),
+              (Topic.WEIGHTS_STORED, None)]  # fmt: skip
+    async for event in read_log(bus, topics, (RunStarted, WeightsPublished, WeightsStored)):
         if isinstance(event, RunStarted):
             if (ref := event.initial_weights) is not None and ref.kind == "object":
                 keep.add(ref.location)
@@ -323,7 +324,7 @@ def renamed(event: Event, new_run: str) -> Event:
         ref = event.initial_weights
         if ref is not None and ref.kind == "object":
             changes["initial_weights"] = msgspec.structs.replace(ref, bucket=bucket(ref))
-    elif isinstance(event, WeightsPublished) and event.weights.kind == "object":
+    elif isinstance(event, WeightsPublished | WeightsStored) and event.weights.kind == "object":
         changes["weights"] = msgspec.structs.replace(event.weights, bucket=bucket(event.weights))
     return msgspec.structs.replace(event, **changes)
 

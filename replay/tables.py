@@ -46,6 +46,7 @@ from schemas import (
     Trace,
     TraceCompleted,
     WeightsPublished,
+    WeightsStored,
     arrays,
 )
 
@@ -306,7 +307,7 @@ def rows_for(
             } for i, s in enumerate(event.samples)]  # fmt: skip
         case MetricsReported():
             out.update(_metric_rows(run, seq, event))
-        case WeightsPublished():
+        case WeightsPublished() | WeightsStored():  # stored after: a second row of its version
             out["weights"] = [{
                 **base, **_pick(event, "event_id", "version", "step", "format", "batch_id"),
                 **_pick(event.weights, "kind", "location", "bucket", "size", "digest"),

@@ -369,9 +369,11 @@ async def publish_fork(
     if state is not None and state.messages:
         raise ReplayError(f"run {bus.run!r} already exists: choose another --fork name")
     await bus.ensure_stream()
-    kept = retention.kept(max(result.weights, default=0), result.config.trainer.keep_weights)
+    dropped = retention.collectable(
+        result.weights, max(result.weights, default=0), result.config.trainer.keep_weights
+    )
     refs = {
-        step: await _store(bus, retention.object_name(step), data, put=kept is None or step in kept)
+        step: await _store(bus, retention.object_name(step), data, put=step not in dropped)
         for step, data in sorted(result.weights.items())
     }
     start_ref = (

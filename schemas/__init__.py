@@ -61,6 +61,7 @@ from schemas.training import (
     Sample,
     SamplesScored,
     WeightsPublished,
+    WeightsStored,
     batch_id,
 )
 
@@ -73,6 +74,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     SamplesScored,
     BatchAssembled,
     WeightsPublished,
+    WeightsStored,
     MetricsReported,
     DeadLettered,
     AlgorithmAttached,
@@ -129,6 +131,7 @@ __all__ = [
     "ToolCall",
     "FilterVerdict",
     "WeightsPublished",
+    "WeightsStored",
     "IPC_KIND",
     "BROADCAST_KIND",
     "derive_id",

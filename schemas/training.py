@@ -188,6 +188,23 @@ class WeightsPublished(Event, frozen=True, tag="weights_published/1"):
         return None if self.weights.kind in DEVICE_KINDS else self.weights
 
 
+class WeightsStored(Event, frozen=True, tag="weights_stored/1"):
+    """The bytes of a version announced only on the device, stored after its announcement.
+
+    With ``trainer.weights_via = "ipc"`` / ``"broadcast"`` the trainer announces every
+    version device to device at once and stores every ``trainer.store_weights_every``-th
+    one while it trains the next step (``causation_id``: that version's
+    ``weights.published``); readers that need bytes (a replica whose device copy is gone,
+    one that restarts, an export) take them from here. ``weights.digest`` is of the bytes.
+    """
+
+    version: NonNegative
+    step: NonNegative
+    weights: ObjectRef
+    format: str = "safetensors"
+    batch_id: str | None = None
+
+
 class AlgorithmAttached(Event, frozen=True, tag="algorithm_attached/1"):
     """A worker joined a live run (``rlbus algorithm attach``).
 

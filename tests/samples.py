@@ -29,6 +29,7 @@ from schemas import (
     TraceCompleted,
     TraceError,
     WeightsPublished,
+    WeightsStored,
 )
 from schemas.arrays import pack_f32, pack_i32, pack_mask
 
@@ -95,6 +96,7 @@ def every_event(run: str = "golden") -> list[Event]:
         ),
         BatchAssembled(event_id="e-batch", step=3, samples=[sample(), sample("r1")], policy_version=2, sources=["e-scored"], num_tokens=34, dropped_stale=1, skipped_zero_advantage=2, **base),
         WeightsPublished(event_id="e-weights", version=3, step=3, weights=weights, batch_id="e-batch", **base),
+        WeightsStored(event_id="e-stored", version=3, step=3, weights=weights, batch_id="e-batch", causation_id="e-weights", **base),
         MetricsReported(event_id="e-metrics", role="trainer", step=3, values={"loss": 0.5, "grad_norm": 1.25}, policy_version=3, **base),
         DeadLettered(
             event_id="e-dead", role="trainer", consumer="trainer", subject=f"rl.{run}.batch.assembled",

@@ -74,6 +74,7 @@ from roles.inference.weights_io import (
     fetch_weights,
     read_latest_weights,
     retry_transient,
+    stored_later,
     weights_gone,
     weights_newest_first,
 )
@@ -88,11 +89,15 @@ from schemas import (
     ObjectRef,
     ScoreRequest,
     WeightsPublished,
+    WeightsStored,
 )
 
 # At start, how many announcements (newest first) a replica tries before it serves the
 # initial weights: a few bad ones in a row are a fault; more is a flood, not a history.
 START_CANDIDATES = 8
+# Versions stored after their announcement a replica remembers (newest): more than the
+# trainer keeps (``trainer.keep_weights``, 4 by default).
+_STORED_LATER_KEPT = 16
 
 
 class VersionAhead(ValueError):
@@ -209,6 +214,9 @@ class InferenceRole(Role):
         self._pending: dict[int, WeightsPublished] = {}  # announced, newer than serving
         self._weights_arrived = asyncio.Event()
         self._rejected: set[str] = set()  # event ids already refused: not retried
+        # Versions announced on the trainer's device whose bytes were stored later
+        # (``weights.stored``): the fallback when the device copy is gone.
+        self._stored_later: dict[int, ObjectRef] = {}
         # Eval pinning (GenerateRequest.pin_version): only the policy itself follows every
         # version; a frozen model or a snapshot serves what it serves.
         honours = self.served.follows_weights and self.served.pin is None
@@ -225,6 +233,7 @@ class InferenceRole(Role):
         self.backend = await make_backend(self.cfg, path, weights_dir)
         if self.served.follows_weights:
             self._starting = True  # nothing served yet: no pinned request, no eval, to hold for
+            self._stored_later = await stored_later(self.bus)
             try:
                 await self._load_newest_good()
             finally:
@@ -259,6 +268,9 @@ class InferenceRole(Role):
             # From the newest announcement on; a bad one must not stop following.
             weights = [(Topic.WEIGHTS_PUBLISHED, None)]
             inputs.append(Follow("weights", weights, self.on_weights, start="last",
+                                 on_undecodable="skip"))  # fmt: skip
+            stored = [(Topic.WEIGHTS_STORED, None)]
+            inputs.append(Follow("weights-stored", stored, self.on_weights_stored, start="last",
                                  on_undecodable="skip"))  # fmt: skip
         return inputs
 
@@ -331,6 +343,16 @@ class InferenceRole(Role):
             self._pending[event.version] = event
             self._weights_arrived.set()
 
+    async def on_weights_stored(self, event: WeightsStored, delivery: Delivery) -> None:
+        """Note where a version announced on the device was stored (the newest few)."""
+        self._stored_later[event.version] = event.weights
+        for v in sorted(self._stored_later)[:-_STORED_LATER_KEPT]:
+            del self._stored_later[v]
+
+    def _stored(self, event: WeightsPublished) -> ObjectRef | None:
+        """Where ``event``'s bytes are stored: in the announcement, or stored after it."""
+        return event.stored() or self._stored_later.get(event.version)
+
     async def _load_weights(self) -> None:
         """Loads the newest pending version (older ones are skipped, not queued), or the
         one requests pinned to a version newer than the one served wait for (an eval
@@ -368,7 +390,7 @@ class InferenceRole(Role):
             self.log.info("weights.superseded", version=event.version, detail=str(e))
             return False
         except Exception as e:  # noqa: BLE001 - bad weights are refused, serving goes on
-            stored = event.stored()
+            stored = self._stored(event)
             gone_is_news = not isinstance(e, WeightsNotFinite | VersionAhead)
             if gone_is_news and (stored is None or await weights_gone(self.bus, stored)):
                 return await self._load_newer_than(event, e)
@@ -402,7 +424,7 @@ class InferenceRole(Role):
         overwritten, a version that never arrived), the stored bytes. (via, bytes,
         generation pause, seconds held for pinned requests)."""
         assert self.backend is not None
-        stored = event.stored()
+        stored = self._stored(event)
         if event.device is not None:
             try:
                 held_s = await self._hold(previous, event.version)
@@ -506,7 +528,7 @@ class InferenceRole(Role):
                     return
                 # (a version only shared on a trainer's device is not counted: after a
                 # restart of the trainer, up to store_weights_every of them precede a stored one)
-                tried += found is None or found.stored() is not None
+                tried += found is None or self._stored(found) is not None
                 if tried >= START_CANDIDATES:
                     self.log.error("weights.none_loaded", tried=tried)
                     return

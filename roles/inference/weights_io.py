@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import TypeVar
 
 from bus.errors import TRANSIENT_ERRORS
-from bus.reader import last_event, newest_first
+from bus.reader import last_event, newest_first, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic
-from schemas import ObjectRef, WeightsPublished
+from schemas import ObjectRef, WeightsPublished, WeightsStored
 
 
 async def read_latest_weights(bus: Bus) -> WeightsPublished | None:
@@ -32,6 +32,15 @@ async def read_latest_weights(bus: Bus) -> WeightsPublished | None:
 def weights_newest_first(bus: Bus) -> AsyncGenerator[WeightsPublished, None]:
     """The run's readable ``weights.published`` events, newest first."""
     return newest_first(bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,))
+
+
+async def stored_later(bus: Bus) -> dict[int, ObjectRef]:
+    """Where the versions announced only on the trainer's device were stored after
+    their announcement (``weights.stored``), by version."""
+    out: dict[int, ObjectRef] = {}
+    async for event in read_log(bus, [(Topic.WEIGHTS_STORED, None)], (WeightsStored,)):
+        out.setdefault(event.version, event.weights)
+    return out
 
 
 # Weights announced as a file: "path" (a shared filesystem) or "shm" (a file under

@@ -60,11 +60,12 @@ from configs.paths import CHECKPOINT_PREFIX, RunPaths
 from roles.lib.model import lora
 from roles.lib.model.loading import compile_blocks, load_model, resolve_device
 from roles.lib.model.weights import (
-    adapter_to_bytes,
+    adapter_tensors,
     adapters_of,
     digest,
     load_state_bytes,
-    state_dict_to_bytes,
+    tensors_to_bytes,
+    untied_state,
     verified,
 )
 from roles.lib.threads import torch_threads
@@ -407,10 +408,20 @@ class TrainerCore:
     def weights_bytes(self) -> bytes:
         """The current weights as safetensors bytes (what ``weights.published`` names):
         the whole model, or with ``trainer.lora`` its adapters."""
+        return tensors_to_bytes(self.weights_tensors())
+
+    def weights_tensors(self) -> dict[str, torch.Tensor]:
+        """The named tensors ``weights_bytes`` writes (the model's, no copies)."""
         lo = self.cfg.trainer.lora
         if lo is not None:
-            return adapter_to_bytes(lora.adapter_state(self.model), lora.scale(lo.alpha, lo.rank))
-        return state_dict_to_bytes(self.model)
+            return adapter_tensors(lora.adapter_state(self.model), lora.scale(lo.alpha, lo.rank))
+        return untied_state(self.model)
+
+    def weights_snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of ``weights_tensors`` where they are (on a GPU, device to device: a
+        fraction of a millisecond), for ``tensors_to_bytes`` to write while the next step
+        trains: the same bytes ``weights_bytes`` gives now."""
+        return {name: t.detach().clone() for name, t in self.weights_tensors().items()}
 
     def weights_digest(self) -> str:
         return digest(self.weights_bytes())

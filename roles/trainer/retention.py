@@ -64,13 +64,6 @@ def version_of_file(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def kept(newest: int, keep: int) -> range | None:
-    """The published versions kept once ``newest`` is announced (None: all of them)."""
-    if keep <= 0:
-        return None
-    return range(max(INITIAL_VERSION + 1, newest - keep + 1), newest + 1)
-
-
 def pinned(cfg: RunConfig) -> set[int]:
     """Versions a policy snapshot serves (``orchestrator.models.<key>.policy_version``):
     kept for the whole run, so a snapshot's replica can restart on them."""
@@ -80,13 +73,16 @@ def pinned(cfg: RunConfig) -> set[int]:
 
 
 def collectable(versions: Iterable[int], newest: int, keep: int) -> list[int]:
-    """Which of ``versions`` no reader needs once ``newest`` is announced, oldest first.
+    """Which of the stored ``versions`` no reader needs once ``newest`` is announced,
+    oldest first.
 
-    ``keep`` newest versions stay (``keep <= 0``: every version stays); the initial
+    The newest ``keep`` stored versions up to ``newest`` stay (``keep <= 0``: every
+    version stays): stored versions, not steps, since with ``trainer.weights_via = "ipc"``
+    or ``"broadcast"`` only every ``trainer.store_weights_every``-th is. The initial
     weights always stay, and so does anything newer than ``newest`` (stored, not yet
     announced).
     """
-    window = kept(newest, keep)
-    if window is None:
+    if keep <= 0:
         return []
-    return sorted(v for v in set(versions) if INITIAL_VERSION < v < window.start)
+    announced = sorted(v for v in set(versions) if INITIAL_VERSION < v <= newest)
+    return announced[:-keep]

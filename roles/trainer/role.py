@@ -65,8 +65,10 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from bus.consumer import Delivery, Effects, Subscription, commit
-from bus.errors import STORE_ERRORS, HandlerBroken, Rejected
+from bus.errors import STORE_ERRORS, TRANSIENT_ERRORS, HandlerBroken, Rejected
 from bus.follower import Follow
 from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
@@ -76,7 +78,7 @@ from roles.lib.model import serving_dtype
 from roles.lib.model.broadcast import BroadcastHub
 from roles.lib.model.loading import resolve_dtype
 from roles.lib.model.shared_weights import Layout, WeightsRing
-from roles.lib.model.weights import digest, write_atomic
+from roles.lib.model.weights import digest, tensors_to_bytes, write_atomic
 from roles.runtime.context import RoleContext
 from roles.runtime.role import Role, serve_role
 from roles.trainer import retention
@@ -88,6 +90,7 @@ from schemas import (
     MetricsReported,
     ObjectRef,
     WeightsPublished,
+    WeightsStored,
     batch_id,
     derive_id,
 )
@@ -109,6 +112,9 @@ class _Pending:
     events: list[Event] | None = None  # its announcement, once its weights are stored
     digest: str = ""
     refused: str | None = None  # why the batch was refused (a step that trained nothing)
+    # Its weights, copied where they are, to be stored once it is announced (a version
+    # announced on the device: ``TrainerRole._store_after``).
+    snapshot: dict[str, torch.Tensor] | None = None
 
 
 class TrainerRole(Role):
@@ -138,6 +144,10 @@ class TrainerRole(Role):
         # not yet collected: listed at start, added as they are stored.
         self.stored_weights: dict[int, str] = {}
         self.collected_since_rewrite = 0  # versions deleted since weights.v0 was rewritten
+        # Versions whose bytes are stored after their announcement (on the log already:
+        # catch-up), and the store in flight, if any (one at a time).
+        self.stored_later: set[int] = set()
+        self.storing: asyncio.Task[None] | None = None
         self.ring: WeightsRing | None = None  # trainer.weights_via = "ipc": made at first use
         self.hub: BroadcastHub | None = None  # trainer.weights_via = "broadcast": the same
 
@@ -231,15 +241,20 @@ class TrainerRole(Role):
             self.log.info("trainer.consumer_ready", start_seq=resume_seq, step=self.core.step)
 
     async def _recorded_weights(self, start_seq: int) -> dict[int, WeightsPublished]:
-        """WeightsPublished already on the stream (first per step), from ``start_seq``."""
+        """WeightsPublished already on the stream (first per step), from ``start_seq``;
+        the versions stored after their announcement go to ``stored_later``."""
         out: dict[int, WeightsPublished] = {}
-        end = await last_seq(self.bus, Topic.WEIGHTS_PUBLISHED)
+        topics = [(Topic.WEIGHTS_PUBLISHED, None), (Topic.WEIGHTS_STORED, None)]
+        end = max([await last_seq(self.bus, topic) for topic, _ in topics])
         events = read_log(
-            self.bus, [(Topic.WEIGHTS_PUBLISHED, None)], (WeightsPublished,),
+            self.bus, topics, (WeightsPublished, WeightsStored),
             from_seq=start_seq, until_seq=end, with_seq=True, stall_timeout_s=_READ_TIMEOUT_S,
         )  # fmt: skip
         async for _, event in events:
-            out.setdefault(event.step, event)
+            if isinstance(event, WeightsStored):
+                self.stored_later.add(event.version)
+            else:
+                out.setdefault(event.step, event)
         return out
 
     # -- the durable consumer -------------------------------------------------------------
@@ -325,7 +340,9 @@ class TrainerRole(Role):
         assert batch.step == self.core.step, "a pending step's weights are the current ones"
         shared = await asyncio.to_thread(self._share, batch.step)
         data = None
-        if shared is None or self._stores(batch.step, p.recorded):
+        if shared is not None and self._stores_after(batch.step, p.recorded):
+            p.snapshot = await asyncio.to_thread(self.core.weights_snapshot)
+        elif shared is None or self._stores(batch.step, p.recorded):
             data = await asyncio.to_thread(self.core.weights_bytes)
         # What the announcement's digest is of: the bytes when they are stored, else the
         # shared device copy ("dev:..."); a recorded one is compared the same way.
@@ -368,7 +385,8 @@ class TrainerRole(Role):
             await self._announced(done)
 
     async def _announced(self, done: list[_Pending]) -> None:
-        """The steps' events are stored: record them, checkpoint if one is due."""
+        """The steps' events are stored: record them, start storing the bytes of a
+        version announced on the device, checkpoint if one is due."""
         for p in done:
             self.last_batch_seq = p.seq
             self.log.info(
@@ -376,6 +394,10 @@ class TrainerRole(Role):
                 grad_norm=p.metrics.get("grad_norm"), step_s=round(p.metrics.get("step_s", 0.0), 3),
                 digest=p.digest[:19], refused=p.refused is not None,
             )  # fmt: skip
+            if p.snapshot is not None:
+                await self._stored_so_far()  # one store in flight at a time
+                snapshot, p.snapshot = p.snapshot, None
+                self.storing = asyncio.create_task(self._store_after(p.batch, snapshot))
         interval = self.cfg.trainer.checkpoint_interval
         if interval and any(p.batch.step % interval == 0 for p in done):
             await self._checkpoint()
@@ -420,12 +442,55 @@ class TrainerRole(Role):
 
     def _stores(self, version: int, recorded: WeightsPublished | None) -> bool:
         """Whether ``version``'s bytes are stored besides the shared ring: every
-        ``trainer.store_weights_every``-th version and the last (with "ipc" or
-        "broadcast"); a recorded one as it was."""
+        ``trainer.store_weights_every``-th version, a policy snapshot's and the last
+        (with "ipc" or "broadcast"); a recorded one as it was."""
         if recorded is not None:
-            return recorded.stored() is not None
+            return recorded.stored() is not None or self._stores_after(version, recorded)
         every = self.cfg.trainer.store_weights_every
-        return version % every == 0 or version >= self.cfg.max_steps
+        return (
+            version % every == 0
+            or version >= self.cfg.max_steps
+            or version in retention.pinned(self.cfg)
+        )
+
+    def _stores_after(self, version: int, recorded: WeightsPublished | None) -> bool:
+        """Whether ``version``, announced on the device, has its bytes stored after the
+        announcement, while the next step trains (``_store_after``): a version stored
+        but not the last (the run's end waits for nothing), nor one recorded stored."""
+        if recorded is not None and (recorded.stored() is not None or version in self.stored_later):
+            return False
+        return self._stores(version, None) and version < self.cfg.max_steps
+
+    async def _store_after(self, batch: BatchAssembled, snapshot: dict[str, torch.Tensor]) -> None:
+        """Store a version announced on the device from its snapshot and say so
+        (``weights.stored``). A failure is logged: the version stays device-only (the
+        next stored one, or the last, is stored as usual)."""
+        started = time.perf_counter()
+        try:
+            data = await asyncio.to_thread(tensors_to_bytes, snapshot)
+            del snapshot
+            weights_digest = await asyncio.to_thread(digest, data)
+            ref = await self._store_weights(batch.step, data, weights_digest)
+            await commit(self.bus, [WeightsStored(
+                run=self.run, event_id=derive_id(batch.event_id, "weights.stored"),
+                causation_id=derive_id(batch.event_id, "weights"), version=batch.step,
+                step=batch.step, weights=ref, batch_id=batch.event_id,
+            )])  # fmt: skip
+        except (*_STORE_ERRORS, *TRANSIENT_ERRORS) as e:
+            self.log.error("weights.store_failed", version=batch.step, error=repr(e)[:300])
+            return
+        self.stored_later.add(batch.step)
+        self.log.info(
+            "weights.stored", version=batch.step, kind=ref.kind, bytes=ref.size,
+            digest=ref.digest[:19], store_s=round(time.perf_counter() - started, 3),
+        )  # fmt: skip
+
+    async def _stored_so_far(self) -> None:
+        """Wait for the store in flight, if any (before a checkpoint, which must not
+        cover a version whose bytes are not stored yet; before the next store; at exit)."""
+        if self.storing is not None:
+            await self.storing
+            self.storing = None
 
     async def _store_weights(self, version: int, data: bytes, weights_digest: str) -> ObjectRef:
         via = self.cfg.trainer.weights_via
@@ -511,6 +576,7 @@ class TrainerRole(Role):
             await asyncio.to_thread(path.unlink, missing_ok=True)
 
     async def _checkpoint(self) -> None:
+        await self._stored_so_far()  # catch-up starts after it: it could not store them
         path = await asyncio.to_thread(
             self.core.save_checkpoint, self.run_dir, {"batch_seq": self.last_batch_seq}
         )
@@ -528,6 +594,7 @@ class TrainerRole(Role):
             if self.pending:
                 with contextlib.suppress(Exception):  # best effort; catch-up redoes it otherwise
                     await commit(self.bus, await self._announcement())
+            await self._stored_so_far()
             if not self.pending and self.core.step > self.saved_step and self.last_batch_seq:
                 await self._checkpoint()
         finally:

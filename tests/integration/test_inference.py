@@ -37,6 +37,7 @@ from schemas import (
     SamplingParams,
     ScoreResult,
     WeightsPublished,
+    WeightsStored,
 )
 from schemas.arrays import f32, i32
 from tests.samples import batch_for
@@ -366,7 +367,8 @@ async def test_weights_shared_on_the_device_load_from_the_ring_or_fall_back_to_s
     only in the ring, is copied out of it and served; version 4's slot was overwritten
     after its announcement (the trainer ran a lap ahead), so its device digest fails and
     the stored bytes are loaded instead; version 7, only in the ring and overwritten too,
-    is refused and the served weights stay (nothing newer is announced)."""
+    is refused and the served weights stay (nothing newer is announced); version 13, only
+    in the ring and overwritten, loads the bytes its ``weights.stored`` names."""
     trainer = load_model(tiny_path)
     trainer.load_state_dict(bytes_to_state_dict(perturbed_weights), strict=False)
     other = load_model(tiny_path)
@@ -413,9 +415,24 @@ async def test_weights_shared_on_the_device_load_from_the_ring_or_fall_back_to_s
             await announce(7, v7, v7)
             await _until(_when(lambda: role.weights_rejected == 1))
             assert (await _generate(client, "after")).policy_version == 4
-    assert via == {1: "ipc", 4: "bytes"}
-    (failed,) = [e for e in logs if e["event"] == "weights.device_failed"]
-    assert failed["version"] == 4 and "digest mismatch" in failed["error"]
+
+            # Announced on the device only, its slot overwritten, and stored after its
+            # announcement (weights.stored): those bytes are loaded.
+            v13 = ring.write(13, trainer.state_dict())
+            ring.write(16, other.state_dict())
+            name = "weights.v13"
+            stored = ObjectRef(kind="object", location=name, bucket=bus.objects.bucket,
+                               digest=await bus.objects.put(name, state_dict_to_bytes(trainer)))  # fmt: skip
+            await bus.publish(WeightsStored(run=bus.run, version=13, step=13, weights=stored))
+            await _until(_when(lambda: 13 in role._stored_later))
+            await announce(13, v13, v13)
+            await _until(_when(lambda: role.backend.policy_version == 13))
+            served = role.backend.engine.model.state_dict()  # type: ignore[attr-defined]
+            assert all(torch.equal(served[k], t) for k, t in trainer.state_dict().items())
+    assert via == {1: "ipc", 4: "bytes", 13: "bytes"}
+    failed = [e for e in logs if e["event"] == "weights.device_failed"]
+    assert [e["version"] for e in failed] == [4, 13]
+    assert all("digest mismatch" in e["error"] for e in failed)
     (rejected,) = [e for e in logs if e["event"] == "weights.rejected"]
     assert rejected["version"] == 7 and "digest mismatch" in rejected["error"]
     ring.close()

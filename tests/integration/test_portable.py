@@ -34,6 +34,7 @@ from schemas import (
     ObjectRef,
     RunStarted,
     WeightsPublished,
+    WeightsStored,
 )
 from tests.samples import every_event, sample
 from tests.unit.test_trainer_core import synthetic_batch
@@ -152,7 +153,7 @@ def _refs(old: Event) -> dict:
     """The fields a rename rewrites besides ``run``, as they were."""
     if isinstance(old, RunStarted):
         return {"config": old.config, "initial_weights": old.initial_weights}
-    if isinstance(old, WeightsPublished):
+    if isinstance(old, WeightsPublished | WeightsStored):
         return {"weights": old.weights}
     return {}
 

@@ -32,7 +32,7 @@ from roles.runtime.context import RoleContext
 from roles.runtime.role import serve_role
 from roles.trainer.core import TrainerCore, latest_checkpoint
 from roles.trainer.role import TrainerRole
-from schemas import DeadLettered, MetricsReported, WeightsPublished
+from schemas import DeadLettered, MetricsReported, WeightsPublished, WeightsStored
 from tests.unit.test_trainer_core import synthetic_batch
 
 pytestmark = pytest.mark.nats
@@ -261,21 +261,24 @@ async def test_trainer_process_killed_mid_run_resumes_without_retraining_or_skip
     assert checkpoint is not None and checkpoint.name == "step-00000006"
 
 
-async def test_weights_shared_on_the_device_are_announced_and_every_nth_stored(
+async def test_weights_shared_on_the_device_are_announced_and_every_nth_stored_after(
     nats_server: EmbeddedServer, bus: Bus, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """``trainer.weights_via = "ipc"``: every version is announced with its ring slot
-    (``device``, a device digest); every ``store_weights_every``-th version and the last also
-    have stored bytes. A replica's copy out of the ring is the trainer's weights. A trainer
-    restarted before step 3 recomputes it into a new ring with the recorded device
-    digest (no ``trainer.replay_diverged``)."""
-    cfg = trainer_config(tiny_dir, tmp_path, "trainer.weights_via=ipc",
-                         "trainer.store_weights_every=2", "max_steps=4")  # fmt: skip
+    """``trainer.weights_via = "ipc"``: every version is announced at once with its ring
+    slot (``device``, a device digest); every ``store_weights_every``-th version's bytes
+    are stored after its announcement (``weights.stored``, while the next step trains),
+    the last version's in its announcement. A replica's copy out of the ring is the
+    trainer's weights. A trainer restarted from scratch recomputes every version into a
+    new ring with the recorded device digests (no ``trainer.replay_diverged``), and its
+    catch-up stores a version the stride (now 2) stores that was never stored."""
+    first = trainer_config(tiny_dir, tmp_path, "trainer.weights_via=ipc",
+                           "trainer.store_weights_every=3", "max_steps=4")  # fmt: skip
     batches = [synthetic_batch(bus.run, s, phase="sft" if s == 1 else "rl") for s in range(1, 5)]
-    reference = TrainerCore(cfg, tiny_dir)
+    expected = reference_digests(first, tiny_dir, batches)
+    reference = TrainerCore(first, tiny_dir)
     for batch in batches[:3]:
         reference.train_step(batch)
-    role, task = await start_role(cfg, nats_server.url, bus.run)
+    role, task = await start_role(first, nats_server.url, bus.run)
     try:
         await bus.publish_many(batches[:3])
         await wait_for_version(bus, 3)
@@ -287,10 +290,14 @@ async def test_weights_shared_on_the_device_are_announced_and_every_nth_stored(
         own = reference.model.state_dict()
         assert all(torch.equal(t, own[k]) for k, t in replica.state_dict().items())
     finally:
-        await stop_role(role, task)
-    shutil.rmtree(tmp_path / bus.run / "checkpoints" / "step-00000003")  # back to step 2
+        await stop_role(role, task)  # waits for the store in flight
+    stored = await read_all(bus, Topic.WEIGHTS_STORED, (WeightsStored,))
+    assert [(w.version, w.weights.digest) for w in stored] == [(3, expected[2])]
+    shutil.rmtree(tmp_path / bus.run / "checkpoints")  # back to the initial weights
+    second = trainer_config(tiny_dir, tmp_path, "trainer.weights_via=ipc",
+                            "trainer.store_weights_every=2", "max_steps=4")  # fmt: skip
     with capture_logs() as logs:
-        role, task = await start_role(cfg, nats_server.url, bus.run)
+        role, task = await start_role(second, nats_server.url, bus.run)
         try:
             await bus.publish(batches[3])
             await wait_for_version(bus, 4)
@@ -300,5 +307,10 @@ async def test_weights_shared_on_the_device_are_announced_and_every_nth_stored(
     weights = await read_all(bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,))
     assert [w.version for w in weights] == [1, 2, 3, 4]
     assert all(w.device is not None and w.device.digest.startswith("dev:") for w in weights)
-    assert [w.stored() is not None for w in weights] == [False, True, False, True]
-    assert [w.weights.kind for w in weights] == ["ipc", "object", "ipc", "object"]
+    assert [w.weights.kind for w in weights] == ["ipc", "ipc", "ipc", "object"]
+    assert weights[-1].weights.digest == expected[3]
+    stored = await read_all(bus, Topic.WEIGHTS_STORED, (WeightsStored,))
+    assert [(w.version, w.weights.digest) for w in stored] == [(3, expected[2]), (2, expected[1])]
+    for w in stored:  # the bytes are there, and they are the announced version's
+        assert w.causation_id == weights[w.version - 1].event_id
+        assert await bus.objects.get(w.weights.location, w.weights.digest) is not None

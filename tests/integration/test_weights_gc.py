@@ -53,7 +53,9 @@ def stream_dir_bytes(server: EmbeddedServer, stream: str) -> int:
 
 def test_retention_keeps_the_newest_and_the_initial_weights() -> None:
     assert retention.collectable(range(0, 11), newest=10, keep=3) == list(range(1, 8))
-    assert retention.collectable([0, 5, 12], newest=10, keep=3) == [5]  # 12: not announced yet
+    # 12: not announced yet; stored versions count, not steps (a stride stores every 10th)
+    assert retention.collectable([0, 5, 7, 9, 10, 12], newest=10, keep=3) == [5]
+    assert retention.collectable([0, 10, 20, 30, 31], newest=31, keep=3) == [10]
     assert retention.collectable(range(0, 11), newest=10, keep=0) == []  # 0 = keep all
     assert retention.collectable(range(0, 3), newest=2, keep=4) == []
     assert retention.version_of_object("weights.v12") == 12

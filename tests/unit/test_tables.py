@@ -53,9 +53,9 @@ def test_each_event_kind_lands_in_its_tables() -> None:
     """One events row per event; traces, eval traces, samples, batches... in their tables."""
     counts = {t: len(r) for t, r in all_rows().items()}
     assert counts == {
-        "events": 12, "runs": 2, "tasks": 1, "rollouts": 2, "rollout_tokens": 2, "samples": 1,
+        "events": 13, "runs": 2, "tasks": 1, "rollouts": 2, "rollout_tokens": 2, "samples": 1,
         "sample_tokens": 1, "batches": 1, "batch_samples": 2, "metrics": 2, "eval": 0,
-        "weights": 1, "dead_letters": 1, "algorithms": 2,
+        "weights": 2, "dead_letters": 1, "algorithms": 2,
     }  # fmt: skip
 
 

@@ -72,9 +72,14 @@ def tied_keys(state: dict[str, torch.Tensor]) -> dict[str, str]:
 
 def state_dict_to_bytes(model: torch.nn.Module) -> bytes:
     """The model's weights as deterministic safetensors bytes, tied copies dropped."""
+    return tensors_to_bytes(untied_state(model))
+
+
+def untied_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict without the tied copies (what ``state_dict_to_bytes`` writes)."""
     state = model.state_dict()
     tied = tied_keys(state)
-    return tensors_to_bytes({name: t for name, t in state.items() if name not in tied})
+    return {name: t for name, t in state.items() if name not in tied}
 
 
 def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -88,9 +93,12 @@ def adapter_to_bytes(adapters: dict[str, torch.Tensor], scale: float) -> bytes:
     """LoRA adapters (``lora.adapter_state``) as a blob that says it is one: beside them,
     their scale as a tensor ``SCALE_TENSOR`` (a tensor, not metadata: safetensors writes
     more than one metadata key in no fixed order, and the digest must not vary)."""
-    return tensors_to_bytes(
-        {**adapters, SCALE_TENSOR: torch.tensor(float(scale), dtype=torch.float64)}
-    )
+    return tensors_to_bytes(adapter_tensors(adapters, scale))
+
+
+def adapter_tensors(adapters: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """What ``adapter_to_bytes`` writes: the adapters and their scale as a tensor."""
+    return {**adapters, SCALE_TENSOR: torch.tensor(float(scale), dtype=torch.float64)}
 
 
 def header_of(b: bytes) -> dict[str, Any]:
