@@ -415,6 +415,7 @@ class TorchEngine:
                 staged = self._shared.read(ref)  # (its digest's .tolist() waits for the copy)
             if not bool(torch.isfinite(staged).all()):
                 check_finite(self._shared.layout.views(staged).items())  # names the tensor
+        self._shared.bind(self.model, staged)  # not in the swap's pause
         self._staged = staged
         return staged
 

@@ -336,15 +336,22 @@ class SharedReader:
         self._ring = (loc.handle, ring)
         return ring
 
-    def load_into(self, model: torch.nn.Module, staged: torch.Tensor) -> None:
-        """Copy ``staged`` into ``model``'s parameters in place, one fused copy (tied
-        aliases follow their source; casts to the model's dtype as ``copy_`` does)."""
+    def bind(self, model: torch.nn.Module, staged: torch.Tensor) -> None:
+        """Pair ``model``'s tensors with their views of ``staged`` for ``load_into`` (once
+        per staging buffer): a few milliseconds of Python that a swap need not pause for,
+        so the engine does it while it stages, beside the decode loop."""
         key = staged.data_ptr()
         if self._pairs is None or self._pairs[0] != key:
             own = model.state_dict()
             views = self.layout.views(staged)
             names = self.layout.names
             self._pairs = (key, [own[n] for n in names], [views[n] for n in names])
+
+    def load_into(self, model: torch.nn.Module, staged: torch.Tensor) -> None:
+        """Copy ``staged`` into ``model``'s parameters in place, one fused copy (tied
+        aliases follow their source; casts to the model's dtype as ``copy_`` does)."""
+        self.bind(model, staged)
+        assert self._pairs is not None
         _, dst, src = self._pairs
         with torch.no_grad():
             torch._foreach_copy_(dst, src)
