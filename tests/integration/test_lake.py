@@ -26,8 +26,8 @@ from tests.samples import a_run_log, every_event, trace
 pytestmark = pytest.mark.nats
 
 FIRST = {
-    "events": 12, "runs": 2, "tasks": 1, "rollouts": 2, "rollout_tokens": 2, "samples": 1,
-    "sample_tokens": 1, "batches": 1, "batch_samples": 2, "metrics": 2, "eval": 0, "weights": 1,
+    "events": 13, "runs": 2, "tasks": 1, "rollouts": 2, "rollout_tokens": 2, "samples": 1,
+    "sample_tokens": 1, "batches": 1, "batch_samples": 2, "metrics": 2, "eval": 0, "weights": 2,
     "dead_letters": 1, "algorithms": 2,
 }  # fmt: skip
 
@@ -66,24 +66,24 @@ async def test_sync_is_incremental_and_idempotent(bus: Bus, tmp_path: Path) -> N
     await bus.publish_many(a_run_log(bus.run))
     seen: list[tuple[int, int | None]] = []
     first = await sync_run(bus, lake, on_progress=lambda done, total: seen.append((done, total)))
-    assert (first.start_seq, first.last_seq, first.events) == (1, 12, 12)
-    assert seen[0] == (1, 12) and seen[-1] == (12, 12)
+    assert (first.start_seq, first.last_seq, first.events) == (1, 13, 13)
+    assert seen[0] == (1, 13) and seen[-1] == (13, 13)
     assert first.rows == {t: n for t, n in FIRST.items() if n}
     assert counts(tmp_path, bus.run) == FIRST
     files = n_parts(lake)
 
     seen.clear()
     again = await sync_run(bus, lake, on_progress=lambda done, total: seen.append((done, total)))
-    assert (again.events, again.rows, again.start_seq) == (0, {}, 13) and seen == []
+    assert (again.events, again.rows, again.start_seq) == (0, {}, 14) and seen == []
     assert n_parts(lake) == files and counts(tmp_path, bus.run) == FIRST
 
     await bus.publish_many(traces(bus.run, 3))
     more = await sync_run(bus, lake, on_progress=lambda done, total: seen.append((done, total)))
-    assert (more.start_seq, more.last_seq, more.events) == (13, 15, 3)
+    assert (more.start_seq, more.last_seq, more.events) == (14, 16, 3)
     assert seen[-1] == (3, 3)
     assert more.rows == {"events": 3, "rollouts": 3, "rollout_tokens": 3}
-    assert parts(lake, "rollouts")[-1][:2] == (13, 15)
-    expected = {**FIRST, "events": 15, "rollouts": 5, "rollout_tokens": 5}
+    assert parts(lake, "rollouts")[-1][:2] == (14, 16)
+    expected = {**FIRST, "events": 16, "rollouts": 5, "rollout_tokens": 5}
     assert counts(tmp_path, bus.run) == expected
 
     # the polars API sees the same rows, lazily
@@ -206,7 +206,7 @@ async def test_open_run_syncs_through_a_server(
     """open_run(sync=True) syncs first (here from async code, on its own thread)."""
     await bus.publish_many(a_run_log(bus.run))
     tables = replay.open_run(bus.run, tmp_path, sync=True, nats_url=nats_server.url)
-    assert tables.synced is not None and tables.synced.events == 12
+    assert tables.synced is not None and tables.synced.events == 13
     assert tables.rollouts.collect().height == 2
     assert tables.rollouts.select("batch_step").collect().to_series().to_list() == [3, 3]
     # Up to date: the default asks the stream and does not sync; a new event: it does.
@@ -235,7 +235,7 @@ async def test_live_lake_role_follows_the_run(
             await asyncio.sleep(0.05)
 
     await bus.publish_many(a_run_log(bus.run))
-    await asyncio.wait_for(synced_to(12), 10)
+    await asyncio.wait_for(synced_to(13), 10)
     await bus.publish_many(traces(bus.run, 2))
     await asyncio.wait_for(synced_to(14), 10)
     stop.set()
