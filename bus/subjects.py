@@ -127,7 +127,7 @@ TOPICS: dict[Topic, TopicSpec] = {
             WeightsStored,
             None,
             "trainer (a version announced on the device, stored later)",
-            "inference (bytes when a device copy is gone), export",
+            "inference (bytes when a device copy is gone), trainer catch-up, lake, export",
         ),
         TopicSpec(
             Topic.METRICS_REPORTED,

@@ -1,14 +1,17 @@
 """Waits that an event ends: ``unless_stopped``, the one way a piece of bus work is cut
 short, by a role stopping (an idle fetch, a follower's read) or by the connection coming
 back after it lost its server (a publish's acks, a request, an object put or read: what
-the old connection carried is never answered).
+the old connection carried is never answered); and ``retry_transient``, the bounded
+retry of a call that failed for a reason that says nothing about what it asked for.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
+
+from bus.errors import TRANSIENT_ERRORS
 
 T = TypeVar("T")
 
@@ -38,3 +41,38 @@ async def unless_stopped(
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)  # (passes a cancellation on)
     return None
+
+
+async def _sleep(seconds: float) -> bool:
+    await asyncio.sleep(seconds)
+    return False
+
+
+async def retry_transient(
+    call: Callable[[], Awaitable[T]],
+    *,
+    attempts: int,
+    backoff_s: float,
+    on_retry: Callable[[int, float, Exception], None],
+    sleep: Callable[[float], Awaitable[bool]] = _sleep,
+) -> T:
+    """``call()``, tried up to ``attempts`` times while it fails with one of
+    ``bus.errors.TRANSIENT_ERRORS`` (a digest mismatch, a missing object or a non-finite
+    tensor is not transient), waiting ``backoff_s`` and twice as long after each try.
+
+    ``on_retry(attempt, delay_s, error)`` is told before each wait; ``sleep(s)`` returning
+    True (the role is stopping) gives up at once. Any other error, or the last transient
+    one, is raised: bounded, so a server that stays away still ends in an answer.
+    """
+    attempt = 1
+    while True:
+        try:
+            return await call()
+        except TRANSIENT_ERRORS as e:
+            if attempt >= attempts:
+                raise
+            delay = backoff_s * 2 ** (attempt - 1)
+            on_retry(attempt, delay, e)
+            if await sleep(delay):
+                raise
+            attempt += 1

@@ -310,8 +310,9 @@ class TrainerConfig(_Section):
     # none. Checkpoints are written every `checkpoint_interval` steps and at a graceful
     # stop, so the steps kept are those that are multiples of both (100 and 10: 100, 200).
     checkpoint_keep_every: int = Field(default=100, ge=0)
-    # Newest published weights versions kept in the run's object store (older ones are
-    # deleted once a newer one is announced; the initial weights always stay); 0 = keep all.
+    # Newest stored weights versions kept in the run's object store (older ones are
+    # deleted once a newer one is announced; the initial weights and a policy snapshot's
+    # version always stay); 0 = keep all.
     keep_weights: int = Field(default=4, ge=0)
     # Ranks (processes joined by torch.distributed, FSDP2-sharded; gloo on CPU, NCCL on
     # CUDA, one GPU per rank) that train as one role; checkpoints resume on as many ranks.
@@ -333,8 +334,10 @@ class TrainerConfig(_Section):
     # "shm" (a file in /dev/shm: trainer and inference on one host, no disk round trip);
     # "ipc" (trainer and inference on one device: a ring of serving-dtype buffers shared
     # through CUDA IPC, or /dev/shm on the CPU; each version is a device-to-device copy,
-    # roles.lib.model.shared_weights), every `store_weights_every`-th version also stored as
-    # "auto" does (catch-up, eval --checkpoint, export), and the last; "broadcast"
+    # roles.lib.model.shared_weights), every `store_weights_every`-th version, a policy
+    # snapshot's and the last also stored as "auto" does (RunConfig.stores_weights: the
+    # fallback of a replica that cannot read the device copy, one that restarts, an
+    # archive); the every-Nth while the next step trains, named by `weights.stored`; "broadcast"
     # (replicas on other GPUs or hosts: each version sent over a torch.distributed pair
     # group, gloo on the CPU, NCCL on CUDA, from a rendezvous on `broadcast_host`;
     # roles.lib.model.broadcast), stored the same way.
@@ -413,6 +416,27 @@ class RunConfig(_Section):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     cpus: CpusConfig = Field(default_factory=CpusConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+
+    def pinned_versions(self) -> set[int]:
+        """Versions a policy snapshot serves (``orchestrator.models.<key>.policy_version``):
+        stored and kept for the whole run, so a snapshot's replica can load them."""
+        return {
+            m.policy_version
+            for m in self.orchestrator.models.values()
+            if m.policy_version is not None
+        }
+
+    def stores_weights(self, version: int) -> bool:
+        """Whether the trainer stores ``version``'s bytes: every version, except with
+        ``trainer.weights_via`` "ipc" or "broadcast" (device to device), where only every
+        ``store_weights_every``-th version, a policy snapshot's and the last are."""
+        if self.trainer.weights_via not in ("ipc", "broadcast"):
+            return True
+        return (
+            version % self.trainer.store_weights_every == 0
+            or version >= self.max_steps
+            or version in self.pinned_versions()
+        )
 
     def evaluates(self, version: int) -> bool:
         """Whether the orchestrator evaluates policy ``version`` (at start, every

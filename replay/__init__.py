@@ -57,6 +57,7 @@ class RunTables:
     metrics: pl.LazyFrame
     eval: pl.LazyFrame
     weights: pl.LazyFrame
+    weights_stored: pl.LazyFrame
     dead_letters: pl.LazyFrame
     algorithms: pl.LazyFrame
 

@@ -108,6 +108,9 @@ SCHEMAS: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {
              "value": F, "ts_ns": I64},
     "weights": {**_BASE, "event_id": S, "version": I64, "step": I64, "kind": S, "location": S,
                 "bucket": S, "size": I64, "digest": S, "format": S, "batch_id": S, "ts_ns": I64},
+    "weights_stored": {**_BASE, "event_id": S, "version": I64, "step": I64, "kind": S,
+                       "location": S, "bucket": S, "size": I64, "digest": S, "format": S,
+                       "batch_id": S, "ts_ns": I64},
     "dead_letters": {**_BASE, "event_id": S, "role": S, "consumer": S, "subject": S,
                      "stream_seq": I64, "deliveries": I64, "error_type": S, "error": S,
                      "schema": S, "ts_ns": I64},
@@ -307,8 +310,9 @@ def rows_for(
             } for i, s in enumerate(event.samples)]  # fmt: skip
         case MetricsReported():
             out.update(_metric_rows(run, seq, event))
-        case WeightsPublished() | WeightsStored():  # stored after: a second row of its version
-            out["weights"] = [{
+        case WeightsPublished() | WeightsStored():
+            table = "weights" if isinstance(event, WeightsPublished) else "weights_stored"
+            out[table] = [{
                 **base, **_pick(event, "event_id", "version", "step", "format", "batch_id"),
                 **_pick(event.weights, "kind", "location", "bucket", "size", "digest"),
             }]  # fmt: skip

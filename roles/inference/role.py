@@ -19,7 +19,10 @@ an ordered consumer (DeliverPolicy.LAST, NATS_NOTES #11) delivers new ones; the 
 come from the trainer device to device (``WeightsPublished.device``: its shared ring
 with ``trainer.weights_via = "ipc"``, one device-to-device copy; its broadcast with
 ``"broadcast"``, received beside the decode loop; the device digest checked; on failure
-the stored bytes, when this version has them), the object store
+the stored bytes, when this version has them: in its announcement, or in the
+``weights.stored`` the trainer publishes seconds after it for every
+``trainer.store_weights_every``-th version, which the replica follows too and waits for
+when such a version's device copy cannot be read), the object store
 (``kind == "object"``) or a file (``kind == "path"`` on a shared filesystem, ``"shm"``
 under /dev/shm on the trainer's host), the digest is verified, every tensor is checked
 finite, and the swap happens between two decode steps (``inference.swap``: rows in
@@ -67,13 +70,13 @@ from bus.reader import newest_batch_step
 from bus.rpc import Serve
 from bus.runtime import Bus
 from bus.subjects import Topic, infer_queue, infer_replica_subject, infer_subject
+from bus.waits import retry_transient
 from configs import POLICY, ConfigError, RunConfig
 from roles.inference.backend import Backend, WeightsNotFinite, throughput
 from roles.inference.pinning import EvalPinning, snapshot_weights
 from roles.inference.weights_io import (
     fetch_weights,
     read_latest_weights,
-    retry_transient,
     stored_later,
     weights_gone,
     weights_newest_first,
@@ -217,6 +220,8 @@ class InferenceRole(Role):
         # Versions announced on the trainer's device whose bytes were stored later
         # (``weights.stored``): the fallback when the device copy is gone.
         self._stored_later: dict[int, ObjectRef] = {}
+        # Announcements whose device copy could not be read, waiting for those bytes.
+        self._awaiting_bytes: dict[int, WeightsPublished] = {}
         # Eval pinning (GenerateRequest.pin_version): only the policy itself follows every
         # version; a frozen model or a snapshot serves what it serves.
         honours = self.served.follows_weights and self.served.pin is None
@@ -344,10 +349,31 @@ class InferenceRole(Role):
             self._weights_arrived.set()
 
     async def on_weights_stored(self, event: WeightsStored, delivery: Delivery) -> None:
-        """Note where a version announced on the device was stored (the newest few)."""
-        self._stored_later[event.version] = event.weights
-        for v in sorted(self._stored_later)[:-_STORED_LATER_KEPT]:
+        """Note where a version announced on the device was stored (the newest few, and
+        a snapshot's pinned version); an announcement that waited for these bytes (its
+        device copy could not be read) is loaded next, if it is still newer."""
+        self._stored_later.setdefault(event.version, event.weights)
+        keep = {self.served.pin}
+        for v in [v for v in sorted(self._stored_later)[:-_STORED_LATER_KEPT] if v not in keep]:
             del self._stored_later[v]
+        serving = self._serving_version()
+        for v in [v for v in self._awaiting_bytes if v <= serving]:
+            del self._awaiting_bytes[v]
+        waiting = self._awaiting_bytes.pop(event.version, None)
+        if waiting is not None:
+            self._pending[event.version] = waiting
+            self._weights_arrived.set()
+
+    def _bytes_to_come(self, event: WeightsPublished) -> bool:
+        """Whether ``event``, announced on the device only, will have its bytes stored
+        after its announcement (``weights.stored``: every ``store_weights_every``-th
+        version, seconds later), so a replica that could not read the device copy waits
+        for them rather than refusing the version."""
+        return (
+            event.device is not None
+            and self._stored(event) is None
+            and self.cfg.stores_weights(event.version)
+        )
 
     def _stored(self, event: WeightsPublished) -> ObjectRef | None:
         """Where ``event``'s bytes are stored: in the announcement, or stored after it."""
@@ -504,6 +530,13 @@ class InferenceRole(Role):
         newest = max(self._pending, default=-1)  # what _load_weights takes next, if any
         pending = self._pending[newest] if newest > event.version else None
         newer = pending or await self._newest_after(event.version)
+        if (newer is None or newer.event_id in self._rejected) and self._bytes_to_come(event):
+            self._awaiting_bytes[event.version] = event
+            self.log.warning(
+                "weights.awaiting_bytes", version=event.version, serving=serving,
+                error=str(missing)[:500],
+            )  # fmt: skip
+            return False
         if newer is None or newer.event_id in self._rejected:
             self._reject(event, missing, serving)
             return False

@@ -1,5 +1,6 @@
 """Where published weights come from, for the inference role: the newest announcement,
-its bytes (object store or file) and bounded retries of transient fetch failures.
+the versions stored after their announcement (``weights.stored``) and the bytes (object
+store or file; fetched with ``bus.waits.retry_transient``).
 
     latest = await read_latest_weights(bus)
     data = await retry_transient(lambda: fetch_weights(bus, latest.weights), attempts=5,
@@ -9,11 +10,9 @@ its bytes (object store or file) and bounded retries of transient fetch failures
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TypeVar
 
-from bus.errors import TRANSIENT_ERRORS
 from bus.reader import last_event, newest_first, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic
@@ -57,44 +56,6 @@ async def fetch_weights(bus: Bus, ref: ObjectRef) -> bytes:
     raise ValueError(
         f"unknown weights location kind {ref.kind!r} (expected 'object', 'path' or 'shm')"
     )
-
-
-T = TypeVar("T")
-
-
-async def _sleep(seconds: float) -> bool:
-    await asyncio.sleep(seconds)
-    return False
-
-
-async def retry_transient(
-    call: Callable[[], Awaitable[T]],
-    *,
-    attempts: int,
-    backoff_s: float,
-    on_retry: Callable[[int, float, Exception], None],
-    sleep: Callable[[float], Awaitable[bool]] = _sleep,
-) -> T:
-    """``call()``, tried up to ``attempts`` times while it fails with one of
-    ``bus.errors.TRANSIENT_ERRORS`` (a digest mismatch, a missing object or a non-finite
-    tensor is not transient), waiting ``backoff_s`` and twice as long after each try.
-
-    ``on_retry(attempt, delay_s, error)`` is told before each wait; ``sleep(s)`` returning
-    True (the role is stopping) gives up at once. Any other error, or the last transient
-    one, is raised: bounded, so a server that stays away still ends in an answer.
-    """
-    attempt = 1
-    while True:
-        try:
-            return await call()
-        except TRANSIENT_ERRORS as e:
-            if attempt >= attempts:
-                raise
-            delay = backoff_s * 2 ** (attempt - 1)
-            on_retry(attempt, delay, e)
-            if await sleep(delay):
-                raise
-            attempt += 1
 
 
 async def weights_gone(bus: Bus, ref: ObjectRef) -> bool:

@@ -1,9 +1,10 @@
 """Which published weights stay in a run's object store: a pure rule, no I/O.
 
-Every ``weights.published`` names an object (``weights.v<N>`` in ``RLOBJ_<run>``) or,
-past ``OBJECT_STORE_MAX_BYTES``, a file (``<run_dir>/weights/v<N>.safetensors``). Left
-alone they fill the disk (a default run publishes 500 versions), yet almost nothing reads
-one back:
+Every stored version is an object (``weights.v<N>`` in ``RLOBJ_<run>``) or, past
+``OBJECT_STORE_MAX_BYTES``, a file (``<run_dir>/weights/v<N>.safetensors``), named by its
+``weights.published`` (or, with ``trainer.weights_via`` "ipc" / "broadcast", where only
+some versions are stored, by its ``weights.stored``). Left alone they fill the disk (a
+default run publishes 500 versions), yet almost nothing reads one back:
 
 - inference loads only the newest announcement (at start, then the newest of those that
   piled up while it loaded); a version it picked may be superseded while it loads, which
@@ -12,7 +13,8 @@ one back:
   digests), never the bytes: replay recomputes every step from the initial weights;
 - checkpoints hold their own ``model.safetensors``; teacher and reference models load
   from a path (``orchestrator.models``), never from the object store, except a policy
-  snapshot (``policy_version``), whose version is ``pinned`` for the whole run;
+  snapshot (``policy_version``), whose version is kept for the whole run
+  (``RunConfig.pinned_versions``);
 - the initial weights (``weights.v0``, stored by the orchestrator) are where replay and
   import restore the initial model from when its directory is gone, so they are kept.
 
@@ -64,14 +66,6 @@ def version_of_file(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def pinned(cfg: RunConfig) -> set[int]:
-    """Versions a policy snapshot serves (``orchestrator.models.<key>.policy_version``):
-    kept for the whole run, so a snapshot's replica can restart on them."""
-    return {
-        m.policy_version for m in cfg.orchestrator.models.values() if m.policy_version is not None
-    }
-
-
 def collectable(versions: Iterable[int], newest: int, keep: int) -> list[int]:
     """Which of the stored ``versions`` no reader needs once ``newest`` is announced,
     oldest first.
@@ -86,3 +80,10 @@ def collectable(versions: Iterable[int], newest: int, keep: int) -> list[int]:
         return []
     announced = sorted(v for v in set(versions) if INITIAL_VERSION < v <= newest)
     return announced[:-keep]
+
+
+def collectable_in(cfg: RunConfig, versions: Iterable[int], newest: int) -> list[int]:
+    """``collectable`` with ``trainer.keep_weights``, a policy snapshot's versions
+    (``RunConfig.pinned_versions``) neither collected nor counted among those kept."""
+    pinned = cfg.pinned_versions()
+    return collectable([v for v in versions if v not in pinned], newest, cfg.trainer.keep_weights)

@@ -37,7 +37,7 @@ not applied (``nonfinite_step=1``, logged as ``trainer.nonfinite_step``): its ve
 the previous weights, announced as usual.
 
 Each step runs in a worker thread so heartbeats and ``in_progress`` keep flowing. The
-handler returns the step's announcement (``Effects``: the weights are stored, the
+handler returns the step's announcement (``Effects``: the weights are stored or shared, the
 events are for the runtime to publish); its after-publish hook marks the step announced
 and writes a checkpoint when one is due, so a checkpoint never includes an unannounced
 step (that would hide it from the catch-up), and the input is acked after both. A step
@@ -48,8 +48,20 @@ or, past 200 MB, to ``<run_dir>/weights/v<N>.safetensors`` (an ``ObjectRef`` of 
 the newest ``trainer.keep_checkpoints`` stay, and each whose step is a multiple of
 ``trainer.checkpoint_keep_every`` (``core.checkpoints_to_delete``).
 
+With ``trainer.weights_via = "ipc"`` or ``"broadcast"`` every version is announced at
+once with its device reference (``roles.lib.model.shared_weights`` / ``broadcast``), and
+only some are stored (``RunConfig.stores_weights``): the last in its announcement, the
+others after it. Their weights are copied where they are (``TrainerCore.weights_snapshot``)
+and written while the next steps train, then named by a ``weights.stored`` event (same
+derived ids on a retry). One store is in flight at a time; a checkpoint waits for it (so
+catch-up, which starts after the checkpoint, finds every store it covers on the log) and
+catch-up stores a version the stride names whose ``weights.stored`` is missing. A store
+that fails is retried for a transient error, else logged (``weights.store_failed``): the
+version stays device-only and training goes on.
+
 Old weights are deleted by the trainer (``roles.trainer.retention`` says which: all but
-the newest ``trainer.keep_weights`` versions and the initial weights), in the same
+the newest ``trainer.keep_weights`` stored versions, the initial weights and a policy
+snapshot's), in the same
 after-publish hook, so a version is deleted only once a newer one is stored and
 announced. At start it lists what a previous process left (objects and files) and
 collects that too; deleting is idempotent, so a restart after a crash mid-collection
@@ -68,12 +80,13 @@ from pathlib import Path
 import torch
 
 from bus.consumer import Delivery, Effects, Subscription, commit
-from bus.errors import STORE_ERRORS, TRANSIENT_ERRORS, HandlerBroken, Rejected
+from bus.errors import STORE_ERRORS, HandlerBroken, Rejected
 from bus.follower import Follow
 from bus.offload import OBJECT_STORE_MAX_BYTES
 from bus.reader import last_seq, read_log
 from bus.runtime import Bus
 from bus.subjects import Topic, durable_name
+from bus.waits import retry_transient
 from roles.lib.model import serving_dtype
 from roles.lib.model.broadcast import BroadcastHub
 from roles.lib.model.loading import resolve_dtype
@@ -99,6 +112,8 @@ from schemas import (
 _READ_TIMEOUT_S = 30.0
 # What a failed delete or rewrite raises (the store's errors, a file system error).
 _STORE_ERRORS: tuple[type[Exception], ...] = (*STORE_ERRORS, OSError)
+# Tries of a store after its announcement that fails for a transient reason (1 s, 2 s apart).
+_STORE_ATTEMPTS = 3
 
 
 @dataclass
@@ -353,6 +368,7 @@ class TrainerRole(Role):
                 "trainer.replay_diverged", step=batch.step,
                 recorded=p.recorded.weights.digest, recomputed=p.digest,
             )  # fmt: skip
+            p.snapshot = None  # other weights than those announced: nothing is stored as them
         if p.recorded is None:
             ref = shared if data is None else await self._store_weights(batch.step, data, p.digest)
             events.append(
@@ -441,17 +457,11 @@ class TrainerRole(Role):
         self.log.info(event, **fields)
 
     def _stores(self, version: int, recorded: WeightsPublished | None) -> bool:
-        """Whether ``version``'s bytes are stored besides the shared ring: every
-        ``trainer.store_weights_every``-th version, a policy snapshot's and the last
-        (with "ipc" or "broadcast"); a recorded one as it was."""
+        """Whether ``version``'s bytes are stored besides the shared ring
+        (``RunConfig.stores_weights``); a recorded one as it was."""
         if recorded is not None:
             return recorded.stored() is not None or self._stores_after(version, recorded)
-        every = self.cfg.trainer.store_weights_every
-        return (
-            version % every == 0
-            or version >= self.cfg.max_steps
-            or version in retention.pinned(self.cfg)
-        )
+        return self.cfg.stores_weights(version)
 
     def _stores_after(self, version: int, recorded: WeightsPublished | None) -> bool:
         """Whether ``version``, announced on the device, has its bytes stored after the
@@ -459,54 +469,83 @@ class TrainerRole(Role):
         but not the last (the run's end waits for nothing), nor one recorded stored."""
         if recorded is not None and (recorded.stored() is not None or version in self.stored_later):
             return False
-        return self._stores(version, None) and version < self.cfg.max_steps
+        return self.cfg.stores_weights(version) and version < self.cfg.max_steps
 
     async def _store_after(self, batch: BatchAssembled, snapshot: dict[str, torch.Tensor]) -> None:
         """Store a version announced on the device from its snapshot and say so
-        (``weights.stored``). A failure is logged: the version stays device-only (the
-        next stored one, or the last, is stored as usual)."""
-        started = time.perf_counter()
+        (``weights.stored``), transient failures retried (``retry_transient``). Any
+        failure is logged, never raised: the version stays device-only (the next stored
+        one, or the last, is stored as usual) and training goes on."""
+        started, version = time.perf_counter(), batch.step
         try:
             data = await asyncio.to_thread(tensors_to_bytes, snapshot)
             del snapshot
             weights_digest = await asyncio.to_thread(digest, data)
-            ref = await self._store_weights(batch.step, data, weights_digest)
-            await commit(self.bus, [WeightsStored(
-                run=self.run, event_id=derive_id(batch.event_id, "weights.stored"),
-                causation_id=derive_id(batch.event_id, "weights"), version=batch.step,
-                step=batch.step, weights=ref, batch_id=batch.event_id,
-            )])  # fmt: skip
-        except (*_STORE_ERRORS, *TRANSIENT_ERRORS) as e:
-            self.log.error("weights.store_failed", version=batch.step, error=repr(e)[:300])
+
+            async def store_and_say() -> ObjectRef:
+                ref = await self._store_weights(version, data, weights_digest, record=False)
+                await commit(self.bus, [WeightsStored(
+                    run=self.run, event_id=derive_id(batch.event_id, "weights.stored"),
+                    causation_id=derive_id(batch.event_id, "weights"), version=version,
+                    step=version, weights=ref, batch_id=batch.event_id,
+                )])  # fmt: skip
+                return ref
+
+            ref = await retry_transient(
+                store_and_say, attempts=_STORE_ATTEMPTS, backoff_s=1.0, sleep=self.sleep,
+                on_retry=lambda attempt, delay_s, e: self.log.warning(
+                    "weights.store_retry", version=version, attempt=attempt,
+                    delay_s=delay_s, error=repr(e)[:300],
+                ),
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a version left unstored must not stop training
+            self.log.error(
+                "weights.store_failed", version=version, error=repr(e)[:300], exc_info=True
+            )
             return
-        self.stored_later.add(batch.step)
+        self.stored_weights[version] = ref.kind  # (once named: only then counted as kept)
+        self.stored_later.add(version)
         self.log.info(
-            "weights.stored", version=batch.step, kind=ref.kind, bytes=ref.size,
+            "weights.stored", version=version, kind=ref.kind, bytes=ref.size,
             digest=ref.digest[:19], store_s=round(time.perf_counter() - started, 3),
         )  # fmt: skip
 
     async def _stored_so_far(self) -> None:
         """Wait for the store in flight, if any (before a checkpoint, which must not
-        cover a version whose bytes are not stored yet; before the next store; at exit)."""
-        if self.storing is not None:
-            await self.storing
-            self.storing = None
+        cover a version whose bytes are not stored yet; before the next store; at exit).
+        A waiter cancelled (the role stopping) leaves the store running: teardown waits
+        for it again."""
+        task = self.storing
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self.storing = None
 
-    async def _store_weights(self, version: int, data: bytes, weights_digest: str) -> ObjectRef:
+    async def _store_weights(
+        self, version: int, data: bytes, weights_digest: str, record: bool = True
+    ) -> ObjectRef:
+        """Write ``version``'s bytes where ``trainer.weights_via`` says; ``record``: count
+        it in ``stored_weights`` now (a version stored after its announcement is counted
+        once its ``weights.stored`` is on the log)."""
         via = self.cfg.trainer.weights_via
         if via in ("auto", "ipc", "broadcast"):
             via = "object" if len(data) <= OBJECT_STORE_MAX_BYTES else "path"
         if via == "object":
             name = retention.object_name(version)
             stored = await self.bus.objects.put(name, data)
-            self.stored_weights[version] = "object"
+            if record:
+                self.stored_weights[version] = "object"
             return ObjectRef(
                 kind="object", location=name, bucket=self.bus.objects.bucket,
                 size=len(data), digest=stored,
             )  # fmt: skip
         path = self._weights_folder(via) / retention.file_name(version)
         await asyncio.to_thread(write_atomic, path, data)
-        self.stored_weights[version] = via
+        if record:
+            self.stored_weights[version] = via
         return ObjectRef(
             kind=via, location=str(path.resolve()), size=len(data), digest=weights_digest
         )
@@ -542,8 +581,7 @@ class TrainerRole(Role):
         Best effort: a failure is logged and the version stays listed, so it is deleted
         after the next step (or by the next process, which lists what is left).
         """
-        stale = retention.collectable(self.stored_weights, newest, self.cfg.trainer.keep_weights)
-        stale = [v for v in stale if v not in retention.pinned(self.cfg)]
+        stale = retention.collectable_in(self.cfg, self.stored_weights, newest)
         for version in stale:
             try:
                 await self._delete_weights(version, self.stored_weights[version])

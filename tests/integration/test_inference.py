@@ -65,9 +65,10 @@ def perturbed_weights(tiny_path: Path) -> bytes:
     return state_dict_to_bytes(model)
 
 
-def _cfg(tiny_path: Path) -> RunConfig:
+def _cfg(tiny_path: Path, *extra: str) -> RunConfig:
     return load_config(
-        "smoke", [f"model.path={tiny_path}", "inference.device=cpu", "inference.batch_window_ms=30"]
+        "smoke",
+        [f"model.path={tiny_path}", "inference.device=cpu", "inference.batch_window_ms=30", *extra],
     )
 
 
@@ -367,8 +368,9 @@ async def test_weights_shared_on_the_device_load_from_the_ring_or_fall_back_to_s
     only in the ring, is copied out of it and served; version 4's slot was overwritten
     after its announcement (the trainer ran a lap ahead), so its device digest fails and
     the stored bytes are loaded instead; version 7, only in the ring and overwritten too,
-    is refused and the served weights stay (nothing newer is announced); version 13, only
-    in the ring and overwritten, loads the bytes its ``weights.stored`` names."""
+    is refused and the served weights stay (nothing newer is announced, and the trainer
+    stores only every 13th version); version 13, only in the ring and overwritten, waits
+    for the bytes its ``weights.stored`` names, published after it, and loads them."""
     trainer = load_model(tiny_path)
     trainer.load_state_dict(bytes_to_state_dict(perturbed_weights), strict=False)
     other = load_model(tiny_path)
@@ -381,7 +383,11 @@ async def test_weights_shared_on_the_device_load_from_the_ring_or_fall_back_to_s
 
     client = InferenceClient(bus, timeout_s=30)
     with capture_logs() as logs:
-        async with running_role(nats_server, bus.run, _cfg(tiny_path), tmp_path, "inf-ipc") as role:
+        # The run's trainer shares versions on the device and stores every 13th after it.
+        ipc = _cfg(
+            tiny_path, "trainer.weights_via=ipc", "trainer.store_weights_every=13", "max_steps=100"
+        )
+        async with running_role(nats_server, bus.run, ipc, tmp_path, "inf-ipc") as role:
             backend = role.backend
             assert backend is not None
             via: dict[int, str] = {}  # version -> the load that served it
@@ -416,22 +422,25 @@ async def test_weights_shared_on_the_device_load_from_the_ring_or_fall_back_to_s
             await _until(_when(lambda: role.weights_rejected == 1))
             assert (await _generate(client, "after")).policy_version == 4
 
-            # Announced on the device only, its slot overwritten, and stored after its
-            # announcement (weights.stored): those bytes are loaded.
+            # Announced on the device only, its slot overwritten; a version the trainer
+            # stores after its announcement: the replica waits for those bytes
+            # (weights.stored, seconds later) and loads them.
             v13 = ring.write(13, trainer.state_dict())
             ring.write(16, other.state_dict())
+            await announce(13, v13, v13)
+            await _until(_when(lambda: 13 in role._awaiting_bytes))
+            assert role.backend.policy_version == 4 and role.weights_rejected == 1
             name = "weights.v13"
             stored = ObjectRef(kind="object", location=name, bucket=bus.objects.bucket,
                                digest=await bus.objects.put(name, state_dict_to_bytes(trainer)))  # fmt: skip
             await bus.publish(WeightsStored(run=bus.run, version=13, step=13, weights=stored))
-            await _until(_when(lambda: 13 in role._stored_later))
-            await announce(13, v13, v13)
             await _until(_when(lambda: role.backend.policy_version == 13))
             served = role.backend.engine.model.state_dict()  # type: ignore[attr-defined]
             assert all(torch.equal(served[k], t) for k, t in trainer.state_dict().items())
     assert via == {1: "ipc", 4: "bytes", 13: "bytes"}
     failed = [e for e in logs if e["event"] == "weights.device_failed"]
     assert [e["version"] for e in failed] == [4, 13]
+    assert [e["version"] for e in logs if e["event"] == "weights.awaiting_bytes"] == [13]
     assert all("digest mismatch" in e["error"] for e in failed)
     (rejected,) = [e for e in logs if e["event"] == "weights.rejected"]
     assert rejected["version"] == 7 and "digest mismatch" in rejected["error"]

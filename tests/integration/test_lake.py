@@ -27,8 +27,8 @@ pytestmark = pytest.mark.nats
 
 FIRST = {
     "events": 13, "runs": 2, "tasks": 1, "rollouts": 2, "rollout_tokens": 2, "samples": 1,
-    "sample_tokens": 1, "batches": 1, "batch_samples": 2, "metrics": 2, "eval": 0, "weights": 2,
-    "dead_letters": 1, "algorithms": 2,
+    "sample_tokens": 1, "batches": 1, "batch_samples": 2, "metrics": 2, "eval": 0, "weights": 1,
+    "weights_stored": 1, "dead_letters": 1, "algorithms": 2,
 }  # fmt: skip
 
 

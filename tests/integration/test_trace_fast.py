@@ -32,7 +32,6 @@ from schemas import (
     TaskRequested,
     TraceCompleted,
     WeightsPublished,
-    WeightsStored,
 )
 from tests.samples import every_event, sample, trace
 
@@ -83,7 +82,7 @@ async def test_the_index_gives_the_full_scans_chain(bus: Bus, tmp_path: Path) ->
     wanted = chain_seqs(index, "r0")
     fetched = [type(e) for e in await fetch(bus, wanted)]
     assert fetched == [RunStarted, TaskRequested, TraceCompleted, SamplesScored, BatchAssembled,
-                       WeightsPublished, WeightsStored, SamplesScored]  # fmt: skip
+                       WeightsPublished, SamplesScored]  # fmt: skip
     assert len(wanted.seqs) < len(full)
 
     assert resolve(index, "r1") == "r1"

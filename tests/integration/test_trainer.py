@@ -314,3 +314,42 @@ async def test_weights_shared_on_the_device_are_announced_and_every_nth_stored_a
     for w in stored:  # the bytes are there, and they are the announced version's
         assert w.causation_id == weights[w.version - 1].event_id
         assert await bus.objects.get(w.weights.location, w.weights.digest) is not None
+
+
+async def test_a_store_after_the_announcement_that_fails_never_stops_training(
+    nats_server: EmbeddedServer,
+    bus: Bus,
+    tiny_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store of a version announced on the device fails with an error nobody expected
+    (a full host, a device error): it is logged, the version stays device-only, and every
+    later step trains, is announced and checkpointed as usual."""
+    cfg = trainer_config(tiny_dir, tmp_path, "trainer.weights_via=ipc",
+                         "trainer.store_weights_every=2", "max_steps=4")  # fmt: skip
+    store = TrainerRole._store_weights
+
+    async def failing(self: TrainerRole, version: int, *args: Any, **kwargs: Any) -> Any:
+        if version == 2:
+            raise RuntimeError("no space left for v2")
+        return await store(self, version, *args, **kwargs)
+
+    monkeypatch.setattr(TrainerRole, "_store_weights", failing)
+    batches = [synthetic_batch(bus.run, s, phase="sft" if s == 1 else "rl") for s in range(1, 5)]
+    role, task = await start_role(cfg, nats_server.url, bus.run)
+    try:
+        await bus.publish_many(batches)
+        await wait_for_version(bus, 4)
+    finally:
+        await stop_role(role, task)
+    weights = await read_all(bus, Topic.WEIGHTS_PUBLISHED, (WeightsPublished,))
+    assert [(w.version, w.weights.kind) for w in weights] == [
+        (1, "ipc"),
+        (2, "ipc"),
+        (3, "ipc"),
+        (4, "object"),
+    ]
+    assert await read_all(bus, Topic.WEIGHTS_STORED, (WeightsStored,)) == []
+    checkpoint = latest_checkpoint(tmp_path / bus.run)
+    assert checkpoint is not None and checkpoint.name == "step-00000004"

@@ -17,7 +17,7 @@ from bus.reader import read_log
 from bus.runtime import Bus, BusSettings
 from bus.server import EmbeddedServer
 from bus.subjects import Topic
-from configs import RunConfig
+from configs import RunConfig, load_config
 from configs.paths import RunPaths
 from roles.inference.role import InferenceRole
 from roles.lib.model.loading import load_model
@@ -61,6 +61,17 @@ def test_retention_keeps_the_newest_and_the_initial_weights() -> None:
     assert retention.version_of_object("weights.v12") == 12
     assert retention.version_of_object("body.abc") is None
     assert retention.version_of_file(retention.file_name(7)) == 7
+
+
+def test_which_versions_are_stored_and_a_snapshots_version_is_not_counted() -> None:
+    """Every version with the object store; with "ipc" every 10th, a policy snapshot's and
+    the last; a snapshot's version is neither collected nor one of the kept."""
+    assert all(load_config("smoke").stores_weights(v) for v in range(1, 12))
+    snapshot = 'orchestrator.models.frozen={kind="reference", policy_version=7}'
+    cfg = load_config("smoke", ["trainer.weights_via=ipc", "max_steps=35", snapshot])
+    assert [v for v in range(1, 40) if cfg.stores_weights(v)] == [7, 10, 20, 30, *range(35, 40)]
+    cfg = load_config("smoke", ["trainer.keep_weights=2", snapshot])
+    assert retention.collectable_in(cfg, [0, 5, 7, 10, 20, 30], newest=30) == [5, 10]
 
 
 # -- the object store -------------------------------------------------------------------

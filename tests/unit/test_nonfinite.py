@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from bus.errors import BodyError, Rejected
+from bus.waits import retry_transient
 from configs import RunConfig, load_config
 from replay.trainer import replay_steps
 from roles.inference.backend import WeightsNotFinite
 from roles.inference.torch_backend import TorchBackend
-from roles.inference.weights_io import retry_transient
 from roles.lib.model.tiny import build_tiny_model
 from roles.lib.model.weights import (
     bytes_to_state_dict,
