@@ -29,6 +29,7 @@ from typing import Any
 # Metrics that measure the clock, not the computation: never reproducible.
 TIMING_METRICS = frozenset({"step_s", "tokens_per_s", "wait_s", "mfu"})
 DIGEST = "weights_digest"  # the pseudo-metric name a digest mismatch is reported under
+STORED_DIGEST = "stored_digest"  # the same, of the bytes a weights.stored names
 
 
 def is_timing(name: str) -> bool:
@@ -50,11 +51,14 @@ def fmt_float(x: float | None) -> str:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one trainer step produced: its metrics and the digest of the weights after it."""
+    """What one trainer step produced: its metrics and the digest of the weights after it
+    (as announced: of the bytes, or of the device copy), and, for a version announced on
+    the device and stored after it (``weights.stored``), the digest of those bytes."""
 
     step: int
     metrics: Mapping[str, float]
     digest: str | None = None
+    stored_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,10 @@ class Mismatch:
     replayed: float | str | None
 
     def describe(self) -> str:
-        if self.name == DIGEST:
+        if self.name in (DIGEST, STORED_DIGEST):
+            what = "weights digest" if self.name == DIGEST else "stored weights' digest"
             return (
-                f"step {self.step}: weights digest differs: recorded {self.recorded}, "
+                f"step {self.step}: {what} differs: recorded {self.recorded}, "
                 f"replayed {self.replayed}"
             )
         rec = self.recorded if isinstance(self.recorded, str) else fmt_float(self.recorded)
@@ -100,6 +105,10 @@ def diff_step(recorded: StepRecord, replayed: StepRecord) -> list[Mismatch]:
             out.append(Mismatch(recorded.step, name, float(value), other))
     if recorded.digest is not None and recorded.digest != replayed.digest:
         out.append(Mismatch(recorded.step, DIGEST, recorded.digest, replayed.digest))
+    if recorded.stored_digest is not None and recorded.stored_digest != replayed.stored_digest:
+        out.append(
+            Mismatch(recorded.step, STORED_DIGEST, recorded.stored_digest, replayed.stored_digest)
+        )
     return out
 
 

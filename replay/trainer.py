@@ -61,6 +61,7 @@ from schemas import (
     RunStarted,
     RunStopped,
     WeightsPublished,
+    WeightsStored,
     derive_id,
 )
 
@@ -132,10 +133,11 @@ async def read_trainer_log(bus: Bus, on_progress: Progress | None = None) -> Tra
     metrics: dict[int, MetricsReported] = {}
     orch: dict[int, MetricsReported] = {}
     weights: dict[int, WeightsPublished] = {}
+    stored: dict[int, str] = {}  # a version's bytes stored after its announcement: digest
     topics = [(Topic.RUN_STARTED, None), (Topic.BATCH_ASSEMBLED, None),
-              (Topic.WEIGHTS_PUBLISHED, None), (Topic.METRICS_REPORTED, "trainer"),
-              (Topic.METRICS_REPORTED, "orchestrator")]  # fmt: skip
-    types = (RunStarted, BatchAssembled, WeightsPublished, MetricsReported)
+              (Topic.WEIGHTS_PUBLISHED, None), (Topic.WEIGHTS_STORED, None),
+              (Topic.METRICS_REPORTED, "trainer"), (Topic.METRICS_REPORTED, "orchestrator")]  # fmt: skip
+    types = (RunStarted, BatchAssembled, WeightsPublished, WeightsStored, MetricsReported)
     async for seq, event in read_log(bus, topics, types, with_seq=True, on_progress=on_progress):
         # The first record of a step wins: a republished one (a restarted role) is a copy.
         match event:
@@ -145,6 +147,8 @@ async def read_trainer_log(bus: Bus, on_progress: Progress | None = None) -> Tra
                 candidates.setdefault(event.step, []).append((seq, event))
             case WeightsPublished():
                 weights.setdefault(event.step, event)
+            case WeightsStored():
+                stored.setdefault(event.step, event.weights.digest)
             case MetricsReported(role="trainer"):
                 metrics.setdefault(event.step, event)
             case MetricsReported(role="orchestrator"):
@@ -160,6 +164,7 @@ async def read_trainer_log(bus: Bus, on_progress: Progress | None = None) -> Tra
             s,
             dict(metrics[s].values) if s in metrics else {},
             weights[s].weights.digest if s in weights else None,
+            stored.get(s) if s in weights else None,
         )
         for s in sorted(set(metrics) | set(weights))
     }
@@ -246,7 +251,12 @@ def replay_steps(
             core.reconfigure(cfg)
         metrics, _ = take_step(core, batch)  # the role's own step (a refused batch too)
         data = core.weights_bytes()
-        rec = StepRecord(batch.step, metrics, _digest(core, data, recorded, batch.step))
+        was = recorded.get(batch.step) if recorded is not None else None
+        stored = was is not None and was.stored_digest is not None
+        rec = StepRecord(
+            batch.step, metrics, _digest(core, data, recorded, batch.step),
+            sha256_digest(data) if stored else None,
+        )  # fmt: skip
         if keep is not None:
             keep[batch.step] = data
         result.steps.append(rec)

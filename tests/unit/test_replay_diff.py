@@ -8,6 +8,7 @@ from rich.console import Console
 
 from replay.diff import (
     DIGEST,
+    STORED_DIGEST,
     StepRecord,
     diff_step,
     diff_values,
@@ -69,6 +70,15 @@ def test_digest_alone_diverges_and_matching_run_is_none() -> None:
     assert first_divergence(recorded, [StepRecord(1, {"loss": 1.0}, "sha256:a")]) is None
     (m,) = first_divergence(recorded, [StepRecord(1, {"loss": 1.0}, "sha256:b")]) or []
     assert (m.step, m.name, m.recorded, m.replayed) == (1, DIGEST, "sha256:a", "sha256:b")
+
+
+def test_the_stored_bytes_of_a_device_version_are_compared_too() -> None:
+    """A version announced with a device digest and stored after it (weights.stored): the
+    replayed bytes' digest must equal the stored one as well."""
+    rec = StepRecord(1, {"loss": 1.0}, "dev:float32:a", "sha256:s")
+    assert diff_step(rec, StepRecord(1, {"loss": 1.0}, "dev:float32:a", "sha256:s")) == []
+    (m,) = diff_step(rec, StepRecord(1, {"loss": 1.0}, "dev:float32:a", "sha256:t"))
+    assert m.name == STORED_DIGEST and "stored weights' digest differs" in m.describe()
 
 
 def test_missing_metric_or_step_is_a_mismatch_but_new_metrics_are_not() -> None:
