@@ -222,7 +222,8 @@ def step_printer(console: Any, recorded: Mapping[int, StepRecord], fork: bool = 
             same = rec.step in recorded and not diff_step(recorded[rec.step], rec)
             mark = "[yellow]fork[/] " + ("(same as original)" if same else "(differs)")
         loss, gn = rec.metrics.get("loss", math.nan), rec.metrics.get("grad_norm", math.nan)
-        console.print(f"step {rec.step:>5}  loss {loss:+.6f}  grad_norm {gn:.6f}  {(rec.digest or '')[:23]}  {mark}")  # fmt: skip
+        stored = f"  stored {rec.stored_digest[:19]}" if rec.stored_digest else ""
+        console.print(f"step {rec.step:>5}  loss {loss:+.6f}  grad_norm {gn:.6f}  {(rec.digest or '')[:23]}{stored}  {mark}")  # fmt: skip
 
     return on_step
 
