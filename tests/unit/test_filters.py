@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from configs.orchestrator import EnvConfig, FilterConfig
 from roles.lib.envs.base import EnvCodeError
@@ -120,6 +123,21 @@ def test_repetition_counts_a_turn_that_repeats_an_earlier_one() -> None:
     v = verdict(completion_trace([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]), "repetition")
     assert v.value == pytest.approx(4 / 8)  # 8 trigrams, 4 distinct
     assert verdict(completion_trace([1, 2]), "repetition").value == 0.0  # too short to judge
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    turns=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1, max_size=3),
+    n=st.integers(1, 4),
+)
+def test_repetition_is_one_minus_distinct_over_total_ngrams(turns: list[list[int]], n: int) -> None:
+    """The share against numpy's count of distinct rows of every turn's n-gram windows."""
+    rows = [np.lib.stride_tricks.sliding_window_view(t, n) for t in turns if len(t) >= n]
+    expected = 0.0
+    if rows:
+        grams = np.concatenate(rows)
+        expected = 1.0 - len(np.unique(grams, axis=0)) / len(grams)
+    assert verdict(completion_trace(*turns), "repetition", ngram=n).value == expected
 
 
 def test_length_flags_too_long_too_short_and_truncated() -> None:
