@@ -350,6 +350,12 @@ class TrainerConfig(_Section):
     # None: full fine-tuning; a table: LoRA adapters only (see LoraConfig).
     lora: LoraConfig | None = None
 
+    @property
+    def weights_on_device(self) -> bool:
+        """Whether versions travel device to device ("ipc" or "broadcast"), so that only
+        some are stored (``RunConfig.stores_weights``)."""
+        return self.weights_via in ("ipc", "broadcast")
+
 
 class WandbConfig(_Section):
     """The Weights & Biases sink: offline by default, so it works without a network
@@ -430,7 +436,7 @@ class RunConfig(_Section):
         """Whether the trainer stores ``version``'s bytes: every version, except with
         ``trainer.weights_via`` "ipc" or "broadcast" (device to device), where only every
         ``store_weights_every``-th version, a policy snapshot's and the last are."""
-        if self.trainer.weights_via not in ("ipc", "broadcast"):
+        if not self.trainer.weights_on_device:
             return True
         return (
             version % self.trainer.store_weights_every == 0
@@ -457,7 +463,7 @@ class RunConfig(_Section):
     def _cross_field(self) -> RunConfig:
         # One error listing every problem: fixing a config one run at a time is slow.
         problems = orchestrator_problems(self.orchestrator)
-        if self.trainer.weights_via in ("ipc", "broadcast") and self.trainer.world_size > 1:
+        if self.trainer.weights_on_device and self.trainer.world_size > 1:
             problems.append(
                 f"`trainer.weights_via` = {self.trainer.weights_via!r} sends one trainer "
                 "process's weights: set `trainer.world_size` = 1 or another `trainer.weights_via`"
@@ -478,7 +484,7 @@ def _lora_problems(t: TrainerConfig) -> list[str]:
         problems.append(
             "`trainer.lora` trains on one trainer process: set `trainer.world_size` = 1"
         )
-    if t.weights_via in ("ipc", "broadcast"):
+    if t.weights_on_device:
         problems.append(
             f"`trainer.weights_via` = {t.weights_via!r} copies whole models device to "
             'device; with `trainer.lora` the adapters travel as bytes: use "auto", '

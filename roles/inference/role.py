@@ -530,15 +530,15 @@ class InferenceRole(Role):
         newest = max(self._pending, default=-1)  # what _load_weights takes next, if any
         pending = self._pending[newest] if newest > event.version else None
         newer = pending or await self._newest_after(event.version)
-        if (newer is None or newer.event_id in self._rejected) and self._bytes_to_come(event):
-            self._awaiting_bytes[event.version] = event
-            self.log.warning(
-                "weights.awaiting_bytes", version=event.version, serving=serving,
-                error=str(missing)[:500],
-            )  # fmt: skip
-            return False
         if newer is None or newer.event_id in self._rejected:
-            self._reject(event, missing, serving)
+            if self._bytes_to_come(event):  # weights.stored comes seconds after its announcement
+                self._awaiting_bytes[event.version] = event
+                self.log.warning(
+                    "weights.awaiting_bytes", version=event.version, serving=serving,
+                    error=str(missing)[:500],
+                )  # fmt: skip
+            else:
+                self._reject(event, missing, serving)
             return False
         self.log.warning(
             "weights.superseded", version=event.version, newest=newer.version,

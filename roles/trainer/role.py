@@ -355,9 +355,10 @@ class TrainerRole(Role):
         assert batch.step == self.core.step, "a pending step's weights are the current ones"
         shared = await asyncio.to_thread(self._share, batch.step)
         data = None
-        if shared is not None and self._stores_after(batch.step, p.recorded):
+        when = "now" if shared is None else self._when_stored(batch.step, p.recorded)
+        if when == "after":
             p.snapshot = await asyncio.to_thread(self.core.weights_snapshot)
-        elif shared is None or self._stores(batch.step, p.recorded):
+        elif when == "now":
             data = await asyncio.to_thread(self.core.weights_bytes)
         # What the announcement's digest is of: the bytes when they are stored, else the
         # shared device copy ("dev:..."); a recorded one is compared the same way.
@@ -370,7 +371,10 @@ class TrainerRole(Role):
             )  # fmt: skip
             p.snapshot = None  # other weights than those announced: nothing is stored as them
         if p.recorded is None:
-            ref = shared if data is None else await self._store_weights(batch.step, data, p.digest)
+            ref = shared
+            if data is not None:
+                ref = await self._store_weights(batch.step, data, p.digest)
+                self.stored_weights[batch.step] = ref.kind
             events.append(
                 WeightsPublished(
                     run=self.run,
@@ -427,8 +431,7 @@ class TrainerRole(Role):
         shared device ring (made at the first call) and return its reference; with
         "broadcast", also send it to every replica joined (``roles.lib.model.broadcast``:
         the rendezvous starts at the first call) and return the broadcast reference."""
-        via = self.cfg.trainer.weights_via
-        if via not in ("ipc", "broadcast"):
+        if not self.cfg.trainer.weights_on_device:
             return None
         model = self.core.model
         if self.ring is None:
@@ -444,7 +447,7 @@ class TrainerRole(Role):
             self.log.info("weights.ring", handle=self.ring.handle[:80], dtype=str(dtype),
                           slots=self.ring.slots, bytes=self.ring.buffer.nbytes)  # fmt: skip
         shared = self.ring.write(version, model.state_dict())
-        if via == "ipc":
+        if self.cfg.trainer.weights_via == "ipc":
             return shared
         if self.hub is None:
             self.hub = BroadcastHub(self.ring, self.cfg.trainer.broadcast_host, self._hub_event)
@@ -456,20 +459,21 @@ class TrainerRole(Role):
         """(a sender thread) A replica joined or was dropped."""
         self.log.info(event, **fields)
 
-    def _stores(self, version: int, recorded: WeightsPublished | None) -> bool:
-        """Whether ``version``'s bytes are stored besides the shared ring
-        (``RunConfig.stores_weights``); a recorded one as it was."""
+    def _when_stored(self, version: int, recorded: WeightsPublished | None) -> str | None:
+        """When the bytes of ``version``, shared on the device, are stored
+        (``RunConfig.stores_weights``): "now", in its announcement (the last version; a
+        recorded one stored so, whose digest is compared), "after" it, while the next
+        step trains (``_store_after``), or None (a recorded one already stored after)."""
         if recorded is not None:
-            return recorded.stored() is not None or self._stores_after(version, recorded)
-        return self.cfg.stores_weights(version)
-
-    def _stores_after(self, version: int, recorded: WeightsPublished | None) -> bool:
-        """Whether ``version``, announced on the device, has its bytes stored after the
-        announcement, while the next step trains (``_store_after``): a version stored
-        but not the last (the run's end waits for nothing), nor one recorded stored."""
-        if recorded is not None and (recorded.stored() is not None or version in self.stored_later):
-            return False
-        return self.cfg.stores_weights(version) and version < self.cfg.max_steps
+            if recorded.stored() is not None:
+                return "now"
+            if version in self.stored_later:
+                return None
+        if not self.cfg.stores_weights(version):
+            return None
+        if version < self.cfg.max_steps:
+            return "after"
+        return "now" if recorded is None else None
 
     async def _store_after(self, batch: BatchAssembled, snapshot: dict[str, torch.Tensor]) -> None:
         """Store a version announced on the device from its snapshot and say so
@@ -483,7 +487,7 @@ class TrainerRole(Role):
             weights_digest = await asyncio.to_thread(digest, data)
 
             async def store_and_say() -> ObjectRef:
-                ref = await self._store_weights(version, data, weights_digest, record=False)
+                ref = await self._store_weights(version, data, weights_digest)
                 await commit(self.bus, [WeightsStored(
                     run=self.run, event_id=derive_id(batch.event_id, "weights.stored"),
                     causation_id=derive_id(batch.event_id, "weights"), version=version,
@@ -503,7 +507,7 @@ class TrainerRole(Role):
                 "weights.store_failed", version=version, error=repr(e)[:300], exc_info=True
             )
             return
-        self.stored_weights[version] = ref.kind  # (once named: only then counted as kept)
+        self.stored_weights[version] = ref.kind  # once named: only then counted as kept
         self.stored_later.add(version)
         self.log.info(
             "weights.stored", version=version, kind=ref.kind, bytes=ref.size,
@@ -524,28 +528,21 @@ class TrainerRole(Role):
             if task.done():
                 self.storing = None
 
-    async def _store_weights(
-        self, version: int, data: bytes, weights_digest: str, record: bool = True
-    ) -> ObjectRef:
-        """Write ``version``'s bytes where ``trainer.weights_via`` says; ``record``: count
-        it in ``stored_weights`` now (a version stored after its announcement is counted
-        once its ``weights.stored`` is on the log)."""
+    async def _store_weights(self, version: int, data: bytes, weights_digest: str) -> ObjectRef:
+        """Write ``version``'s bytes where ``trainer.weights_via`` says (the caller counts
+        it in ``stored_weights`` once it is named on the log)."""
         via = self.cfg.trainer.weights_via
-        if via in ("auto", "ipc", "broadcast"):
+        if via == "auto" or self.cfg.trainer.weights_on_device:
             via = "object" if len(data) <= OBJECT_STORE_MAX_BYTES else "path"
         if via == "object":
             name = retention.object_name(version)
             stored = await self.bus.objects.put(name, data)
-            if record:
-                self.stored_weights[version] = "object"
             return ObjectRef(
                 kind="object", location=name, bucket=self.bus.objects.bucket,
                 size=len(data), digest=stored,
             )  # fmt: skip
         path = self._weights_folder(via) / retention.file_name(version)
         await asyncio.to_thread(write_atomic, path, data)
-        if record:
-            self.stored_weights[version] = via
         return ObjectRef(
             kind=via, location=str(path.resolve()), size=len(data), digest=weights_digest
         )

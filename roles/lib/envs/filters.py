@@ -149,12 +149,10 @@ class Repetition(Detector):
         # A set of tuples: completions are short, and numpy's unique over rows costs
         # ~0.1 ms each, a third of the env server's work per rollout.
         n = self.ngram
-        grams = [
-            tuple(ids[i : i + n])
-            for t in sampled_turns(trace)
-            for ids in (t.token_ids.tolist(),)
-            for i in range(len(ids) - n + 1)
-        ]
+        grams: list[tuple[int, ...]] = []
+        for turn in sampled_turns(trace):
+            ids = turn.token_ids.tolist()
+            grams += [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
         if not grams:
             return 0.0
         return 1.0 - len(set(grams)) / len(grams)
