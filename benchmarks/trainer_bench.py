@@ -162,7 +162,10 @@ class PlainLoop:
     def __init__(self, model_dir: Path, cfg: Any, compiled: bool = False):
         import torch
 
-        self.core = TrainerCore(cfg, model_dir)  # packing and model loading, nothing else
+        # Packing and model loading, nothing else: whole rows (a shared micro-batch's rows
+        # are the samples' ends, which only the core's two-forward path can train).
+        whole = cfg.trainer.model_copy(update={"shared_prefix": False})
+        self.core = TrainerCore(cfg.model_copy(update={"trainer": whole}), model_dir)
         self.model = self.core.model
         if compiled:
             compile_blocks(self.model)

@@ -301,6 +301,9 @@ class TrainerConfig(_Section):
     warmup_steps: int = Field(default=0, ge=0)  # linear lr warmup steps
     seq_len: int = Field(default=2048, ge=1)  # tokens per packed micro-batch
     micro_batch_size: int | None = Field(default=None, ge=1)  # None = pack by seq_len only
+    # Samples that share a prompt (a GRPO group) run it once per micro-batch: its keys and
+    # values feed every sample's completion (roles.trainer.packing); one rank only.
+    shared_prefix: bool = True
     device: str = "auto"
     checkpoint_interval: int = Field(default=10, ge=0)  # steps between checkpoints; 0 = off
     # Newest checkpoints kept in <run dir>/checkpoints (older ones are deleted as a new one

@@ -15,7 +15,9 @@ thread count (the trainer records it in its metrics, ``threads``: the CPU plan o
 ``rlbus up`` may have given it more than one).
 
 The config in force for a batch is that of the newest ``run.started`` before it in the
-log; a later one (``resumed=True``) changes the config from that point on. A fork uses
+log; a later one (``resumed=True``) changes the config from that point on. A trainer
+started before trainers could share prefixes (``trainer.shared_prefix``: its steps report
+no ``computed_tokens``) trained whole rows, and is replayed so. A fork uses
 exactly that: it replays steps ``1..STEP`` (checked), then trains the recorded batches
 after ``STEP`` under the changed config, and records itself as run ``NEW``: the copied
 ``run.started`` (the original config), the copied batches and orchestrator metrics, a
@@ -111,11 +113,21 @@ class TrainerLog:
         size = first.metrics.get("world_size") if first is not None else None
         return int(size) if size else None
 
+    def shared_prefix(self, start: RunStarted) -> bool:
+        """Whether the trainer that ``start`` started could share prefixes
+        (``trainer.shared_prefix``): not one of before it could, which trained whole rows
+        whatever the config said, and reported no ``computed_tokens`` (a refused step
+        never reports it)."""
+        mine = [r for s, r in self.recorded.items() if self.start_for(s) is start]
+        trained = [r for r in mine if "refused_batch" not in r.metrics]
+        return not trained or any("computed_tokens" in r.metrics for r in trained)
+
     def config_of(self, start: RunStarted, overrides: Sequence[str] = ()) -> RunConfig:
         key = (start.event_id, tuple(overrides))
         if key not in self._cache:
             ranks = [f"trainer.world_size={self.world_size}"] if self.world_size else []
-            raw = apply_overrides(start.config, [*ranks, *overrides, "trainer.device=cpu"])
+            whole = [] if self.shared_prefix(start) else ["trainer.shared_prefix=false"]
+            raw = apply_overrides(start.config, [*ranks, *whole, *overrides, "trainer.device=cpu"])
             self._cache[key] = resolve(raw, source=f"run.started {start.event_id} of {start.run}")
         return self._cache[key]
 

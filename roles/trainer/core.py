@@ -20,6 +20,17 @@ optimizer step, the gradients are dropped, and its metrics say ``nonfinite_step=
 with the loss. Both are pure functions of the batch, so a restart and a replay step
 over exactly the same batches and reach the same weights.
 
+A micro-batch is a set of whole samples, or, with ``trainer.shared_prefix``, samples that
+share a prompt (a GRPO group's; ``roles.trainer.packing``), which run it once: a forward
+over the prefixes gives their keys and values, which each sample's rest then reads as a
+KV cache (``_forward``). Only the rests' logits reach the loss; their loss positions are
+exactly the whole samples' (a prefix trains nothing), so the loss, its denominators and
+every stat are those of whole rows up to float rounding, and the step is as
+deterministic. It needs a model whose forward takes a cache (``cache_kwargs``) and one
+rank (``shares_prefixes``); samples that share nothing train as whole rows. ``tokens``
+counts the samples' tokens, ``computed_tokens`` the tokens the model ran, which
+``flops_per_s`` and ``mfu`` count.
+
 With ``trainer.lora`` the model is wrapped with LoRA adapters (``roles.lib.model.lora``):
 AdamW steps only the adapters (and ``modules_to_save``), and the weights this fold
 publishes and checkpoints are those alone (``weights_bytes``), drawn at start from a seed
@@ -42,6 +53,7 @@ exported after it moved on).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -70,7 +82,7 @@ from roles.lib.model.weights import (
 )
 from roles.lib.threads import torch_threads
 from roles.trainer.loss import PHASES, LossStats, known, loss_denominators, policy_loss
-from roles.trainer.packing import MicroBatch, collate, pack
+from roles.trainer.packing import MicroBatch, collate_batch
 from schemas import BatchAssembled, stable_seed
 
 
@@ -184,6 +196,7 @@ class TrainerCore:
             model = lora.wrap(model, t.lora, stable_seed(cfg.seed, "trainer", "lora"))
         if t.compile:
             compile_blocks(model)
+        self._cache_kwarg, self._prefix_kwargs = cache_kwargs(model)
         self.model = self._wrap(model)
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.optimizer = torch.optim.AdamW(
@@ -207,6 +220,12 @@ class TrainerCore:
         """The micro-batches this process trains, in order (rank hook; None = a pass
         that trains nothing, so every rank runs as many passes)."""
         return list(range(n_micro_batches))
+
+    def shares_prefixes(self) -> bool:
+        """Whether a step runs a prefix that samples share once (``trainer.shared_prefix``,
+        ``roles.trainer.packing``): where the model's forward takes a KV cache (rank
+        hook: sharded ranks train whole rows)."""
+        return self.cfg.trainer.shared_prefix and self._cache_kwarg is not None
 
     def _sync_gradients(self, last: bool) -> None:
         """Before each pass (rank hook: ranks reduce gradients in the last pass only)."""
@@ -276,8 +295,8 @@ class TrainerCore:
         (per channel, before the first backward: see trainer.loss). Pure: a malformed
         batch raises here, before anything is trained."""
         cfg = self.cfg.trainer
-        groups = pack([len(s) for s in batch.samples], cfg.seq_len, cfg.micro_batch_size)
-        mbs = [collate(batch.samples, g, self.pad_id) for g in groups]
+        share = self.shares_prefixes()
+        mbs = collate_batch(batch.samples, cfg.seq_len, cfg.micro_batch_size, self.pad_id, share)
         return mbs, loss_denominators([mb.loss for mb in mbs], batch.phase, cfg.loss.normalize)
 
     def check_trainable(self, batch: BatchAssembled) -> None:
@@ -335,25 +354,25 @@ class TrainerCore:
             # Every micro-batch this process trains goes to the device before the first
             # forward: a copy from host memory waits for the device's queue to drain,
             # which here it already has (on the CPU, ``to`` is a no-op).
-            moved = {
-                i: (mbs[i].input_ids.to(self.device), mbs[i].loss.to(self.device))
-                for i in mine
-                if i is not None
-            }
+            moved = {i: mbs[i].to(self.device) for i in mine if i is not None}
             for n, i in enumerate(mine):
                 self._sync_gradients(last=n == len(mine) - 1)
                 if i is None or mbs[i].input_ids.shape[1] < 2:  # one-token samples predict nothing
                     self._empty_backward(None)
                     continue
-                mb = mbs[i]
-                input_ids, on_device = moved[i]
+                mb, on_device = mbs[i], moved[i]
                 with self._autocast():
-                    logits = self.model(input_ids=input_ids, use_cache=False).logits
+                    logits = self._forward(on_device)
                 # Per-token logprobs in fp32 whatever the forward ran in (a no-op in fp32);
                 # what the loss must know on the host is read from the host copy.
                 facts = known(mb.loss, batch.phase)
                 loss, s = policy_loss(
-                    logits[:, :-1].float(), on_device, cfg.loss, batch.phase, denominators, facts
+                    logits[:, :-1].float(),
+                    on_device.loss,
+                    cfg.loss,
+                    batch.phase,
+                    denominators,
+                    facts,
                 )
                 if facts.loss_tokens:
                     loss.backward()
@@ -377,24 +396,58 @@ class TrainerCore:
         self.step = batch.step
         elapsed = time.perf_counter() - start
         tokens = sum(len(s) for s in samples)
+        computed = sum(mb.num_tokens for mb in mbs)
         return {
             **stats.finalize(),
             **({} if finite else {"nonfinite_step": 1.0}),
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens": float(tokens),
+            "computed_tokens": float(computed),  # a shared prefix once (trainer.shared_prefix)
             "samples": float(len(samples)),
             "micro_batches": float(len(mbs)),
             "world_size": float(self.world_size),  # replay trains on as many ranks
             "threads": float(self.threads),  # ... with as many intra-op threads each
             "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
             "step_s": elapsed,
-            **self._utilisation(tokens, elapsed),
+            **self._utilisation(computed, elapsed),
         }
 
+    def _forward(self, mb: MicroBatch) -> torch.Tensor:
+        """The logits over ``mb``'s rows, ``[B, L, V]`` (``mb`` on the device).
+
+        A shared micro-batch (``mb.prefix``) runs in two forwards: its prefixes, once
+        each, for their keys and values alone (the logits of their last token only: none
+        is trained), then its rows, which read those keys and values as a KV cache. Each
+        row's copy of its prefix's is an ``index_select`` (the cache's ``reorder_cache``,
+        beam search's), whose backward sums every row's gradient into the prefix's: the
+        prefix trains exactly as it would within every row.
+        """
+        if mb.prefix is None:
+            return self.model(input_ids=mb.input_ids, use_cache=False).logits
+        pre, name = mb.prefix, self._cache_kwarg
+        assert name is not None  # shares_prefixes() packed it
+        out = self.model(
+            input_ids=pre.input_ids,
+            attention_mask=pre.attention_mask,
+            position_ids=pre.position_ids,
+            use_cache=True,
+            **self._prefix_kwargs,
+        )
+        cache = getattr(out, name)
+        cache.reorder_cache(pre.rows)
+        return self.model(
+            input_ids=mb.input_ids,
+            attention_mask=pre.row_attention_mask,
+            position_ids=pre.row_position_ids,
+            use_cache=True,
+            **{name: cache},
+        ).logits
+
     def _utilisation(self, tokens: int, elapsed: float) -> dict[str, float]:
-        """Model FLOPs per second (6 x parameters x tokens: forward and backward) and,
-        where the device's peak is known, MFU (``peak_flops``); timing, never replayed."""
+        """Model FLOPs per second (6 x parameters x tokens: forward and backward; the
+        tokens the model ran, a shared prefix once) and, where the device's peak is
+        known, MFU (``peak_flops``); timing, never replayed."""
         if elapsed <= 0:
             return {}
         flops = 6.0 * self.params * tokens / elapsed
@@ -495,6 +548,22 @@ class TrainerCore:
         self.step = int(state["step"])
         extra: dict[str, Any] = state.get("extra", {})
         return extra
+
+
+def cache_kwargs(model: Any) -> tuple[str | None, dict[str, int]]:
+    """The name ``model``'s forward takes a KV cache by, or None where it takes none (its
+    samples train as whole rows); and the arguments that keep a prefix forward's logits
+    to its last token, where the forward has them (a wide vocabulary's logits over every
+    prefix token would cost memory and time for nothing). A peft model passes these on
+    to its base model.
+
+    Only transformers 5's ``cache``, whose forward always returns the cache object it
+    filled; the ``past_key_values`` of older versions comes back from some (4.44-4.46)
+    as a tuple of tensors, which has no ``reorder_cache``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters
+    name = "cache" if "cache" in params else None
+    return name, {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
 def _norm(total: torch.Tensor) -> float:

@@ -11,7 +11,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roles.trainer.packing import collate, pack
+from roles.trainer.loss import loss_denominators
+from roles.trainer.packing import (
+    PrefixGroup,
+    collate,
+    collate_batch,
+    collate_shared,
+    first_trained,
+    pack,
+    pack_groups,
+    prefix_groups,
+)
 from schemas import Sample
 from schemas.arrays import pack_f32, pack_i32, pack_mask
 
@@ -121,3 +131,189 @@ def test_collate_rejects_ref_weights_without_reference_logprobs() -> None:
     bad = msgspec.structs.replace(_sample([1, 2, 3]), ref_weights=pack_f32([0, 0.1, 0.1]))
     with pytest.raises(ValueError, match="ref_weights without ref_logprobs"):
         collate([bad], [0])
+
+
+# -- shared prefixes ---------------------------------------------------------------------
+
+
+def _turns(*parts: tuple[list[int], bool], ref: bool = False) -> Sample:
+    """A sample of ``parts`` (tokens, trained?): a prompt, a completion, a tool's or a
+    user's turn, another completion...; trained parts are in ``mask`` (and, with ``ref``,
+    the ref_kl channel)."""
+    ids = [t for tokens, _ in parts for t in tokens]
+    trained = [on for tokens, on in parts for _ in tokens]
+    n = len(ids)
+    return Sample(
+        rollout_id=f"r{ids}", branch=0, env="e", task_index=0, group_id="g",
+        token_ids=pack_i32(ids), mask=pack_mask(trained),
+        logprobs=pack_f32([-0.01 * (i + 1) if on else 0.0 for i, on in enumerate(trained)]),
+        temperatures=pack_f32([1.0] * n), advantages=pack_f32([0.5 if on else 0.0 for on in trained]),
+        ref_logprobs=pack_f32([-1.0] * n) if ref else None,
+        ref_weights=pack_f32([0.1 if on else 0.0 for on in trained]) if ref else None,
+    )  # fmt: skip
+
+
+PROMPT, OTHER = [1, 5, 6, 7, 8, 9], [1, 5, 6, 7, 3]
+
+
+def _grpo() -> list[Sample]:
+    """Two groups of completions of two prompts, interleaved, and a prompt of its own."""
+    return [
+        _turns((PROMPT, False), ([20, 21, 2], True)),
+        _turns((OTHER, False), ([30, 2], True)),
+        _turns((PROMPT, False), ([22, 2], True)),
+        _turns(([4, 4, 4], False), ([40, 41, 2], True)),
+        _turns((OTHER, False), ([31, 32, 33, 2], True)),
+        _turns((PROMPT, False), ([23, 24, 25, 26, 2], True)),
+    ]
+
+
+def test_first_trained_is_the_first_token_any_channel_trains() -> None:
+    """mask, sft_mask, ce_weights > 0 and ref_weights > 0 all count; token 0 never does."""
+    ones = np.ones(6, dtype=bool)
+    none = np.zeros(6, dtype=bool)
+    assert first_trained({"mask": none}) is None
+    assert first_trained({"mask": ones}) == 1  # token 0 is never trained
+    at = {name: np.arange(6) >= k for name, k in (("mask", 5), ("sft_mask", 4))}
+    assert first_trained(at) == 4
+    assert first_trained({**at, "ce_weights": np.where(np.arange(6) >= 3, 0.5, 0.0)}) == 3
+    assert first_trained({**at, "ref_weights": np.array([0, 0, 0.1, 0, 0, 0])}) == 2
+
+
+def test_samples_share_their_prompt_but_its_last_token() -> None:
+    """Groups of equal prefixes (the prompt less its last token, whose logits predict the
+    first completion token), in order of their first members; a prompt of its own and a
+    prompt that is only a prefix of another's share nothing."""
+    samples = _grpo()
+    assert prefix_groups(samples) == [
+        PrefixGroup(len(PROMPT) - 1, [0, 2, 5]),
+        PrefixGroup(len(OTHER) - 1, [1, 4]),
+    ]
+    alike = [
+        _turns(([1, 5, 6, 7], False), ([9], True)),
+        _turns(([1, 5, 6, 7, 8], False), ([9], True)),
+    ]
+    assert prefix_groups(alike) == []  # [1, 5, 6] vs [1, 5, 6, 7]: different prefixes
+    assert prefix_groups([_turns(([1], False), ([2, 3], True))] * 2) == []  # nothing to share
+
+
+def test_multi_turn_samples_share_only_up_to_their_first_trained_token() -> None:
+    """A trained first turn ends the shared prefix there, wherever later turns differ; a
+    tool's turn in the ce channel (sft_mask, mask 0) or a ref_kl token ends it too."""
+    turn, tool = ([20, 21], True), ([50, 51], False)
+    a = _turns((PROMPT, False), turn, tool, ([60, 2], True))
+    b = _turns((PROMPT, False), turn, tool, ([61, 62, 2], True))
+    assert prefix_groups([a, b]) == [PrefixGroup(len(PROMPT) - 1, [0, 1])]
+    # Replayed first turns that are not trained: the prefix runs on to the second turn.
+    a2, b2 = (_turns((PROMPT, False), (t, False), tool, ([60, 2], True)) for t in ([20, 21],) * 2)
+    assert prefix_groups([a2, b2]) == [PrefixGroup(len(PROMPT) + 3, [0, 1])]
+    tool_ce = np.zeros(len(a2), dtype=bool)
+    tool_ce[len(PROMPT) + 2] = True  # the tool's first token, in the ce channel
+    c = msgspec.structs.replace(a2, sft_mask=pack_mask(tool_ce.tolist()))
+    assert prefix_groups([c, b2]) == []  # c shares fewer tokens than b2: other prefixes
+    assert prefix_groups([c, c]) == [PrefixGroup(len(PROMPT) + 1, [0, 1])]
+    r1, r2 = (
+        _turns((PROMPT, False), ([20, 2], True), ref=True),
+        _turns((PROMPT, False), ([21, 2], True), ref=True),
+    )
+    assert prefix_groups([r1, r2]) == [PrefixGroup(len(PROMPT) - 1, [0, 1])]
+
+
+def test_collate_shared_rows_are_whole_samples_from_the_prefix_on() -> None:
+    """Each row is its sample from token p on, with the loss arrays ``collate`` gives the
+    whole sample from position p on; prefixes are left-padded, one per group; the masks
+    cover [prefix ; row] and positions go on from each prefix; the loss denominators are
+    the whole samples'."""
+    samples = _grpo()
+    groups = prefix_groups(samples)
+    mb = collate_shared(samples, groups, pad_id=0)
+    assert mb.indices == [0, 2, 5, 1, 4]
+    pre = mb.prefix
+    assert pre is not None and pre.lengths == [5, 4]
+    assert pre.input_ids.tolist() == [PROMPT[:5], [0, *OTHER[:4]]]
+    assert pre.attention_mask.tolist() == [[1] * 5, [0, 1, 1, 1, 1]]
+    assert pre.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 0, 1, 2, 3]]
+    assert pre.rows.tolist() == [0, 0, 0, 1, 1]
+    width = mb.input_ids.shape[1]
+    assert width == max(
+        len(samples[i]) - p for i, p in zip(mb.indices, [5, 5, 5, 4, 4], strict=True)
+    )
+    for k, (i, p) in enumerate(zip(mb.indices, [5, 5, 5, 4, 4], strict=True)):
+        whole = collate(samples, [i])
+        n = len(samples[i]) - p
+        assert mb.lengths[k] == n
+        assert mb.input_ids[k, :n].tolist() == whole.input_ids[0, p:].tolist()
+        assert not mb.input_ids[k, n:].any()
+        for name in vars(mb.loss):
+            got, want = getattr(mb.loss, name)[k], getattr(whole.loss, name)[0, p:]
+            assert torch.equal(got[: n - 1], want), name
+        assert pre.row_attention_mask[k].tolist() == (
+            pre.attention_mask[pre.rows[k]].tolist() + [1] * n + [0] * (width - n)
+        )
+        assert pre.row_position_ids[k].tolist() == list(range(p, p + width))
+    assert mb.num_tokens == 5 + 4 + sum(mb.lengths)
+    plain = [collate(samples, mb.indices).loss]
+    for phase, normalize in (("rl", "tokens"), ("rl", "sequences"), ("sft", "tokens")):
+        assert loss_denominators([mb.loss], phase, normalize) == loss_denominators(
+            plain, phase, normalize
+        )
+
+
+def test_collate_batch_shares_groups_and_trains_the_rest_as_before() -> None:
+    """Groups go to shared micro-batches, every other sample to ``pack`` and ``collate``'s;
+    a batch without groups, or ``share=False``, is exactly ``pack`` and ``collate``."""
+    samples = _grpo()
+    mbs = collate_batch(samples, seq_len=64, share=True)
+    assert [mb.indices for mb in mbs] == [[0, 2, 5, 1, 4], [3]]
+    assert mbs[0].prefix is not None and mbs[1].prefix is None
+    lengths = [len(s) for s in samples]
+    for share, batch in ((False, samples), (True, [samples[i] for i in (0, 1, 3)])):
+        got = collate_batch(batch, seq_len=24, max_rows=2, share=share)
+        bins = pack([len(s) for s in batch], 24, 2)
+        assert [mb.indices for mb in got] == bins
+        for mb, bin_ in zip(got, bins, strict=True):
+            want = collate(batch, bin_)
+            assert mb.prefix is None and torch.equal(mb.input_ids, want.input_ids)
+            assert all(torch.equal(getattr(mb.loss, k), v) for k, v in vars(want.loss).items())
+    assert (
+        sum(lengths)
+        == sum(mb.num_tokens for mb in collate_batch(samples, 64))
+        > sum(mb.num_tokens for mb in mbs)
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 40), st.lists(st.integers(1, 30), min_size=2, max_size=12)),
+        max_size=8,
+    ),
+    st.integers(min_value=1, max_value=400),
+    st.one_of(st.none(), st.integers(min_value=1, max_value=8)),
+)
+def test_pack_groups_bounds_and_coverage(
+    spec: list[tuple[int, list[int]]], seq_len: int, max_rows: int | None
+) -> None:
+    """Prefix rows plus rows, padded, stay within seq_len, rows within max_rows; every
+    part shares its prefix among 2+ members; a member is in one part at most, and left
+    out (to train alone) when it is too wide to share a part with a shorter one, or is
+    the last of its group; the same input packs the same."""
+    lengths: list[int] = []
+    groups = []
+    for p, rests in spec:
+        groups.append(PrefixGroup(p, list(range(len(lengths), len(lengths) + len(rests)))))
+        lengths += [p + r for r in rests]
+    bins = pack_groups(groups, lengths, seq_len, max_rows)
+    assert bins == pack_groups(groups, lengths, seq_len, max_rows)
+    placed = [i for b in bins for g in b for i in g.members]
+    assert len(placed) == len(set(placed))
+    for b in bins:
+        rows = sum(len(g.members) for g in b)
+        widest = max(lengths[i] - g.length for g in b for i in g.members)
+        assert len(b) * max(g.length for g in b) + rows * widest <= seq_len
+        assert max_rows is None or rows <= max_rows
+        assert all(len(g.members) >= 2 and g.members == sorted(g.members) for g in b)
+    for g in groups:  # left out: too wide to pair with a shorter member, but for one at most
+        out = [i for i in g.members if i not in placed]
+        pairable = [i for i in out if g.length + 2 * (lengths[i] - g.length) <= seq_len]
+        assert len(pairable) <= (1 if max_rows is None or max_rows >= 2 else len(out))

@@ -16,16 +16,24 @@ from replay.diff import is_timing
 from roles.lib.model.loading import load_model
 from roles.lib.model.tiny import build_tiny_model
 from roles.lib.model.tokenizer import build_tokenizer
-from roles.trainer.core import StepOutOfOrder, TrainerCore, latest_checkpoint, lr_at
-from schemas import BatchAssembled, Sample, batch_id, stable_seed
+from roles.trainer.core import (
+    StepOutOfOrder,
+    TrainerCore,
+    cache_kwargs,
+    latest_checkpoint,
+    lr_at,
+)
+from schemas import BatchAssembled, RunStarted, Sample, batch_id, stable_seed
 from schemas.arrays import pack_f32, pack_i32, pack_mask
 
 TOKENIZER = build_tokenizer()
 LETTERS = list("abcdefghijklmnopqrstuvwxyz")
 
 
-def synthetic_sample(seed: int, index: int, *, sft: bool = False) -> Sample:
-    """A reverse-text-like sample: chat prompt, then the reversed string as the completion."""
+def synthetic_sample(seed: int, index: int, *, sft: bool = False, attempt: int = -1) -> Sample:
+    """A reverse-text-like sample: chat prompt, then the reversed string as the completion;
+    ``attempt`` >= 0: one of several answers sampled for the prompt (GRPO's group), the
+    reversed string cut short by a few letters, some of them wrong."""
     rng = np.random.default_rng(seed)
     text = "".join(rng.choice(LETTERS, size=int(rng.integers(6, 16))))
     prompt = TOKENIZER.apply_chat_template(
@@ -34,7 +42,13 @@ def synthetic_sample(seed: int, index: int, *, sft: bool = False) -> Sample:
         tokenize=False,
     )
     prompt_ids = TOKENIZER.encode(prompt, add_special_tokens=False)
-    completion_ids = TOKENIZER.encode(text[::-1] + "<|end|>", add_special_tokens=False)
+    answer = list(text[::-1])
+    if attempt >= 0:
+        rng = np.random.default_rng([seed, attempt])
+        answer = answer[: len(answer) - int(rng.integers(0, 4))]
+        for at in rng.choice(len(answer), size=2):
+            answer[at] = str(rng.choice(LETTERS))
+    completion_ids = TOKENIZER.encode("".join(answer) + "<|end|>", add_special_tokens=False)
     ids = prompt_ids + completion_ids
     n, p = len(ids), len(prompt_ids)
     mask = [0] * p + [1] * (n - p)
@@ -55,6 +69,24 @@ def synthetic_batch(run: str, step: int, n_samples: int = 8, phase: str = "rl") 
     samples = [
         synthetic_sample(stable_seed("synthetic", step, i), i, sft=phase == "sft")
         for i in range(n_samples)
+    ]
+    return BatchAssembled(
+        run=run, event_id=batch_id(run, step), step=step, samples=samples,
+        policy_version=step - 1, num_tokens=sum(len(s) for s in samples), phase=phase,
+    )  # fmt: skip
+
+
+def grpo_batch(
+    run: str, step: int, groups: int = 3, size: int = 4, phase: str = "rl", alone: int = 0
+) -> BatchAssembled:
+    """Batch ``step`` shaped as GRPO's: ``groups`` prompts with ``size`` sampled answers
+    each, then ``alone`` samples of prompts of their own."""
+    samples = [
+        synthetic_sample(stable_seed("grpo", step, g), g, sft=phase == "sft", attempt=k)
+        for g in range(groups)
+        for k in range(size)
+    ] + [
+        synthetic_sample(stable_seed("alone", step, i), i, sft=phase == "sft") for i in range(alone)
     ]
     return BatchAssembled(
         run=run, event_id=batch_id(run, step), step=step, samples=samples,
@@ -217,8 +249,8 @@ def test_lr_schedules() -> None:
 
 
 def test_each_step_reports_its_model_flops_and_mfu_where_the_peak_is_known(tiny_dir: Path) -> None:
-    """6 x parameters x tokens over the step's time; MFU only with a peak (none is known
-    for a CPU), and neither is compared by replay (timing)."""
+    """6 x parameters x tokens run over the step's time; MFU only with a peak (none is
+    known for a CPU), and neither is compared by replay (timing)."""
     batch = synthetic_batch("flops", 1)
     plain = TrainerCore(load_config("smoke", ["trainer.device=cpu"]), tiny_dir).train_step(batch)
     assert plain["flops_per_s"] > 0 and "mfu" not in plain
@@ -228,6 +260,11 @@ def test_each_step_reports_its_model_flops_and_mfu_where_the_peak_is_known(tiny_
     params = sum(p.numel() for p in load_model(tiny_dir).parameters())
     assert m["flops_per_s"] == pytest.approx(6 * params * m["tokens_per_s"])
     assert is_timing("mfu") and is_timing("flops_per_s")
+    # The tokens the model ran: a shared prompt once, not the samples' tokens.
+    shared = TrainerCore(peaked, tiny_dir).train_step(grpo_batch("flops", 1))
+    assert shared["computed_tokens"] < shared["tokens"]
+    ran = shared["computed_tokens"] / shared["step_s"]
+    assert shared["flops_per_s"] == pytest.approx(6 * params * ran)
 
 
 @pytest.mark.slow
@@ -249,7 +286,8 @@ def test_a_compiled_core_trains_as_the_eager_one(tiny_dir: Path, cfg: RunConfig)
     blocks = [m for m in compiled.model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
     assert blocks and all(getattr(b, "_compiled_call_impl", None) for b in blocks)
     for step in (1, 2, 3):
-        batch = synthetic_batch("compiled", step, phase="sft" if step == 1 else "rl")
+        # Shared prompts and whole rows: both kinds of micro-batch run compiled blocks.
+        batch = grpo_batch("compiled", step, alone=1, phase="sft" if step == 1 else "rl")
         me, mc = eager.train_step(batch), compiled.train_step(batch)
         assert mc["loss_tokens"] == me["loss_tokens"] > 0
         assert mc["loss"] == pytest.approx(me["loss"], rel=1e-4)
@@ -273,3 +311,221 @@ def test_transformer_blocks_are_found_by_the_models_own_names(tiny_dir: Path) ->
     assert transformer_blocks(model) == []
     with pytest.raises(ValueError, match="no transformer blocks"):
         compile_blocks(model)
+
+
+# -- shared prefixes (trainer.shared_prefix) ---------------------------------------------
+
+
+def unshared(cfg: RunConfig) -> RunConfig:
+    return cfg.model_copy(
+        update={"trainer": cfg.trainer.model_copy(update={"shared_prefix": False})}
+    )
+
+
+def step_with_gradients(
+    core: TrainerCore, batch: BatchAssembled
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """``core.train_step(batch)``'s metrics and the gradients its optimizer step saw."""
+    grads: dict[str, torch.Tensor] = {}
+
+    def record(*_: object) -> None:
+        params = core.model.named_parameters()
+        grads.update({n: p.grad.clone() for n, p in params if p.grad is not None})
+
+    hook = core.optimizer.register_step_pre_hook(record)
+    try:
+        return core.train_step(batch), grads
+    finally:
+        hook.remove()
+
+
+def assert_trains_as_whole_rows(
+    cfg: RunConfig, tiny_dir: Path, batch: BatchAssembled
+) -> dict[str, float]:
+    """The same batch from the same weights, shared and whole rows: the same loss
+    denominators and token counts, the loss and every stat within float rounding, the
+    same gradients within a small tolerance. Returns the shared step's metrics."""
+    shared, whole = TrainerCore(cfg, tiny_dir), TrainerCore(unshared(cfg), tiny_dir)
+    mbs, denominators = shared.micro_batches(batch)
+    assert any(mb.prefix is not None for mb in mbs)
+    assert denominators == whole.micro_batches(batch)[1]
+    ms, gs = step_with_gradients(shared, batch)
+    mw, gw = step_with_gradients(whole, batch)
+    assert ms.keys() == mw.keys()
+    for key in ("tokens", "samples", "loss_tokens", "rl_tokens", "ce_tokens", "ref_tokens"):
+        assert ms[key] == mw[key], key
+    assert mw["computed_tokens"] == mw["tokens"] > ms["computed_tokens"]
+    for key, value in deterministic_metrics(mw).items():
+        if key not in ("computed_tokens", "micro_batches"):
+            assert ms[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert gs.keys() == gw.keys() and gs
+    for name, grad in gw.items():
+        torch.testing.assert_close(gs[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    return ms
+
+
+@pytest.mark.parametrize("phase", ["rl", "sft"])
+def test_shared_prefixes_train_as_whole_rows(tiny_dir: Path, cfg: RunConfig, phase: str) -> None:
+    """A GRPO batch runs each prompt once (about half the tokens here) and trains as its
+    whole rows would, in either phase and either normalisation."""
+    ms = assert_trains_as_whole_rows(cfg, tiny_dir, grpo_batch("shared", 1, phase=phase))
+    assert ms["computed_tokens"] < 0.6 * ms["tokens"] and ms["micro_batches"] == 1
+    by_sequence = load_config("smoke", ["trainer.seq_len=256", "trainer.device=cpu",
+                                        "trainer.loss.normalize=sequences"])  # fmt: skip
+    assert_trains_as_whole_rows(by_sequence, tiny_dir, grpo_batch("shared", 1, phase=phase))
+
+
+def test_a_mixed_batch_shares_its_groups_and_trains_the_rest_whole(
+    tiny_dir: Path, cfg: RunConfig
+) -> None:
+    """Groups and samples of prompts of their own in one batch, split over micro-batches
+    (a short seq_len splits a group: each part runs its own copy of the prompt)."""
+    batch = grpo_batch("mixed", 1, alone=3)
+    ms = assert_trains_as_whole_rows(cfg, tiny_dir, batch)
+    assert ms["micro_batches"] == 2
+    short = load_config("smoke", ["trainer.seq_len=64", "trainer.device=cpu"])
+    mbs, _ = TrainerCore(short, tiny_dir).micro_batches(batch)
+    shared = [mb for mb in mbs if mb.prefix is not None]
+    assert len(shared) > 3 and any(mb.prefix is None for mb in mbs)
+    assert sorted(i for mb in mbs for i in mb.indices) == list(range(len(batch.samples)))
+    assert_trains_as_whole_rows(short, tiny_dir, batch)
+
+
+def test_a_batch_without_shared_prefixes_trains_exactly_as_before(
+    tiny_dir: Path, cfg: RunConfig
+) -> None:
+    """Distinct prompts: no shared micro-batch, and bit for bit what trainer.shared_prefix
+    = false trains (the same path)."""
+    batch = synthetic_batch("distinct", 1)
+    shared, whole = TrainerCore(cfg, tiny_dir), TrainerCore(unshared(cfg), tiny_dir)
+    assert all(mb.prefix is None for mb in shared.micro_batches(batch)[0])
+    ms, mw = shared.train_step(batch), whole.train_step(batch)
+    assert deterministic_metrics(ms) == deterministic_metrics(mw)
+    assert ms["computed_tokens"] == ms["tokens"]
+    assert shared.weights_digest() == whole.weights_digest()
+
+
+def prefix_lengths(core: TrainerCore, batch: BatchAssembled) -> dict[int, int]:
+    """The length of the shared prefix of each sample that has one, by its index."""
+    return {
+        i: mb.prefix.lengths[int(mb.prefix.rows[k])]
+        for mb in core.micro_batches(batch)[0]
+        if mb.prefix is not None
+        for k, i in enumerate(mb.indices)
+    }
+
+
+def test_channel_samples_share_only_up_to_their_first_loss_token(
+    tiny_dir: Path, cfg: RunConfig
+) -> None:
+    """A ce channel on the last prompt tokens (a tool's output) and a ref_kl channel: the
+    prefix ends before the first of them, and the step trains as whole rows."""
+    batch = grpo_batch("channels", 1)
+    batch = msgspec.structs.replace(batch, samples=[with_channels(s) for s in batch.samples])
+    lengths = prefix_lengths(TrainerCore(cfg, tiny_dir), batch)
+    assert sorted(lengths) == list(range(len(batch.samples)))
+    for i, length in lengths.items():
+        prompt = int(np.argmax(batch.samples[i].arrays()["mask"]))
+        assert length == prompt - 5  # the 4 tool tokens, and the one whose logits predict them
+    ms = assert_trains_as_whole_rows(cfg, tiny_dir, batch)
+    assert ms["ce_tokens"] > 0 and ms["ref_tokens"] > 0
+
+
+def two_turns(first: Sample, second: Sample, train_first: bool) -> Sample:
+    """``first``'s conversation, then ``second``'s prompt and answer as a next turn; the
+    first answer trained or not (a turn replayed from history)."""
+    a, b = first.arrays(), second.arrays()
+    both = {name: np.concatenate([a[name], b[name]]) for name in b}
+    if not train_first:
+        both["mask"][: len(a["mask"])] = False
+        both["advantages"][: len(a["mask"])] = 0.0
+        if "sft_mask" in both:
+            both["sft_mask"][: len(a["mask"])] = False
+    return msgspec.structs.replace(
+        second,
+        token_ids=pack_i32(both["token_ids"].tolist()), mask=pack_mask(both["mask"].tolist()),
+        logprobs=pack_f32(both["logprobs"].tolist()),
+        temperatures=pack_f32(both["temperatures"].tolist()),
+        advantages=pack_f32(both["advantages"].tolist()),
+        sft_mask=pack_mask(both["sft_mask"].tolist()) if "sft_mask" in both else None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("phase", ["rl", "sft"])
+@pytest.mark.parametrize("train_first", [True, False])
+def test_multi_turn_samples_share_only_up_to_their_first_loss_token(
+    tiny_dir: Path, phase: str, train_first: bool
+) -> None:
+    """Two-turn samples of one group: with its first answers trained, they share the
+    first prompt; with one untrained first turn for all, its prompt, that turn and the
+    second prompt (less its last token). Either way, the step trains as whole rows."""
+    cfg = load_config("smoke", ["trainer.seq_len=1024", "trainer.device=cpu"])  # one micro-batch
+    sft = phase == "sft"
+    samples = []
+    for k in range(4):
+        first = synthetic_sample(1, 0, sft=sft, attempt=k if train_first else 0)
+        samples.append(two_turns(first, synthetic_sample(2, 0, sft=sft, attempt=k), train_first))
+    batch = msgspec.structs.replace(
+        grpo_batch("turns", 1, phase=phase), samples=samples, num_tokens=sum(map(len, samples))
+    )
+    shared = TrainerCore(cfg, tiny_dir)
+    first_turn, second_prompt = len(synthetic_sample(1, 0, attempt=0)), synthetic_sample(2, 0)
+    prompt = int(np.argmax(synthetic_sample(1, 0).arrays()["mask"]))
+    expected = (
+        prompt - 1
+        if train_first
+        else first_turn + int(np.argmax(second_prompt.arrays()["mask"])) - 1
+    )
+    assert prefix_lengths(shared, batch) == dict.fromkeys(range(4), expected)
+    assert_trains_as_whole_rows(cfg, tiny_dir, batch)
+
+
+def test_two_cores_sharing_prefixes_are_bit_identical(tiny_dir: Path, cfg: RunConfig) -> None:
+    """The shared path is deterministic: same weights and batches (sft, then rl, one with
+    samples of their own), the same metrics and weights digests at every step."""
+    a, b = TrainerCore(cfg, tiny_dir), TrainerCore(cfg, tiny_dir)
+    for step in (1, 2, 3):
+        batch = grpo_batch("det", step, alone=step - 1, phase="sft" if step == 1 else "rl")
+        ma, mb = a.train_step(batch), b.train_step(batch)
+        assert ma["computed_tokens"] < ma["tokens"]
+        assert deterministic_metrics(ma) == deterministic_metrics(mb)
+        assert a.weights_digest() == b.weights_digest()
+
+
+def test_lora_shares_prefixes_too(tiny_dir: Path) -> None:
+    """The peft-wrapped model takes the cache as its base model does."""
+    lora = load_config("smoke", ["trainer.seq_len=256", "trainer.device=cpu",
+                                 "trainer.lora={rank=4, alpha=8}"])  # fmt: skip
+    assert_trains_as_whole_rows(lora, tiny_dir, grpo_batch("lora", 1))
+
+
+def test_a_model_that_takes_no_cache_trains_whole_rows(tiny_dir: Path) -> None:
+    """Only a forward that takes a KV cache (transformers 5's ``cache``) shares prefixes;
+    another trains whole rows."""
+
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> None: ...
+
+    assert cache_kwargs(NoCache()) == (None, {})
+    assert cache_kwargs(load_model(tiny_dir)) == ("cache", {"logits_to_keep": 1})
+    core = TrainerCore(load_config("smoke", ["trainer.device=cpu"]), tiny_dir)
+    core._cache_kwarg = None  # as a model without one
+    assert all(mb.prefix is None for mb in core.micro_batches(grpo_batch("no-cache", 1))[0])
+
+
+def test_a_run_recorded_before_shared_prefixes_replays_whole_rows() -> None:
+    """Its trainer reported no computed_tokens, and trained whole rows whatever its config
+    (which has no trainer.shared_prefix) says: replay trains them so; a later one's
+    config stands."""
+    from replay.diff import StepRecord
+    from replay.trainer import TrainerLog
+
+    config = load_config("smoke").model_dump(mode="json")
+    del config["trainer"]["shared_prefix"]
+    start = RunStarted(run="old", config=config, seed=0, model_path="m")
+    refused = StepRecord(1, {"refused_batch": 1.0, "tokens": 9.0})
+    for metrics, shares in (({"loss": 0.5}, False), ({"computed_tokens": 5.0}, True), ({}, True)):
+        recorded = {1: refused, 2: StepRecord(2, metrics)} if metrics else {1: refused}
+        log = TrainerLog([(1, start)], [], {1: 2, 2: 3}, recorded)
+        assert log.config(2).trainer.shared_prefix is shares
+        assert log.config(2, ["trainer.shared_prefix=true"]).trainer.shared_prefix
