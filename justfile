@@ -39,7 +39,7 @@ test-unit *ARGS:
 
 # Benchmarks; results land in benchmarks/results/.
 [group('bench')]
-bench: bench-startup bench-engine bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-lora bench-faults bench-node-loss bench-weights
+bench: bench-startup bench-engine bench-peer bench-overlap bench-profile bench-bus bench-rollouts bench-pools bench-loop bench-lake bench-replay bench-algorithms bench-trace bench-trainer bench-lora bench-faults bench-node-loss bench-weights
 
 # rlbus up's start and stop on a 2-step smoke run: spawn, each role ready, the ordered stop.
 [group('bench')]
@@ -80,7 +80,13 @@ fmt:
 clean:
     rm -rf runs .pytest_cache .ruff_cache .mypy_cache .hypothesis
 
-# rlbus vs a one-process synchronous GRPO loop on the same work: completions/s and the ratio.
+# rlbus vs TRL's GRPOTrainer (the `peer` extra) on the same work: s/step, completions/s, eval at equal wall time.
+[group('bench')]
+bench-peer *ARGS: install
+    @{{python}} -c "import trl" 2>/dev/null || {{python}} -m pip install -q -e ".[peer]"
+    {{python}} -m benchmarks.peer_bench {{ARGS}}
+
+# rlbus set-ups against each other (and a one-process loop built from rlbus's pieces).
 [group('bench')]
 bench-overlap *ARGS:
     {{python}} -m benchmarks.overlap_bench {{ARGS}}

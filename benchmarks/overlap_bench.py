@@ -82,7 +82,7 @@ def warm_model(root: Path) -> Path:
         return model
     up(root, "warm", [f"max_steps={WARM_STEPS}", "orchestrator.eval.interval=0"])
     subprocess.run(
-        [sys.executable, "-m", "roles.cli", "model", "export", "warm", "--out", str(model),
+        [sys.executable, "-m", "roles.cli", "model", "export", "--run", "warm", "--out", str(model),
          "--data-dir", str(root)],
         check=True, capture_output=True,
     )  # fmt: skip

@@ -1,4 +1,8 @@
-"""The baseline rlbus must beat: a synchronous GRPO loop in ONE process, on rlbus's own code.
+"""A synchronous GRPO loop in ONE process, on rlbus's own code: a reference, not the peer.
+
+It was the baseline rlbus was measured against until TRL's ``GRPOTrainer`` did the same
+work 1.65x faster than it; the peer is now TRL itself (``benchmarks.peer_bench``, which
+also uses ``SyncGrpo.evaluate`` as its one offline evaluator for both sides).
 
 Each step generates every completion of a batch, scores them, trains on them, then
 starts the next: no bus, no second process, no overlap. The work per step is the run
