@@ -1,7 +1,7 @@
 """rlbus against TRL's ``GRPOTrainer`` on the same work, side by side: ``just bench-peer``.
 
 The peer is TRL itself (the ``peer`` extra: ``trl==1.16.0``), run in its own process by
-``benchmarks.peer_trl`` with 2 torch threads in fp32 on this machine's CPUs; rlbus is
+``benchmarks.peer_trl`` with a torch thread per CPU in fp32 on this machine; rlbus is
 ``rlbus up`` as a user runs it. Both start from the same bytes and do the same work:
 
 1. **Start.** The default preset's post-warm-start policy: ``rlbus up`` for its 120 SFT
@@ -11,19 +11,28 @@ The peer is TRL itself (the ``peer`` extra: ``trl==1.16.0``), run in its own pro
    per step, at most 12 tokens at temperature 1, the model's stop tokens, group-normalised
    advantages (std), AdamW lr 1e-3 betas (0.9, 0.999) no weight decay, grad clip 1, no KL
    term, a token-mean loss (TRL ``loss_type="dapo"``, rlbus ``normalize="tokens"``). The
-   settings TRL gets are read from the same ``RunConfig`` (``trl_spec``). TRL trains every
-   completion (zero-advantage groups included); rlbus regenerates a group whose rewards
-   are all equal (``skip_zero_advantage_groups``), so it reports generated and trained.
-3. **Checked equal, in the bench itself.** Prompts: every prompt TRL generated from (the
-   first ``--check`` rollouts, recorded inside TRL) has the token ids rlbus's renderer
-   gives the same task's opening messages. Rewards: TRL's reward function (the env's
-   rubric over the completion's ids read as rlbus reads them, ``peer_trl.reward_func``)
-   gives the reward rlbus recorded on its first ``--check`` rollouts, and rlbus's rubric
-   gives TRL's reward on TRL's. A difference stops the bench.
+   settings TRL gets are read from the same ``RunConfig`` (``trl_spec``); TRL's own
+   activation checkpointing and fused AdamW are turned off (rlbus does neither). Where
+   the two still differ, by design: TRL trains every completion (zero-advantage groups
+   included), a default rlbus run regenerates a group whose rewards are all equal
+   (``skip_zero_advantage_groups``), so it reports generated and trained; rlbus's
+   enforced rollout filters keep gibberish and repetition out of its batches; its
+   samples may be a version or two old (``max_async_level``), with tokens outside the
+   trust region masked (TRL's ratio is 1: one update per generation); the group's std is
+   the population one (TRL: Bessel-corrected, ~7% larger for 8, so its advantages are
+   ~7% smaller, which Adam mostly absorbs).
+3. **Checked equal, in the bench itself** (``check_same_work``, on round 1's first
+   ``--check`` rollouts of each side; a difference stops the bench). Prompts: every
+   prompt TRL generated from (recorded inside TRL) has the token ids rlbus's renderer
+   gives the same task's opening messages. Stops: each TRL completion ends at its first
+   stop token of rlbus's renderer, else at the token limit. Rewards: TRL's reward
+   function (the env's rubric over the completion's ids read as rlbus reads them,
+   ``peer_trl.reward_func``) gives the reward rlbus recorded on rlbus's rollouts.
 4. **Rounds.** ``--rounds`` times, interleaved (a noisy neighbour hits both alike): an
    rlbus run per set-up (``--setups``: ``defaults``, and ``keep-equal``, which trains an
    equal-reward group with zero advantage as TRL does instead of regenerating it), then a
-   TRL run, each for ``2 W`` seconds of training (``--wall`` = W).
+   TRL run, each for ``2 W`` seconds of training (``--wall`` = W). Round i runs both
+   sides under seed i (rlbus's ``seed``, TRL's ``seed``), so rounds differ in their draws.
    Time counts from when training can begin: rlbus's once the last of the loop's roles
    (orchestrator, env server, inference, algorithm, trainer) has logged ``role.started``
    (each has loaded what it needs; nats-server, process starts and model loads before
@@ -82,6 +91,11 @@ SIDES = {"defaults": "rlbus", "keep-equal": "rlbus keep-equal"}
 UP_GRACE_S = 120.0  # start-up and drain of an rlbus run beyond its 2W of training
 
 
+def cpus() -> int:
+    """The CPUs this process may run on: TRL's threads and the evaluator's."""
+    return len(os.sched_getaffinity(0))
+
+
 def trl_spec(cfg: RunConfig, model: Path, out: Path, wall: float, check: int) -> dict[str, Any]:
     """What ``benchmarks.peer_trl`` trains: the run config's work, spelt in TRL's terms."""
     (entry,) = cfg.orchestrator.train.env
@@ -98,7 +112,7 @@ def trl_spec(cfg: RunConfig, model: Path, out: Path, wall: float, check: int) ->
         "lr": t.lr, "betas": list(t.betas), "weight_decay": t.weight_decay,
         "grad_clip": t.grad_clip, "std_normalize": bool(algorithm.options.get("std_normalize")),
         "epsilon_low": t.loss.trust_region_low, "epsilon_high": t.loss.trust_region_high,
-        "seed": cfg.seed, "threads": 2, "max_steps": int(2 * wall / 0.05),
+        "seed": cfg.seed, "threads": cpus(), "max_steps": int(2 * wall / 0.05),
         "wall_s": 2 * wall, "points": [p * wall for p in POINTS], "record": check,
     }  # fmt: skip
 
@@ -109,37 +123,32 @@ def trl_spec(cfg: RunConfig, model: Path, out: Path, wall: float, check: int) ->
 def run_rlbus(root: Path, model: Path, run: str, wall: float, overrides: list[str]) -> None:
     """``rlbus up`` from ``model`` (no warm start, no in-run eval), stopped like Ctrl-C
     once 2W have passed since its first step line (the log says when training began;
-    the stop comes a little after 2W, which the timeline cuts at 2W anyway)."""
+    the stop comes a little after 2W, which the timeline cuts at 2W anyway). A run that
+    stops by itself before (a role that died, the run's own stop rules) fails the bench."""
     cmd = [sys.executable, "-m", "roles.cli", "up", "--no-view", "--fresh", "--run", run,
            f"bus.data_dir={root}", f"model.path={model}", "orchestrator.warmup.steps=0",
            "orchestrator.eval.interval=0", "orchestrator.eval.at_start=false",
            "max_steps=100000", "trainer.keep_checkpoints=0", *overrides]  # fmt: skip
-    log = (root / f"{run}.out").open("w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    assert proc.stdout is not None
+    out = root / f"{run}.out"
+    with out.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     began, deadline = None, time.monotonic() + 2 * wall + UP_GRACE_S
-    os.set_blocking(proc.stdout.fileno(), False)
-    while proc.poll() is None:
-        line = proc.stdout.readline()
-        if line:
-            log.write(line)
-            if began is None and "] step" in line:
-                began = time.monotonic()
-        else:
-            time.sleep(0.05)
-        if (began is not None and time.monotonic() - began > 2 * wall + 2.0) or (
-            time.monotonic() > deadline
-        ):
-            proc.send_signal(signal.SIGINT)  # drains every role, as Ctrl-C does
+    while proc.poll() is None and time.monotonic() < deadline:
+        if began is None and "] step" in out.read_text():
+            began = time.monotonic()
+        if began is not None and time.monotonic() - began > 2 * wall + 2.0:
             break
+        time.sleep(0.1)
+    if proc.poll() is not None:
+        raise RuntimeError(f"rlbus up {run} stopped by itself (exit {proc.returncode}): {out}")
+    proc.send_signal(signal.SIGINT)  # drains every role, as Ctrl-C does
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        raise RuntimeError(f"rlbus up {run} did not stop (log: {root / f'{run}.out'})") from None
-    log.close()
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every role it started
+        raise RuntimeError(f"rlbus up {run} did not stop on Ctrl-C: {out}") from None
     if began is None:
-        raise RuntimeError(f"rlbus up {run} never trained a step (log: {root / f'{run}.out'})")
+        raise RuntimeError(f"rlbus up {run} trained no step in {UP_GRACE_S:g} s: {out}")
 
 
 async def _read_run(root: Path, run: str) -> dict[str, list[Any]]:
@@ -183,6 +192,8 @@ def roles_up_ns(root: Path, run: str) -> int:
                 when = datetime.fromisoformat(json.loads(line)["timestamp"])
                 last = max(last, int(when.timestamp() * 1e9))
                 break
+    if not last:
+        raise RuntimeError(f"{run}: no loop role logged role.started under {root / run / 'logs'}")
     return last
 
 
@@ -194,6 +205,8 @@ def rlbus_timeline(root: Path, run: str, wall: float) -> dict[str, Any]:
     done = sorted(v for v, t in at.items() if t <= 2 * wall)
     last = done[-1]
     window = at[last]
+    if window < 0.9 * 2 * wall:
+        raise RuntimeError(f"{run}: its last step by 2W ended at {window:.1f} s, not near 2W")
     samples = {b.step: len(b.samples) for b in log["batches"]}
     rewards = {}
     for e in log["traces"]:
@@ -216,7 +229,7 @@ def rlbus_timeline(root: Path, run: str, wall: float) -> dict[str, Any]:
         "window_s": round(window, 3),
         "s_per_step": round(window / last, 4),
         "generated_per_s": round(
-            sum(1 for e in log["traces"] if (e.ts_ns - t0) / 1e9 <= window) / window, 1
+            sum(1 for e in log["traces"] if 0 <= (e.ts_ns - t0) / 1e9 <= window) / window, 1
         ),
         "trained_per_s": round(sum(samples.get(s, 0) for s in done) / window, 1),
         "kept": kept,
@@ -247,6 +260,8 @@ def run_trl(spec: dict[str, Any], root: Path) -> dict[str, Any]:
     record: dict[str, Any] = json.loads((out / "trl.json").read_text())
     steps = [s for s in record["steps"] if s["t"] <= spec["wall_s"]]
     window = steps[-1]["t"]
+    if window < 0.9 * spec["wall_s"]:  # max_steps reached first, or a crash TRL survived
+        raise RuntimeError(f"TRL's last step ended at {window:.1f} s, not near 2W: {out}")
     per_step = record["completions_per_step"]
     record.update(
         steps=len(steps),
@@ -262,8 +277,14 @@ def run_trl(spec: dict[str, Any], root: Path) -> dict[str, Any]:
 # -- the equality checks ----------------------------------------------------------------------
 
 
-def check_same_work(cfg: RunConfig, model: Path, trl: dict[str, Any], traces: list[Any]) -> dict:
-    """Prompt tokens and rewards, checked equal on recorded rollouts of both sides."""
+def check_same_work(
+    cfg: RunConfig, model: Path, trl: dict[str, Any], traces: list[Any], max_tokens: int
+) -> dict[str, str]:
+    """Prompts, stops and rewards checked equal on recorded rollouts of both sides: TRL's
+    prompt ids are rlbus's rendering of the same task; each TRL completion ends where an
+    rlbus one would (at its first stop token, else at ``max_tokens``); TRL's reward
+    function gives the reward rlbus recorded on rlbus's rollouts. Raises on any
+    difference, and when either side recorded nothing."""
     from benchmarks.peer_trl import reward_func
     from roles.lib.envs.registry import make_env
     from roles.lib.model.loading import load_tokenizer
@@ -272,18 +293,19 @@ def check_same_work(cfg: RunConfig, model: Path, trl: dict[str, Any], traces: li
     (entry,) = cfg.orchestrator.train.env
     env = make_env(entry.id, dict(entry.args))
     renderer = Renderer(load_tokenizer(model, local_files_only=True))
+    stops = set(renderer.stop_token_ids)
     reward = reward_func(env, renderer)
-    state = env.harness.init_state({})
-
-    prompts_equal = rewards_equal = 0
-    for r in trl["recorded"]:
-        task = json.loads(r["task"])
-        messages = env.harness.initial_messages(task)
+    recorded = trl["recorded"]
+    prompts_equal = stops_equal = 0
+    for r in recorded:
+        messages = env.harness.initial_messages(json.loads(r["task"]))
         prompts_equal += renderer.render_prompt(messages) == r["prompt_ids"]
-        ours = env.rubric.score([*messages, *r["completion"]], task, state).reward
-        rewards_equal += abs(ours - r["reward"]) < 1e-9
-    mine = [t for t in traces if t.ok][: len(trl["recorded"])]
-    theirs_equal = 0
+        ids = r["completion_ids"]
+        first_stop = next((k for k, t in enumerate(ids) if t in stops), None)
+        ends = len(ids) - 1 if first_stop is not None else None
+        stops_equal += first_stop == ends and (ends is not None or len(ids) == max_tokens)
+    mine = [t for t in traces if t.ok][: len(recorded)]
+    rewards_equal = 0
     for t in mine:
         ids, sampled, _, _ = t.branch_tokens(t.branches[0])
         completion = [int(i) for i, s in zip(ids, sampled, strict=True) if s]
@@ -292,13 +314,15 @@ def check_same_work(cfg: RunConfig, model: Path, trl: dict[str, Any], traces: li
         trl_reward = reward(
             prompts=[messages], completion_ids=[completion], task=[json.dumps(task)]
         )[0]
-        theirs_equal += abs(trl_reward - t.reward) < 1e-9
+        rewards_equal += abs(trl_reward - t.reward) < 1e-9
     out = {
-        "trl_prompts_rendered_equal": f"{prompts_equal}/{len(trl['recorded'])}",
-        "trl_rewards_equal_rlbus_rubric": f"{rewards_equal}/{len(trl['recorded'])}",
-        "rlbus_rewards_equal_trl_reward_fn": f"{theirs_equal}/{len(mine)}",
+        "trl_prompts_as_rlbus_renders": f"{prompts_equal}/{len(recorded)}",
+        "trl_completions_stop_as_rlbus": f"{stops_equal}/{len(recorded)}",
+        "rlbus_rewards_from_trl_reward_fn": f"{rewards_equal}/{len(mine)}",
     }
-    if (prompts_equal, rewards_equal, theirs_equal) != (len(trl["recorded"]),) * 2 + (len(mine),):
+    if not recorded or not mine or (prompts_equal, stops_equal, rewards_equal) != (
+        len(recorded), len(recorded), len(mine),
+    ):  # fmt: skip
         raise RuntimeError(f"not the same work: {out}")
     return out
 
@@ -313,7 +337,7 @@ def evaluate(cfg: RunConfig, model_dir: Path, seeds: int) -> list[float]:
 
     c = cfg.model_copy(deep=True)
     c.model.path = str(model_dir)
-    loop = SyncGrpo(c, start=None, threads=2)
+    loop = SyncGrpo(c, start=None, threads=cpus())
 
     async def scores() -> list[float]:
         out = []
@@ -441,7 +465,7 @@ def main(
     for i in range(rounds):
         for setup in setups:
             run = f"peer-{setup}-{i}"
-            run_rlbus(root, model, run, wall, SETUPS[setup])
+            run_rlbus(root, model, run, wall, [f"seed={cfg.seed + i}", *SETUPS[setup]])
             ours = rlbus_timeline(root, run, wall)
             print(f"round {i + 1}: {SIDES[setup]} {ours['s_per_step']:.3f} s/step, generated "
                   f"{ours['generated_per_s']}/s, trained {ours['trained_per_s']}/s", flush=True)  # fmt: skip
@@ -450,11 +474,13 @@ def main(
             ours["policies"] = [rlbus_policy(root, run, k["checkpoint"]) for k in ours["kept"]]
             ours.pop("traces")
             runs[SIDES[setup]].append(ours)
-        theirs = run_trl(trl_spec(cfg, model, root / f"trl-{i}", wall, check), root)
+        spec = trl_spec(cfg, model, root / f"trl-{i}", wall, check) | {"seed": cfg.seed + i}
+        theirs = run_trl(spec, root)
         print(f"round {i + 1}: {TRL} {theirs['s_per_step']:.3f} s/step, trained "
               f"{theirs['trained_per_s']}/s", flush=True)  # fmt: skip
         if not checks:
-            checks = check_same_work(cfg, model, theirs, traces)
+            max_tokens = cfg.orchestrator.train.sampling.max_completion_tokens
+            checks = check_same_work(cfg, model, theirs, traces, max_tokens)
             print(f"checked: {checks}", flush=True)
         theirs["policies"] = [Path(k["path"]) for k in theirs["kept"]]
         theirs.pop("recorded")

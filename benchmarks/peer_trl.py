@@ -111,6 +111,11 @@ def main(spec_path: str) -> None:
         loss_type="dapo",  # token-level mean over the batch: rlbus's normalize = "tokens"
         epsilon=spec["epsilon_low"],
         epsilon_high=spec["epsilon_high"],
+        # TRL's defaults that rlbus does not do: activation checkpointing (GRPOConfig turns
+        # it on; it recomputes a forward in every backward) and the fused AdamW kernel
+        # (rlbus steps torch's AdamW): off, so the peer trains as rlbus trains.
+        gradient_checkpointing=False,
+        optim="adamw_torch",
         logging_steps=1,
         save_strategy="no",
         report_to=[],

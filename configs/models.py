@@ -302,7 +302,7 @@ class TrainerConfig(_Section):
     seq_len: int = Field(default=2048, ge=1)  # tokens per packed micro-batch
     micro_batch_size: int | None = Field(default=None, ge=1)  # None = pack by seq_len only
     # Samples that share a prompt (a GRPO group) run it once per micro-batch: its keys and
-    # values feed every sample's completion (roles.trainer.packing); one rank only.
+    # values feed every sample's completion (roles.trainer.packing); one rank, no compile.
     shared_prefix: bool = True
     device: str = "auto"
     checkpoint_interval: int = Field(default=10, ge=0)  # steps between checkpoints; 0 = off

@@ -223,9 +223,12 @@ class TrainerCore:
 
     def shares_prefixes(self) -> bool:
         """Whether a step runs a prefix that samples share once (``trainer.shared_prefix``,
-        ``roles.trainer.packing``): where the model's forward takes a KV cache (rank
-        hook: sharded ranks train whole rows)."""
-        return self.cfg.trainer.shared_prefix and self._cache_kwarg is not None
+        ``roles.trainer.packing``): where the model's forward takes a KV cache, and not
+        with ``trainer.compile``, whose compiled blocks guard on each layer's cache
+        state and recompile per layer and pass until torch's recompile limit leaves the
+        rest eager (rank hook: sharded ranks train whole rows)."""
+        t = self.cfg.trainer
+        return t.shared_prefix and not t.compile and self._cache_kwarg is not None
 
     def _sync_gradients(self, last: bool) -> None:
         """Before each pass (rank hook: ranks reduce gradients in the last pass only)."""

@@ -27,8 +27,9 @@ before ``f`` stays with the rest, since its logits predict ``f``. Samples whose 
 ``[:p]``, ``p = f-1 >= 1``, are the same form a ``PrefixGroup`` (``prefix_groups``),
 which ``pack_groups`` packs first-fit-decreasing like ``pack``: a micro-batch of groups
 runs ``groups x longest prefix`` prefix tokens and ``rows x longest rest`` row tokens,
-together within ``seq_len``, and at most ``max_rows`` rows (samples; prefix rows are
-paid for in tokens). A group too big for one micro-batch is split into parts that fit
+and is bounded as its rows would be whole (``rows x longest sample`` within ``seq_len``:
+every row keeps its prefix's keys and values for the backward), with at most
+``max_rows`` rows (samples). A group too big for one micro-batch is split into parts that fit
 (members longest rest first, ties by index), each with its own copy of the prefix; a
 part of one member shares nothing and trains alone, like every sample of no group.
 
@@ -121,11 +122,12 @@ def prefix_groups(samples: Sequence[Sample]) -> list[PrefixGroup]:
 
 
 def _padded(groups: Sequence[PrefixGroup], lengths: Sequence[int]) -> int:
-    """Tokens a micro-batch of ``groups`` runs, padding included: one row per prefix, as
-    wide as the longest, and one per member, as wide as the longest rest."""
-    prefix = max(g.length for g in groups)
-    rest = max(lengths[i] - g.length for g in groups for i in g.members)
-    return len(groups) * prefix + sum(len(g.members) for g in groups) * rest
+    """The bound ``seq_len`` keeps on a micro-batch of ``groups``: its rows as whole rows,
+    padded (rows x its longest sample), as ``pack`` bounds whole samples. Each row keeps
+    its prefix's keys and values for the backward, so memory grows with whole rows even
+    though the prefix is computed once; counting a prefix once would let a long prompt
+    pack many times the rows and keys and values ``seq_len`` was sized for."""
+    return sum(len(g.members) for g in groups) * max(lengths[i] for g in groups for i in g.members)
 
 
 def pack_groups(
@@ -244,7 +246,13 @@ def collate_shared(
             row_attention_mask=torch.from_numpy(
                 np.concatenate([at[rows] >= 0, row_real], axis=1).astype(np.int64)
             ),
-            row_position_ids=torch.from_numpy(lengths[rows][:, None] + np.arange(row_width)),
+            # A pad slot sits at its row's prefix end, not past the row: a row of a long
+            # prefix beside a long rest would otherwise give its pads positions no
+            # sample reaches (out of range for learned positions; dynamic RoPE scalings
+            # read the largest position id).
+            row_position_ids=torch.from_numpy(
+                lengths[rows][:, None] + np.where(row_real, np.arange(row_width), 0)
+            ),
         ),
     )
 

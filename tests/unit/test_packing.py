@@ -250,7 +250,9 @@ def test_collate_shared_rows_are_whole_samples_from_the_prefix_on() -> None:
         assert pre.row_attention_mask[k].tolist() == (
             pre.attention_mask[pre.rows[k]].tolist() + [1] * n + [0] * (width - n)
         )
-        assert pre.row_position_ids[k].tolist() == list(range(p, p + width))
+        # Real tokens go on from the prefix; pads stay at its end, never past the sample.
+        assert pre.row_position_ids[k].tolist() == [*range(p, p + n), *[p] * (width - n)]
+        assert max(pre.row_position_ids[k].tolist()) < len(samples[i])
     assert mb.num_tokens == 5 + 4 + sum(mb.lengths)
     plain = [collate(samples, mb.indices).loss]
     for phase, normalize in (("rl", "tokens"), ("rl", "sequences"), ("sft", "tokens")):
@@ -294,7 +296,7 @@ def test_collate_batch_shares_groups_and_trains_the_rest_as_before() -> None:
 def test_pack_groups_bounds_and_coverage(
     spec: list[tuple[int, list[int]]], seq_len: int, max_rows: int | None
 ) -> None:
-    """Prefix rows plus rows, padded, stay within seq_len, rows within max_rows; every
+    """Rows, padded as whole samples, stay within seq_len, rows within max_rows; every
     part shares its prefix among 2+ members; a member is in one part at most, and left
     out (to train alone) when it is too wide to share a part with a shorter one, or is
     the last of its group; the same input packs the same."""
@@ -309,11 +311,10 @@ def test_pack_groups_bounds_and_coverage(
     assert len(placed) == len(set(placed))
     for b in bins:
         rows = sum(len(g.members) for g in b)
-        widest = max(lengths[i] - g.length for g in b for i in g.members)
-        assert len(b) * max(g.length for g in b) + rows * widest <= seq_len
+        assert rows * max(lengths[i] for g in b for i in g.members) <= seq_len  # as whole rows
         assert max_rows is None or rows <= max_rows
         assert all(len(g.members) >= 2 and g.members == sorted(g.members) for g in b)
     for g in groups:  # left out: too wide to pair with a shorter member, but for one at most
         out = [i for i in g.members if i not in placed]
-        pairable = [i for i in out if g.length + 2 * (lengths[i] - g.length) <= seq_len]
+        pairable = [i for i in out if 2 * lengths[i] <= seq_len]
         assert len(pairable) <= (1 if max_rows is None or max_rows >= 2 else len(out))
