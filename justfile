@@ -124,8 +124,8 @@ bench-trace:
 
 # Trainer tokens/s on 1 vs 2 ranks (CPU, gloo, FSDP2), side by side.
 [group('bench')]
-bench-trainer:
-    {{python}} -m benchmarks.trainer_bench
+bench-trainer *ARGS:
+    {{python}} -m benchmarks.trainer_bench {{ARGS}}
 
 # LoRA vs full fine-tuning: memory, trained tokens/s, bytes published per step.
 [group('bench')]

@@ -14,6 +14,12 @@ full weights (what publishing a step adds on 2 ranks).
 
     python -m benchmarks.trainer_bench [--steps 6] [--rounds 2] [--hidden 256]
 
+With ``--recorded RUN`` it times ``TrainerCore.train_step`` on a run's own batches
+instead, with ``trainer.shared_prefix`` on and off, on 1 and 2 threads (results in
+``trainer_recorded.json``):
+
+    python -m benchmarks.trainer_bench --recorded demo --data-dir runs --steps 30 --rounds 3
+
 With ``--device cuda`` it measures the one-GPU trainer instead, on the ``--preset``'s
 model (``gpu``: 99 M parameters) and reverse-text-shaped GRPO batches of ``--samples``
 (512, ~17k tokens): the core as the preset runs it, the core with ``trainer.compile``,
@@ -100,7 +106,16 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="results file stem")
     ap.add_argument("--set", nargs="*", default=[], help="with --device cuda: config overrides")
     ap.add_argument("--only", nargs="*", default=[], help="with --device cuda: set-ups to run")
+    ap.add_argument(
+        "--recorded",
+        default=None,
+        metavar="RUN",
+        help="time train_step on RUN's recorded batches, prompts shared or not",
+    )
+    ap.add_argument("--data-dir", type=Path, default=Path("runs"), help="with --recorded")
     args = ap.parse_args()
+    if args.recorded:
+        return recorded(args.data_dir, args.recorded, args.steps, args.rounds)
     if args.device != "cpu" or args.single:
         return cuda(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,6 +143,62 @@ def main() -> None:
          "rounds": args.rounds, "setups": summary},
     )  # fmt: skip
     print(f"results: {path}")
+
+
+def recorded(data_dir: Path, run: str, steps: int, rounds: int) -> None:
+    """``TrainerCore.train_step`` on a run's own batches (its ``batch.assembled`` events,
+    from its initial model, 5 warm-up steps), with ``trainer.shared_prefix`` on and off,
+    on 1 and 2 threads, interleaved over ``rounds``: seconds per step and tokens run."""
+    import asyncio
+
+    from bus.reader import read_log
+    from bus.runtime import Bus
+    from bus.server import EmbeddedServer
+    from bus.subjects import Topic
+    from roles.cli.common import run_paths
+
+    paths = run_paths(run, data_dir)
+
+    async def batches() -> list[BatchAssembled]:
+        with EmbeddedServer(paths.nats) as server:
+            bus = await Bus.connect(server.url, run=run, producer="bench")
+            try:
+                topics = [(Topic.BATCH_ASSEMBLED, None)]
+                return [e async for e in read_log(bus, topics, (BatchAssembled,))]
+            finally:
+                await bus.close()
+
+    found = sorted(asyncio.run(batches()), key=lambda b: b.step)
+    cfg = load_config(str(paths.dir / "config.toml"), ["trainer.device=cpu"])
+    model = materialize_model(cfg, cfg.model.path, paths.dir)
+    timed: dict[str, list[float]] = {}
+    computed: dict[str, float] = {}
+    for _ in range(rounds):
+        for shared in (False, True):
+            for threads in (1, 2):
+                name = f"{'shared' if shared else 'whole rows'}, {threads} thread(s)"
+                c = cfg.model_copy(deep=True)
+                c.trainer.shared_prefix = shared
+                core = TrainerCore(c, model)
+                core.threads = threads
+                for b in found[:5]:
+                    core.train_step(b)
+                t0 = time.perf_counter()
+                ms = [core.train_step(b) for b in found[5 : 5 + steps]]
+                timed.setdefault(name, []).append((time.perf_counter() - t0) / len(ms))
+                computed[name] = statistics.fmean(m["computed_tokens"] for m in ms)
+    summary = {
+        name: {
+            "s_per_step": round(statistics.median(v), 4),
+            "computed_tokens": round(computed[name]),
+        }
+        for name, v in timed.items()
+    }
+    for name, row in summary.items():
+        print(f"{name:26s} {row['s_per_step']:.4f} s/step  {row['computed_tokens']} tokens run")
+    print(
+        f"results: {save('trainer_recorded', {'run': run, 'steps': steps, 'rounds': rounds, 'setups': summary})}"
+    )
 
 
 def reverse_text_batch(step: int, n: int, vocab: int) -> BatchAssembled:
