@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: results go to ``benchmarks/results/<name>.json`` and stdout."""
+"""Shared benchmark plumbing: results go to ``benchmarks/results/<name>.json`` and stdout;
+a stopped run's events are read back from its own log (``run_events``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,33 @@ def save(name: str, results: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def run_events(run_dir: Path, wanted: dict[str, tuple[Any, type]]) -> dict[str, list[Any]]:
+    """Events of a stopped run, read from its own log (its embedded server reopened on
+    ``run_dir/nats``): for each name of ``wanted``, every event of that (topic, type),
+    in log order.
+
+        run_events(root / run, {"batches": (Topic.BATCH_ASSEMBLED, BatchAssembled)})
+    """
+    import asyncio
+
+    from bus.reader import read_log
+    from bus.runtime import Bus
+    from bus.server import EmbeddedServer
+
+    async def read() -> dict[str, list[Any]]:
+        with EmbeddedServer(run_dir / "nats") as server:
+            bus = await Bus.connect(server.url, run=run_dir.name, producer="bench")
+            try:
+                return {
+                    name: [e async for e in read_log(bus, [(topic, None)], (kind,))]
+                    for name, (topic, kind) in wanted.items()
+                }
+            finally:
+                await bus.close()
+
+    return asyncio.run(read())
 
 
 async def close_all(events: Any, bus: Any, roles: list[Any]) -> None:

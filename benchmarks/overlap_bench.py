@@ -31,7 +31,6 @@ generates), and the ratios to the sync loop, printed and saved to
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import subprocess
@@ -40,10 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import save
-from bus.reader import read_log
-from bus.runtime import Bus
-from bus.server import EmbeddedServer
+from benchmarks.common import run_events, save
 from bus.subjects import Topic
 from schemas import BatchAssembled, TraceCompleted, WeightsPublished
 
@@ -89,23 +85,17 @@ def warm_model(root: Path) -> Path:
     return model
 
 
-async def rates(root: Path, run: str) -> dict[str, float]:
+def rates(root: Path, run: str) -> dict[str, float]:
     """Steady-state rates of one rlbus run, read from its log."""
-    with EmbeddedServer(root / run / "nats") as server:
-        bus = await Bus.connect(server.url, run=run, producer="bench")
-        try:
-            weights = [
-                e
-                async for e in read_log(bus, [(Topic.WEIGHTS_PUBLISHED, None)], (WeightsPublished,))
-            ]
-            traces = [
-                e async for e in read_log(bus, [(Topic.TRACE_COMPLETED, None)], (TraceCompleted,))
-            ]
-            batches = [
-                e async for e in read_log(bus, [(Topic.BATCH_ASSEMBLED, None)], (BatchAssembled,))
-            ]
-        finally:
-            await bus.close()
+    log = run_events(
+        root / run,
+        {
+            "weights": (Topic.WEIGHTS_PUBLISHED, WeightsPublished),
+            "traces": (Topic.TRACE_COMPLETED, TraceCompleted),
+            "batches": (Topic.BATCH_ASSEMBLED, BatchAssembled),
+        },
+    )
+    weights, traces, batches = log["weights"], log["traces"], log["batches"]
     published = {w.version: w.ts_ns for w in weights}
     first, last = SKIP_VERSIONS, max(published)
     t0, t1 = published[first], published[last]
@@ -135,7 +125,7 @@ def bus_run(
         base + SETUPS["now" if name == "before" else name],
         tree if name == "before" else None,
     )
-    return asyncio.run(rates(root, run))
+    return rates(root, run)
 
 
 def sync_run(model: Path, steps: int) -> dict[str, float]:

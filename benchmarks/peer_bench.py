@@ -73,7 +73,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, save
+from benchmarks.common import RESULTS, run_events, save
 from benchmarks.overlap_bench import warm_model
 from configs import RunConfig, load_config
 
@@ -151,30 +151,6 @@ def run_rlbus(root: Path, model: Path, run: str, wall: float, overrides: list[st
         raise RuntimeError(f"rlbus up {run} trained no step in {UP_GRACE_S:g} s: {out}")
 
 
-async def _read_run(root: Path, run: str) -> dict[str, list[Any]]:
-    from bus.reader import read_log
-    from bus.runtime import Bus
-    from bus.server import EmbeddedServer
-    from bus.subjects import Topic
-    from schemas import BatchAssembled, TaskRequested, TraceCompleted, WeightsPublished
-
-    wanted = {
-        "tasks": (Topic.TASK_REQUESTED, TaskRequested),
-        "weights": (Topic.WEIGHTS_PUBLISHED, WeightsPublished),
-        "traces": (Topic.TRACE_COMPLETED, TraceCompleted),
-        "batches": (Topic.BATCH_ASSEMBLED, BatchAssembled),
-    }
-    with EmbeddedServer(root / run / "nats") as server:
-        bus = await Bus.connect(server.url, run=run, producer="bench")
-        try:
-            return {
-                name: [e async for e in read_log(bus, [(topic, None)], (kind,))]
-                for name, (topic, kind) in wanted.items()
-            }
-        finally:
-            await bus.close()
-
-
 # The roles a train step needs: the run's clock starts once the last of them is up.
 LOOP_ROLES = ("orchestrator", "env-", "inference-policy", "algorithm-", "trainer")
 
@@ -199,7 +175,18 @@ def roles_up_ns(root: Path, run: str) -> int:
 
 def rlbus_timeline(root: Path, run: str, wall: float) -> dict[str, Any]:
     """Steps, throughput and the checkpoint kept at each point, from the run's own log."""
-    log = asyncio.run(_read_run(root, run))
+    from bus.subjects import Topic
+    from schemas import BatchAssembled, TaskRequested, TraceCompleted, WeightsPublished
+
+    log = run_events(
+        root / run,
+        {
+            "tasks": (Topic.TASK_REQUESTED, TaskRequested),
+            "weights": (Topic.WEIGHTS_PUBLISHED, WeightsPublished),
+            "traces": (Topic.TRACE_COMPLETED, TraceCompleted),
+            "batches": (Topic.BATCH_ASSEMBLED, BatchAssembled),
+        },
+    )
     t0 = max(min(e.ts_ns for e in log["tasks"]), roles_up_ns(root, run))
     at = {w.version: (w.ts_ns - t0) / 1e9 for w in log["weights"] if w.version > 0}
     done = sorted(v for v, t in at.items() if t <= 2 * wall)

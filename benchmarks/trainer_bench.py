@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from benchmarks.common import save
+from benchmarks.common import run_events, save
 from configs import load_config
 from roles.lib.model import materialize_model
 from roles.lib.model.loading import compile_blocks, load_model
@@ -149,26 +149,12 @@ def recorded(data_dir: Path, run: str, steps: int, rounds: int) -> None:
     """``TrainerCore.train_step`` on a run's own batches (its ``batch.assembled`` events,
     from its initial model, 5 warm-up steps), with ``trainer.shared_prefix`` on and off,
     on 1 and 2 threads, interleaved over ``rounds``: seconds per step and tokens run."""
-    import asyncio
-
-    from bus.reader import read_log
-    from bus.runtime import Bus
-    from bus.server import EmbeddedServer
     from bus.subjects import Topic
     from roles.cli.common import run_paths
 
     paths = run_paths(run, data_dir)
-
-    async def batches() -> list[BatchAssembled]:
-        with EmbeddedServer(paths.nats) as server:
-            bus = await Bus.connect(server.url, run=run, producer="bench")
-            try:
-                topics = [(Topic.BATCH_ASSEMBLED, None)]
-                return [e async for e in read_log(bus, topics, (BatchAssembled,))]
-            finally:
-                await bus.close()
-
-    found = sorted(asyncio.run(batches()), key=lambda b: b.step)
+    log = run_events(paths.dir, {"batches": (Topic.BATCH_ASSEMBLED, BatchAssembled)})
+    found = sorted(log["batches"], key=lambda b: b.step)
     cfg = load_config(str(paths.dir / "config.toml"), ["trainer.device=cpu"])
     model = materialize_model(cfg, cfg.model.path, paths.dir)
     timed: dict[str, list[float]] = {}
