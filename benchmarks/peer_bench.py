@@ -76,24 +76,19 @@ from typing import Any
 from benchmarks.common import RESULTS, run_events, save
 from benchmarks.overlap_bench import warm_model
 from configs import RunConfig, load_config
+from roles.up.cpu_plan import available_cpus
 
 POINTS = (0.5, 1.0, 2.0)  # eval points, in units of W
 RATES = ("s_per_step", "generated_per_s", "trained_per_s")
 TRL = "TRL"
-# rlbus set-ups (``--setups``): the defaults, and one change each.
-SETUPS: dict[str, list[str]] = {
-    "defaults": [],
+# rlbus set-ups (``--setups``): the side's name in the report, and its overrides.
+SETUPS: dict[str, tuple[str, list[str]]] = {
+    "defaults": ("rlbus", []),
     # A group whose rewards are all equal trains with zero advantage, as TRL's do,
     # instead of being regenerated.
-    "keep-equal": ["orchestrator.skip_zero_advantage_groups=false"],
+    "keep-equal": ("rlbus keep-equal", ["orchestrator.skip_zero_advantage_groups=false"]),
 }
-SIDES = {"defaults": "rlbus", "keep-equal": "rlbus keep-equal"}
 UP_GRACE_S = 120.0  # start-up and drain of an rlbus run beyond its 2W of training
-
-
-def cpus() -> int:
-    """The CPUs this process may run on: TRL's threads and the evaluator's."""
-    return len(os.sched_getaffinity(0))
 
 
 def trl_spec(cfg: RunConfig, model: Path, out: Path, wall: float, check: int) -> dict[str, Any]:
@@ -112,7 +107,7 @@ def trl_spec(cfg: RunConfig, model: Path, out: Path, wall: float, check: int) ->
         "lr": t.lr, "betas": list(t.betas), "weight_decay": t.weight_decay,
         "grad_clip": t.grad_clip, "std_normalize": bool(algorithm.options.get("std_normalize")),
         "epsilon_low": t.loss.trust_region_low, "epsilon_high": t.loss.trust_region_high,
-        "seed": cfg.seed, "threads": cpus(), "max_steps": int(2 * wall / 0.05),
+        "seed": cfg.seed, "threads": len(available_cpus()), "max_steps": int(2 * wall / 0.05),
         "wall_s": 2 * wall, "points": [p * wall for p in POINTS], "record": check,
     }  # fmt: skip
 
@@ -324,7 +319,7 @@ def evaluate(cfg: RunConfig, model_dir: Path, seeds: int) -> list[float]:
 
     c = cfg.model_copy(deep=True)
     c.model.path = str(model_dir)
-    loop = SyncGrpo(c, start=None, threads=cpus())
+    loop = SyncGrpo(c, start=None, threads=len(available_cpus()))
 
     async def scores() -> list[float]:
         out = []
@@ -447,20 +442,20 @@ def main(
     root = root or Path(tempfile.mkdtemp(prefix="rlbus-peer-"))
     model = warm_model(root)
     cfg = load_config("default", [f"model.path={model}", "trainer.device=cpu"])
-    runs: dict[str, list[dict[str, Any]]] = {SIDES[s]: [] for s in setups} | {TRL: []}
+    runs: dict[str, list[dict[str, Any]]] = {SETUPS[s][0]: [] for s in setups} | {TRL: []}
     checks: dict[str, Any] = {}
     for i in range(rounds):
         for setup in setups:
             run = f"peer-{setup}-{i}"
-            run_rlbus(root, model, run, wall, [f"seed={cfg.seed + i}", *SETUPS[setup]])
+            run_rlbus(root, model, run, wall, [f"seed={cfg.seed + i}", *SETUPS[setup][1]])
             ours = rlbus_timeline(root, run, wall)
-            print(f"round {i + 1}: {SIDES[setup]} {ours['s_per_step']:.3f} s/step, generated "
+            print(f"round {i + 1}: {SETUPS[setup][0]} {ours['s_per_step']:.3f} s/step, generated "
                   f"{ours['generated_per_s']}/s, trained {ours['trained_per_s']}/s", flush=True)  # fmt: skip
             if not checks:
                 traces = ours["traces"]
             ours["policies"] = [rlbus_policy(root, run, k["checkpoint"]) for k in ours["kept"]]
             ours.pop("traces")
-            runs[SIDES[setup]].append(ours)
+            runs[SETUPS[setup][0]].append(ours)
         spec = trl_spec(cfg, model, root / f"trl-{i}", wall, check) | {"seed": cfg.seed + i}
         theirs = run_trl(spec, root)
         print(f"round {i + 1}: {TRL} {theirs['s_per_step']:.3f} s/step, trained "
@@ -483,7 +478,7 @@ def main(
                 print(f"eval {side} round {i + 1} at {k['point']:g}s (step {k['step']}, "
                       f"t={k['t']:.1f}s): {statistics.fmean(scores):.4f}", flush=True)  # fmt: skip
     results = {"wall_W_s": wall, "rounds": rounds, "seeds": seeds, "checks": checks,
-               "setups": {SIDES[s]: SETUPS[s] for s in setups},
+               "setups": dict(SETUPS[s] for s in setups),
                "summary": report(runs, wall), "runs": runs}  # fmt: skip
     print(f"results: {save(name, results)}")
     (RESULTS / f"{name}.md").write_text(markdown(results))
